@@ -1,0 +1,61 @@
+"""The index interface that both backends implement (in the spirit of llm-d's kvblock.Index).
+
+* :class:`kvindex.reference.ReferenceIndex` - in memory, naive and obviously right; it decides
+  what the right answer is.
+* :class:`kvindex.redis_index.RedisIndex` - the shared index in Redis that routers use.
+
+Semantics: a worker registers and is alive while its heartbeats keep arriving within their TTL.
+Only the client that registered a worker writes to it. ``match`` returns, for every alive worker
+of the model, how many leading blocks of the chain it holds (a run from block 0). Clearing or
+re-registering a worker starts it empty; a dead worker's blocks never count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvindex.types import (
+    GcResult,
+    HeartbeatStatus,
+    ModelStats,
+    Registration,
+    StoredRun,
+    WorkerInfo,
+    WorkerRecord,
+    WriteResult,
+)
+
+DEFAULT_TTL_MS = 5_000
+DEFAULT_GC_BUDGET = 10_000
+DEFAULT_GC_GRACE_MS = 30_000
+
+
+class KVIndex(Protocol):
+    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> Registration: ...
+
+    async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus: ...
+
+    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult: ...
+
+    async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult: ...
+
+    async def clear(self, model: str, worker_id: str) -> None: ...
+
+    async def deregister(self, model: str, worker_id: str) -> None: ...
+
+    async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]: ...
+
+    async def owners(self, model: str, block: int) -> dict[str, int]: ...
+
+    async def workers(self, model: str) -> list[WorkerRecord]: ...
+
+    async def block_size(self, model: str) -> int | None: ...
+
+    async def models(self) -> list[str]: ...
+
+    async def stats(self, model: str) -> ModelStats: ...
+
+    async def gc(
+        self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS
+    ) -> GcResult: ...

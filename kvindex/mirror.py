@@ -1,0 +1,156 @@
+"""A worker's own view of its cached blocks, and the index updates that keep Redis prefix-closed.
+
+The writer of a worker (its agent) keeps this mirror. It knows every block the engine holds, how
+many copies, and each block's parent. The shared index only lists a worker's *indexed* blocks:
+held blocks whose whole chain of ancestors is held too. A block whose ancestor is gone can never
+be a prefix hit, so leaving it out changes no match result, and it makes every worker's indexed
+set prefix-closed, which is what lets match.lua search over depth instead of reading every block.
+
+Pure data structure, no I/O: it turns stores and removals into ordered index operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvindex.types import StoredRun
+
+
+@dataclass(frozen=True)
+class IndexAdd:
+    """Add ``count`` copies of ``block`` to the index; ``parent`` is indexed already (or None)."""
+
+    block: int
+    parent: int | None
+    count: int
+
+
+@dataclass(frozen=True)
+class IndexSub:
+    """Take ``count`` copies of ``block`` out of the index."""
+
+    block: int
+    count: int
+
+
+class BlockMirror:
+    """Reference-counted blocks of one worker with their parent links."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, int] = {}
+        self._parent: dict[int, int | None] = {}
+        self._children: dict[int, set[int]] = {}
+        self._indexed: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    @property
+    def indexed_count(self) -> int:
+        return len(self._indexed)
+
+    def copies(self, block: int) -> int:
+        return self._copies.get(block, 0)
+
+    def is_indexed(self, block: int) -> bool:
+        return block in self._indexed
+
+    def store(self, runs: Iterable[StoredRun]) -> tuple[list[IndexAdd], int]:
+        """Record stored runs; returns the index additions (parents first) and how many stored
+        blocks could not be indexed because an ancestor is not held."""
+        adds: list[IndexAdd] = []
+        orphaned = 0
+        for run in runs:
+            parent = run.parent
+            for block in run.hashes:
+                if not self._store_one(block, parent, adds):
+                    orphaned += 1
+                parent = block
+        return adds, orphaned
+
+    def remove(self, blocks: Sequence[int]) -> tuple[list[IndexSub], int]:
+        """Drop one copy of each block; returns the index subtractions (descendants before their
+        ancestors) and how many blocks were not held at all."""
+        subs: list[IndexSub] = []
+        missing = 0
+        for block in blocks:
+            copies = self._copies.get(block)
+            if copies is None:
+                missing += 1
+            elif copies > 1:
+                self._copies[block] = copies - 1
+                if block in self._indexed:
+                    subs.append(IndexSub(block, 1))
+            else:
+                self._drop(block, subs)
+        return subs, missing
+
+    def clear(self) -> None:
+        self._copies.clear()
+        self._parent.clear()
+        self._children.clear()
+        self._indexed.clear()
+
+    def indexed_in_order(self) -> list[IndexAdd]:
+        """Every indexed block with its full copy count, each parent before its children."""
+        out: list[IndexAdd] = []
+        stack = [b for b in self._indexed if self._parent[b] is None]
+        while stack:
+            block = stack.pop()
+            out.append(IndexAdd(block, self._parent[block], self._copies[block]))
+            stack.extend(c for c in self._children.get(block, ()) if c in self._indexed)
+        return out
+
+    def _store_one(self, block: int, parent: int | None, adds: list[IndexAdd]) -> bool:
+        copies = self._copies.get(block)
+        if copies is not None:
+            # Parent links come from the first store; chained hashes make later ones equal.
+            self._copies[block] = copies + 1
+            if block in self._indexed:
+                adds.append(IndexAdd(block, self._parent[block], 1))
+                return True
+            return False
+        self._copies[block] = 1
+        self._parent[block] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(block)
+        if parent is None or parent in self._indexed:
+            self._collect_subtree(block, adds)
+            return True
+        return False
+
+    def _collect_subtree(self, root: int, out: list[IndexAdd]) -> None:
+        """Index ``root`` and every held, not yet indexed descendant, parents first."""
+        stack = [root]
+        while stack:
+            block = stack.pop()
+            self._indexed.add(block)
+            out.append(IndexAdd(block, self._parent[block], self._copies[block]))
+            stack.extend(c for c in self._children.get(block, ()) if c not in self._indexed)
+
+    def _drop(self, block: int, subs: list[IndexSub]) -> None:
+        if block in self._indexed:
+            self._unindex_descendants(block, subs)
+            self._indexed.discard(block)
+            subs.append(IndexSub(block, 1))
+        del self._copies[block]
+        parent = self._parent.pop(block)
+        if parent is not None:
+            siblings = self._children[parent]
+            siblings.discard(block)
+            if not siblings:
+                del self._children[parent]
+
+    def _unindex_descendants(self, block: int, subs: list[IndexSub]) -> None:
+        """Un-index the indexed descendants of ``block``, deepest first; they stay held and
+        return to the index when ``block`` is stored again."""
+        order: list[int] = []
+        stack = [c for c in self._children.get(block, ()) if c in self._indexed]
+        while stack:
+            child = stack.pop()
+            order.append(child)
+            stack.extend(c for c in self._children.get(child, ()) if c in self._indexed)
+        for child in reversed(order):
+            self._indexed.discard(child)
+            subs.append(IndexSub(child, self._copies[child]))

@@ -1,0 +1,323 @@
+"""The shared index in Redis: every write and every match is one atomic Lua script call.
+
+Writers (worker agents) keep a :class:`~kvindex.mirror.BlockMirror` per worker they registered
+and send only the resulting index operations; readers (routers) are stateless apart from a
+cache of gid -> worker id names, which never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from kvindex.codec import encode_adds, encode_subs, pack_hashes
+from kvindex.errors import (
+    BlockSizeMismatchError,
+    NotRegisteredError,
+    ScriptArgumentError,
+    StaleGenerationError,
+)
+from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
+from kvindex.keys import KeySchema, ModelKeys
+from kvindex.mirror import BlockMirror, IndexAdd, IndexSub
+from kvindex.scripts import Scripts
+from kvindex.types import (
+    GcResult,
+    HeartbeatStatus,
+    ModelStats,
+    Registration,
+    StoredRun,
+    WorkerInfo,
+    WorkerRecord,
+    WriteResult,
+)
+
+# Items per store/remove call: keeps each script run around a few milliseconds.
+MAX_ITEMS_PER_CALL = 4096
+# Rewrite a gid's block log once it lists this many more entries than the gid holds.
+RELOG_SLACK = 1024
+
+
+@dataclass
+class _Writer:
+    """What this client knows about a worker it registered."""
+
+    info: WorkerInfo
+    keys: ModelKeys
+    gid: int
+    ttl_ms: int
+    op: int = 0
+    mirror: BlockMirror = field(default_factory=BlockMirror)
+    log_entries: int = 0
+
+    def next_op(self) -> int:
+        self.op += 1
+        return self.op
+
+
+def _raise_script_error(exc: ResponseError) -> None:
+    message = str(exc)
+    if "kvroute:" not in message:
+        raise exc
+    text = message[message.index("kvroute:") :]
+    if "block size mismatch" in text:
+        raise BlockSizeMismatchError(text) from None
+    if "stale generation" in text:
+        raise StaleGenerationError(text) from None
+    raise ScriptArgumentError(text) from None
+
+
+def _decode(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+class RedisIndex:
+    """:class:`kvindex.interface.KVIndex` backed by Redis (or Valkey, or Redis Cluster)."""
+
+    def __init__(self, client: Redis, schema: KeySchema | None = None) -> None:
+        self._client = client
+        self._schema = schema or KeySchema()
+        self._scripts = Scripts(client)
+        self._writers: dict[tuple[str, str], _Writer] = {}
+        self._gid_names: dict[tuple[str, int], str] = {}
+
+    @property
+    def scripts(self) -> Scripts:
+        return self._scripts
+
+    def keys(self, model: str) -> ModelKeys:
+        return self._schema.for_model(model)
+
+    async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | bytes | int]) -> object:
+        try:
+            return await self._scripts.call(name, keys, args)
+        except ResponseError as exc:
+            _raise_script_error(exc)
+            raise  # pragma: no cover - _raise_script_error always raises
+
+    def _writer(self, model: str, worker_id: str) -> _Writer:
+        writer = self._writers.get((model, worker_id))
+        if writer is None:
+            raise NotRegisteredError(
+                f"worker {worker_id!r} of model {model!r} was not registered through this client"
+            )
+        return writer
+
+    def mirror(self, model: str, worker_id: str) -> BlockMirror:
+        return self._writer(model, worker_id).mirror
+
+    # --- writes -----------------------------------------------------------------------------
+
+    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> Registration:
+        """Register ``worker`` with an empty block set (any previous generation is retired)."""
+        keys = self.keys(worker.model)
+        keys.worker(worker.worker_id)  # validates the id
+        gid, epoch = await self._call(
+            "register",
+            [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker.worker_id)],
+            [worker.worker_id, worker.url, worker.model, worker.block_size, worker.dp_rank, ttl_ms],
+        )
+        await self._client.sadd(self._schema.models, worker.model)
+        self._writers[(worker.model, worker.worker_id)] = _Writer(worker, keys, int(gid), ttl_ms)
+        return Registration(int(gid), int(epoch))
+
+    async def reassert(self, model: str, worker_id: str) -> Registration:
+        """Register again under a fresh generation and write the whole mirror back: used when
+        Redis lost data (restart, failover, flush) or drifted from what the worker holds."""
+        writer = self._writer(model, worker_id)
+        mirror = writer.mirror
+        registration = await self.register(writer.info, writer.ttl_ms)
+        fresh = self._writer(model, worker_id)
+        fresh.mirror = mirror
+        await self._send_adds(fresh, mirror.indexed_in_order())
+        return registration
+
+    async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
+        writer = self._writer(model, worker_id)
+        writer.ttl_ms = ttl_ms
+        keys = writer.keys
+        status = await self._call("heartbeat", [keys.worker(worker_id), keys.alive], [writer.gid, ttl_ms])
+        return HeartbeatStatus(_decode(status))  # type: ignore[arg-type]
+
+    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
+        writer = self._writer(model, worker_id)
+        adds, orphaned = writer.mirror.store(runs)
+        await self._send_adds(writer, adds)
+        stored = sum(len(run.hashes) for run in runs)
+        return WriteResult(applied=stored - orphaned, skipped=orphaned)
+
+    async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult:
+        writer = self._writer(model, worker_id)
+        subs, missing = writer.mirror.remove(blocks)
+        await self._send_subs(writer, subs)
+        return WriteResult(applied=len(blocks) - missing, missing=missing)
+
+    async def _send_adds(self, writer: _Writer, adds: Sequence[IndexAdd]) -> None:
+        keys = writer.keys
+        for start in range(0, len(adds), MAX_ITEMS_PER_CALL):
+            args = encode_adds(adds[start : start + MAX_ITEMS_PER_CALL])
+            reply = await self._call(
+                "store",
+                [keys.worker(writer.info.worker_id), keys.log(writer.gid), keys.meta],
+                [writer.gid, writer.next_op(), keys.block_prefix, args.hashes, args.flags, args.counts, args.parents],
+            )
+            skipped, log_entries = int(reply[2]), int(reply[4])  # type: ignore[index]
+            if skipped:
+                raise StaleGenerationError(
+                    f"Redis refused {skipped} blocks of worker {writer.info.worker_id!r} whose parent it "
+                    "does not hold: the index lost data; re-assert the worker"
+                )
+            writer.log_entries = log_entries
+        if writer.log_entries > 2 * writer.mirror.indexed_count + RELOG_SLACK:
+            await self._relog(writer)
+
+    async def _send_subs(self, writer: _Writer, subs: Sequence[IndexSub]) -> None:
+        keys = writer.keys
+        for start in range(0, len(subs), MAX_ITEMS_PER_CALL):
+            hashes, counts = encode_subs(subs[start : start + MAX_ITEMS_PER_CALL])
+            await self._call(
+                "remove",
+                [keys.worker(writer.info.worker_id), keys.meta],
+                [writer.gid, writer.next_op(), keys.block_prefix, hashes, counts],
+            )
+
+    async def _relog(self, writer: _Writer) -> None:
+        blocks = [add.block for add in writer.mirror.indexed_in_order()]
+        reply = await self._call(
+            "relog",
+            [writer.keys.worker(writer.info.worker_id), writer.keys.log(writer.gid)],
+            [writer.gid, writer.next_op(), pack_hashes(blocks)],
+        )
+        writer.log_entries = int(reply[1])  # type: ignore[index]
+
+    async def _retire(self, model: str, worker_id: str, mode: str, gid: int | str) -> list[object]:
+        keys = self.keys(model)
+        return await self._call(  # type: ignore[return-value]
+            "clear",
+            [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)],
+            [worker_id, gid, mode],
+        )
+
+    async def clear(self, model: str, worker_id: str) -> None:
+        """Drop all of the worker's blocks (it stays registered, under a fresh generation)."""
+        writer = self._writer(model, worker_id)
+        status, gid = await self._retire(model, worker_id, "keep", writer.gid)
+        if _decode(status) != "ok":  # type: ignore[arg-type]
+            raise StaleGenerationError(f"worker {worker_id!r} is {_decode(status)} in the index")  # type: ignore[arg-type]
+        writer.gid, writer.op, writer.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
+        writer.mirror.clear()
+
+    async def deregister(self, model: str, worker_id: str) -> None:
+        writer = self._writer(model, worker_id)
+        await self._retire(model, worker_id, "leave", writer.gid)
+        del self._writers[(model, worker_id)]
+
+    async def evict(self, model: str, worker_id: str) -> bool:
+        """Operator action: remove a worker whoever registered it. True if it was registered."""
+        status, _ = await self._retire(model, worker_id, "leave", "")
+        self._writers.pop((model, worker_id), None)
+        return _decode(status) == "ok"  # type: ignore[arg-type]
+
+    async def gc(
+        self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS
+    ) -> GcResult:
+        keys = self.keys(model)
+        reply = await self._call(
+            "gc",
+            [keys.workers, keys.gids, keys.alive, keys.retired, keys.gc_cursors, keys.meta],
+            [keys.worker_prefix, keys.log_prefix, keys.block_prefix, budget, grace_ms],
+        )
+        return GcResult(*(int(v) for v in reply))  # type: ignore[attr-defined]
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
+        keys = self.keys(model)
+        reply = await self._call("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
+        pairs = [(int(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2)]  # type: ignore[arg-type]
+        names = await self._worker_names(model, [gid for gid, _ in pairs])
+        return {names[gid]: depth for gid, depth in pairs if gid in names}
+
+    async def _worker_names(self, model: str, gids: Sequence[int]) -> dict[int, str]:
+        unknown = [gid for gid in gids if (model, gid) not in self._gid_names]
+        if unknown:
+            values = await self._client.hmget(self.keys(model).gids, [str(g) for g in unknown])
+            for gid, name in zip(unknown, values, strict=True):
+                if name is not None:
+                    self._gid_names[(model, gid)] = _decode(name)
+        return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
+
+    async def _alive_gids(self, model: str) -> set[int]:
+        keys = self.keys(model)
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.zrange(keys.alive, 0, -1, withscores=True)
+            (seconds, micros), entries = await pipe.execute()
+        now_ms = seconds * 1000 + micros // 1000
+        return {int(gid) for gid, deadline in entries if deadline > now_ms}
+
+    async def owners(self, model: str, block: int) -> dict[str, int]:
+        """Alive workers that hold ``block`` in the index, with their copy counts."""
+        alive = await self._alive_gids(model)
+        entries = await self._client.zrange(self.keys(model).block(block), 0, -1, withscores=True)
+        held = {int(gid): int(score) for gid, score in entries if int(gid) in alive}
+        names = await self._worker_names(model, list(held))
+        return {names[gid]: copies for gid, copies in held.items() if gid in names}
+
+    async def block_size(self, model: str) -> int | None:
+        value = await self._client.hget(self.keys(model).meta, "block_size")
+        return int(value) if value is not None else None
+
+    async def models(self) -> list[str]:
+        return sorted(_decode(m) for m in await self._client.smembers(self._schema.models))
+
+    async def workers(self, model: str) -> list[WorkerRecord]:
+        keys = self.keys(model)
+        worker_ids = sorted(_decode(w) for w in await self._client.hkeys(keys.workers))
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.zrange(keys.alive, 0, -1, withscores=True)
+            for worker_id in worker_ids:
+                pipe.hgetall(keys.worker(worker_id))
+            (seconds, micros), alive, *records = await pipe.execute()
+        now_ms = seconds * 1000 + micros // 1000
+        deadlines = {int(gid): deadline for gid, deadline in alive}
+        out = []
+        for raw in records:
+            if not raw:
+                continue  # deregistered between the two reads
+            rec = {_decode(k): _decode(v) for k, v in raw.items()}
+            gid = int(rec["gid"])
+            out.append(
+                WorkerRecord(
+                    worker_id=rec["id"],
+                    model=rec["model"],
+                    url=rec["url"],
+                    block_size=int(rec["block_size"]),
+                    dp_rank=int(rec["dp_rank"]),
+                    gid=gid,
+                    epoch=int(rec["epoch"]),
+                    alive=deadlines.get(gid, 0) > now_ms,
+                    blocks=int(rec["blocks"]),
+                    heartbeat_age_ms=now_ms - int(rec["heartbeat_ms"]),
+                    ttl_ms=int(rec["ttl_ms"]),
+                )
+            )
+        return out
+
+    async def stats(self, model: str) -> ModelStats:
+        keys = self.keys(model)
+        records = await self.workers(model)
+        meta = {_decode(k): _decode(v) for k, v in (await self._client.hgetall(keys.meta)).items()}
+        return ModelStats(
+            model=model,
+            block_size=int(meta["block_size"]) if "block_size" in meta else None,
+            workers=len(records),
+            alive_workers=sum(r.alive for r in records),
+            entries=sum(r.blocks for r in records),
+            block_keys=int(meta.get("block_keys", 0)),
+            gids_pending_gc=await self._client.zcard(keys.retired),
+        )

@@ -1,0 +1,218 @@
+"""The reference index: a naive in-memory implementation whose answers define correct.
+
+It stores each worker's blocks as a plain multiset and answers ``match`` by walking the chain
+block by block. No prefix-closure tricks, no generations: if the Redis index ever disagrees
+with this one on the same operations, the Redis index is wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvindex.errors import BlockSizeMismatchError, NotRegisteredError
+from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
+from kvindex.types import (
+    GcResult,
+    HeartbeatStatus,
+    ModelStats,
+    Registration,
+    StoredRun,
+    WorkerInfo,
+    WorkerRecord,
+    WriteResult,
+)
+
+
+@dataclass
+class _Worker:
+    info: WorkerInfo
+    gid: int
+    epoch: int
+    ttl_ms: int
+    heartbeat_ms: int
+    copies: dict[int, int] = field(default_factory=dict)
+    parent: dict[int, int | None] = field(default_factory=dict)
+
+    def deadline_ms(self) -> int:
+        return self.heartbeat_ms + self.ttl_ms
+
+    def reachable(self, block: int | None) -> bool:
+        """True when ``block`` and all its ancestors are held."""
+        while block is not None:
+            if block not in self.copies:
+                return False
+            block = self.parent[block]
+        return True
+
+
+@dataclass
+class _Model:
+    block_size: int | None = None
+    gid_seq: int = 0
+    epochs: dict[str, int] = field(default_factory=dict)
+    workers: dict[str, _Worker] = field(default_factory=dict)
+
+
+def _wall_clock_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ReferenceIndex:
+    """In-memory :class:`kvindex.interface.KVIndex`."""
+
+    def __init__(self, clock_ms: Callable[[], int] = _wall_clock_ms) -> None:
+        self._clock_ms = clock_ms
+        self._models: dict[str, _Model] = {}
+
+    def _alive(self, worker: _Worker) -> bool:
+        return worker.deadline_ms() > self._clock_ms()
+
+    def _writer(self, model: str, worker_id: str) -> _Worker:
+        worker = self._models.get(model, _Model()).workers.get(worker_id)
+        if worker is None:
+            raise NotRegisteredError(f"worker {worker_id!r} of model {model!r} is not registered")
+        return worker
+
+    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> Registration:
+        state = self._models.setdefault(worker.model, _Model())
+        if state.block_size is not None and state.block_size != worker.block_size:
+            others = [w for wid, w in state.workers.items() if wid != worker.worker_id and self._alive(w)]
+            if others:
+                raise BlockSizeMismatchError(
+                    f"block size mismatch: model {worker.model} is served with block_size "
+                    f"{state.block_size} by alive worker {others[0].info.worker_id}, "
+                    f"worker {worker.worker_id} announced {worker.block_size}"
+                )
+        state.block_size = worker.block_size
+        state.gid_seq += 1
+        epoch = state.epochs.get(worker.worker_id, 0) + 1
+        state.epochs[worker.worker_id] = epoch
+        state.workers[worker.worker_id] = _Worker(worker, state.gid_seq, epoch, ttl_ms, self._clock_ms())
+        return Registration(state.gid_seq, epoch)
+
+    async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
+        worker = self._models.get(model, _Model()).workers.get(worker_id)
+        if worker is None:
+            return HeartbeatStatus.MISSING
+        worker.heartbeat_ms = self._clock_ms()
+        worker.ttl_ms = ttl_ms
+        return HeartbeatStatus.OK
+
+    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
+        worker = self._writer(model, worker_id)
+        applied = skipped = 0
+        for run in runs:
+            parent = run.parent
+            for block in run.hashes:
+                if block in worker.copies:
+                    worker.copies[block] += 1
+                else:
+                    worker.copies[block] = 1
+                    worker.parent[block] = parent
+                if worker.reachable(block):
+                    applied += 1
+                else:
+                    skipped += 1
+                parent = block
+        return WriteResult(applied=applied, skipped=skipped)
+
+    async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult:
+        worker = self._writer(model, worker_id)
+        applied = missing = 0
+        for block in blocks:
+            copies = worker.copies.get(block)
+            if copies is None:
+                missing += 1
+                continue
+            applied += 1
+            if copies > 1:
+                worker.copies[block] = copies - 1
+            else:
+                del worker.copies[block]
+                del worker.parent[block]
+        return WriteResult(applied=applied, missing=missing)
+
+    async def clear(self, model: str, worker_id: str) -> None:
+        worker = self._writer(model, worker_id)
+        state = self._models[model]
+        state.gid_seq += 1
+        worker.gid = state.gid_seq
+        worker.copies.clear()
+        worker.parent.clear()
+
+    async def deregister(self, model: str, worker_id: str) -> None:
+        self._writer(model, worker_id)
+        del self._models[model].workers[worker_id]
+
+    async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
+        out = {}
+        for worker_id, worker in self._models.get(model, _Model()).workers.items():
+            if not self._alive(worker):
+                continue
+            matched = 0
+            for block in chain:
+                if block not in worker.copies:
+                    break
+                matched += 1
+            out[worker_id] = matched
+        return out
+
+    async def owners(self, model: str, block: int) -> dict[str, int]:
+        return {
+            worker_id: worker.copies[block]
+            for worker_id, worker in self._models.get(model, _Model()).workers.items()
+            if self._alive(worker) and block in worker.copies and worker.reachable(block)
+        }
+
+    async def workers(self, model: str) -> list[WorkerRecord]:
+        now = self._clock_ms()
+        return [
+            WorkerRecord(
+                worker_id=w.info.worker_id,
+                model=model,
+                url=w.info.url,
+                block_size=w.info.block_size,
+                dp_rank=w.info.dp_rank,
+                gid=w.gid,
+                epoch=w.epoch,
+                alive=self._alive(w),
+                blocks=sum(1 for b in w.copies if w.reachable(b)),
+                heartbeat_age_ms=now - w.heartbeat_ms,
+                ttl_ms=w.ttl_ms,
+            )
+            for w in sorted(self._models.get(model, _Model()).workers.values(), key=lambda w: w.info.worker_id)
+        ]
+
+    async def block_size(self, model: str) -> int | None:
+        return self._models.get(model, _Model()).block_size
+
+    async def models(self) -> list[str]:
+        return sorted(self._models)
+
+    async def stats(self, model: str) -> ModelStats:
+        records = await self.workers(model)
+        keys = set()
+        for worker in self._models.get(model, _Model()).workers.values():
+            keys.update(b for b in worker.copies if worker.reachable(b))
+        return ModelStats(
+            model=model,
+            block_size=await self.block_size(model),
+            workers=len(records),
+            alive_workers=sum(r.alive for r in records),
+            entries=sum(r.blocks for r in records),
+            block_keys=len(keys),
+            gids_pending_gc=0,
+        )
+
+    async def gc(
+        self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS
+    ) -> GcResult:
+        state = self._models.get(model, _Model())
+        cutoff = self._clock_ms() - grace_ms
+        dead = [wid for wid, w in state.workers.items() if w.deadline_ms() <= cutoff]
+        removed = 0
+        for worker_id in dead:
+            removed += len(state.workers.pop(worker_id).copies)
+        return GcResult(workers_retired=len(dead), entries_removed=removed, gids_finished=len(dead), gids_pending=0)

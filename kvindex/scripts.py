@@ -1,0 +1,69 @@
+"""Loads the Lua scripts in lua/ and runs them by EVALSHA, reloading on NOSCRIPT.
+
+A Redis restart (or SCRIPT FLUSH, or a failover to a replica) empties the script cache; every
+call goes through :meth:`Scripts.call`, which loads the script again and retries once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+SCRIPT_NAMES = ("register", "heartbeat", "store", "remove", "clear", "relog", "gc", "match")
+
+KeyOrArg = str | bytes | int
+
+
+def lua_dir() -> Path:
+    """Where the scripts are: packaged next to this module in a wheel, else the repo's lua/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "lua", here.parent / "lua"):
+        if (candidate / "match.lua").is_file():
+            return candidate
+    raise FileNotFoundError(f"kvroute's Lua scripts were not found next to {here}")
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: bytes
+    sha: str
+
+
+def load_scripts(directory: Path | None = None) -> dict[str, Script]:
+    directory = directory or lua_dir()
+    scripts = {}
+    for name in SCRIPT_NAMES:
+        source = (directory / f"{name}.lua").read_bytes()
+        scripts[name] = Script(name, source, hashlib.sha1(source).hexdigest())
+    return scripts
+
+
+class Scripts:
+    """Runs kvroute's Lua scripts on one Redis client."""
+
+    def __init__(self, client: Redis, scripts: dict[str, Script] | None = None) -> None:
+        self._client = client
+        self._scripts = scripts or load_scripts()
+        self.reloads = 0
+
+    async def load_all(self) -> None:
+        for script in self._scripts.values():
+            sha = await self._client.script_load(script.source)
+            if sha != script.sha:  # pragma: no cover - would mean a broken Redis
+                raise RuntimeError(f"Redis hashed {script.name}.lua as {sha}, expected {script.sha}")
+
+    async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
+        script = self._scripts[name]
+        try:
+            return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.reloads += 1
+            await self._client.script_load(script.source)
+            return await self._client.evalsha(script.sha, len(keys), *keys, *args)

@@ -1,0 +1,83 @@
+"""Plain data shared by both index backends and their callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker registers: where routers reach it and how its cache is cut into blocks."""
+
+    worker_id: str
+    model: str
+    url: str
+    block_size: int
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """Consecutive blocks stored together; ``parent`` is the hash of the block before the first
+    one, or None when the run starts a chain (block 0)."""
+
+    parent: int | None
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Registration:
+    gid: int
+    epoch: int
+
+
+class HeartbeatStatus(str, Enum):
+    OK = "ok"
+    MISSING = "missing"  # the record is gone: register again and re-assert
+    SUPERSEDED = "superseded"  # another registration of this worker id took over
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What a store or remove did. ``skipped``: stored blocks whose chain start is unknown to the
+    worker (not indexed until the ancestor arrives); ``missing``: removed blocks it did not hold."""
+
+    applied: int = 0
+    skipped: int = 0
+    missing: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    model: str
+    url: str
+    block_size: int
+    dp_rank: int
+    gid: int
+    epoch: int
+    alive: bool
+    blocks: int
+    heartbeat_age_ms: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class GcResult:
+    workers_retired: int
+    entries_removed: int
+    gids_finished: int
+    gids_pending: int
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    model: str
+    block_size: int | None
+    workers: int
+    alive_workers: int
+    entries: int
+    block_keys: int
+    gids_pending_gc: int
+    extra: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,27 @@
+-- heartbeat.lua: keep a worker alive until now + ttl_ms (server clock).
+-- A ttl of 0 marks the worker not alive at once (used for a graceful pause and by tests).
+--
+-- KEYS[1] record  HASH  the worker's record
+-- KEYS[2] alive   ZSET  gid -> heartbeat deadline (ms)
+-- ARGV[1] gid     the generation the caller registered; ARGV[2] ttl_ms (>= 0)
+-- Returns 'ok', 'missing' (no record: Redis lost data or gc removed a long-dead worker; the
+-- caller must register again and re-assert its blocks) or 'superseded' (another registration
+-- of the same worker id took over; the caller must stop writing).
+local record_key, alive_key = KEYS[1], KEYS[2]
+local gid, ttl_ms = ARGV[1], tonumber(ARGV[2])
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+if ttl_ms == nil or ttl_ms < 0 then
+  return redis.error_reply('ERR kvroute: ttl_ms must be a non-negative number, got ' .. tostring(ARGV[2]))
+end
+local current = redis.call('HGET', record_key, 'gid')
+if not current then
+  return 'missing'
+end
+if current ~= gid then
+  return 'superseded'
+end
+redis.call('ZADD', alive_key, now_ms + ttl_ms, gid)
+redis.call('HSET', record_key, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms)
+return 'ok'

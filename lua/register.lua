@@ -1,0 +1,63 @@
+-- register.lua: (re)register a worker and give it a fresh generation id (gid).
+-- A new registration means a new, empty view of the worker's cache: the previous gid (if any)
+-- is retired, so its index entries stop counting at once and gc.lua deletes them later.
+--
+-- KEYS[1] meta     HASH  model settings: block_size, gid_seq (gid counter), block_keys
+-- KEYS[2] workers  HASH  worker_id -> current gid
+-- KEYS[3] gids     HASH  gid -> worker_id (kept until the gid is garbage-collected)
+-- KEYS[4] alive    ZSET  gid -> heartbeat deadline (ms, server clock)
+-- KEYS[5] retired  ZSET  gid -> retirement time (ms); gc.lua works through it oldest first
+-- KEYS[6] record   HASH  the worker's record
+-- ARGV[1] worker_id   ARGV[2] url   ARGV[3] model   ARGV[4] block_size (> 0)
+-- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (>= 0)
+-- Returns {gid, epoch}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
+-- differs from the one the model's other alive workers use.
+local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
+local alive_key, retired_key, record_key = KEYS[4], KEYS[5], KEYS[6]
+local worker_id, url, model = ARGV[1], ARGV[2], ARGV[3]
+local block_size, dp_rank, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+if worker_id == nil or worker_id == '' then
+  return redis.error_reply('ERR kvroute: register needs a non-empty worker id')
+end
+if block_size == nil or block_size < 1 or block_size % 1 ~= 0 then
+  return redis.error_reply('ERR kvroute: block_size must be a positive integer, got ' .. tostring(ARGV[4]))
+end
+if dp_rank == nil or dp_rank < 0 or dp_rank % 1 ~= 0 then
+  return redis.error_reply('ERR kvroute: dp_rank must be a non-negative integer, got ' .. tostring(ARGV[5]))
+end
+if ttl_ms == nil or ttl_ms < 0 then
+  return redis.error_reply('ERR kvroute: ttl_ms must be a non-negative number, got ' .. tostring(ARGV[6]))
+end
+
+-- One block size per model: hashes of different block sizes never match, so a mismatch would
+-- silently give zero overlap. Allow a change only when no other worker of the model is alive.
+local model_block_size = tonumber(redis.call('HGET', meta_key, 'block_size'))
+local old_gid = redis.call('HGET', workers_key, worker_id)
+if model_block_size ~= nil and model_block_size ~= block_size then
+  local alive = redis.call('ZRANGEBYSCORE', alive_key, '(' .. now_ms, '+inf')
+  for _, gid in ipairs(alive) do
+    if gid ~= old_gid then
+      return redis.error_reply('ERR kvroute: block size mismatch: model ' .. model .. ' is served with block_size '
+        .. model_block_size .. ' by alive worker ' .. tostring(redis.call('HGET', gids_key, gid))
+        .. ', worker ' .. worker_id .. ' announced ' .. block_size)
+    end
+  end
+end
+redis.call('HSET', meta_key, 'block_size', block_size)
+
+if old_gid then
+  redis.call('ZREM', alive_key, old_gid)
+  redis.call('ZADD', retired_key, now_ms, old_gid)
+end
+local gid = redis.call('HINCRBY', meta_key, 'gid_seq', 1)
+local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
+redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'block_size', block_size,
+  'dp_rank', dp_rank, 'gid', gid, 'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms,
+  'op', 0, 'blocks', 0)
+redis.call('HSET', workers_key, worker_id, gid)
+redis.call('HSET', gids_key, gid, worker_id)
+redis.call('ZADD', alive_key, now_ms + ttl_ms, gid)
+return {gid, epoch}
