@@ -267,6 +267,23 @@ class RedisIndex:
         names = await self._worker_names(model, list(held))
         return {names[gid]: copies for gid, copies in held.items() if gid in names}
 
+    async def owners_of_chain(self, model: str, chain: Sequence[int]) -> list[dict[str, int]]:
+        """:meth:`owners` of every block of a chain, in one pipelined round trip."""
+        alive = await self._alive_gids(model)
+        keys = self.keys(model)
+        async with self._client.pipeline(transaction=False) as pipe:
+            for block in chain:
+                pipe.zrange(keys.block(block), 0, -1, withscores=True)
+            replies = await pipe.execute()
+        held = [{int(gid): int(score) for gid, score in entries if int(gid) in alive} for entries in replies]
+        names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
+        return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
+
+    async def server_memory(self) -> dict[str, int]:
+        """Redis's own view of its size, for `kvroute index stats`."""
+        info = await self._client.info("memory")
+        return {"used_memory": int(info["used_memory"]), "keys": int(await self._client.dbsize())}
+
     async def block_size(self, model: str) -> int | None:
         value = await self._client.hget(self.keys(model).meta, "block_size")
         return int(value) if value is not None else None

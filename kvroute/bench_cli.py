@@ -1,0 +1,26 @@
+"""``kvroute bench ...``: benchmarks whose figures go into docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    p = sub.add_parser("index", help="match latency, Redis CPU per match, ingest rate and memory of the index")
+    p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    p.add_argument("--entries", type=int, default=1_000_000, help="(block, worker) entries to load per worker count")
+    p.add_argument("--prompt-blocks", default="64,512,2048", help="comma-separated prompt lengths in blocks")
+    p.add_argument("--workers", default="8,64,128", help="comma-separated worker counts")
+    p.add_argument("--queries", type=int, default=2000, help="matches timed per cell")
+    p.add_argument("--writers", type=int, default=8, help="concurrent writers for the ingest test")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.set_defaults(handler=_run_index)
+
+
+def _run_index(args: argparse.Namespace) -> int:
+    from kvroute.bench_index import run_from_args
+
+    return run_from_args(args)

@@ -1,0 +1,31 @@
+"""One suite, every backend: the reference index and RedisIndex on each private server kind."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from kvindex.interface import KVIndex
+from kvindex.redis_index import RedisIndex
+from kvindex.reference import ReferenceIndex
+from kvroute.embedded_redis import RedisServer
+from tests.conftest import server_kinds
+
+
+@pytest.fixture(params=["reference", *server_kinds()])
+async def index(request: pytest.FixtureRequest, redis_servers: dict[str, RedisServer]) -> AsyncIterator[KVIndex]:
+    if request.param == "reference":
+        yield ReferenceIndex()
+        return
+    client = Redis.from_url(redis_servers[request.param].url)
+    yield RedisIndex(client)
+    await client.aclose()
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()

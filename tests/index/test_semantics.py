@@ -1,0 +1,139 @@
+"""Behaviour every index backend must have (runs against the reference and each Redis kind)."""
+
+import asyncio
+
+import pytest
+
+from kvindex.errors import BlockSizeMismatchError, KVIndexError, NotRegisteredError
+from kvindex.hashing import sequence_hashes
+from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo
+
+LONG_TTL = 60_000
+
+
+def worker(model: str, name: str, block_size: int = 4) -> WorkerInfo:
+    return WorkerInfo(name, model, f"http://{name}:8000", block_size)
+
+
+def run(chain: list[int], start: int, stop: int) -> StoredRun:
+    return StoredRun(chain[start - 1] if start else None, tuple(chain[start:stop]))
+
+
+CHAIN = sequence_hashes(list(range(64)), 4)  # 16 blocks
+
+
+async def test_match_counts_leading_blocks_per_alive_worker(index, unique_name):
+    for name in ("a", "b", "c"):
+        await index.register(worker(unique_name, name), LONG_TTL)
+    await index.store(unique_name, "a", [run(CHAIN, 0, 10)])
+    await index.store(unique_name, "b", [run(CHAIN, 0, 3)])
+    assert await index.match(unique_name, CHAIN) == {"a": 10, "b": 3, "c": 0}
+    assert await index.match(unique_name, CHAIN[:2]) == {"a": 2, "b": 2, "c": 0}
+    assert await index.match(unique_name, []) == {"a": 0, "b": 0, "c": 0}
+    other = sequence_hashes(list(range(100, 164)), 4)
+    assert await index.match(unique_name, other) == {"a": 0, "b": 0, "c": 0}
+
+
+async def test_a_hole_in_the_chain_ends_the_match(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    result = await index.store(unique_name, "a", [run(CHAIN, 0, 4), run(CHAIN, 5, 9)])
+    assert (result.applied, result.skipped) == (4, 4)
+    assert await index.match(unique_name, CHAIN) == {"a": 4}
+    await index.store(unique_name, "a", [run(CHAIN, 4, 5)])  # the missing block arrives
+    assert await index.match(unique_name, CHAIN) == {"a": 9}
+    await index.remove(unique_name, "a", [CHAIN[2]])
+    assert await index.match(unique_name, CHAIN) == {"a": 2}
+    assert await index.owners(unique_name, CHAIN[6]) == {}
+
+
+async def test_duplicate_stores_are_reference_counted(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
+    await index.store(unique_name, "a", [run(CHAIN, 3, 4)])  # vLLM's second copy of the last block
+    assert await index.owners(unique_name, CHAIN[3]) == {"a": 2}
+    await index.remove(unique_name, "a", [CHAIN[3]])
+    assert await index.match(unique_name, CHAIN) == {"a": 4}
+    await index.remove(unique_name, "a", [CHAIN[3]])
+    assert await index.match(unique_name, CHAIN) == {"a": 3}
+    result = await index.remove(unique_name, "a", [CHAIN[3]])
+    assert (result.applied, result.missing) == (0, 1)
+
+
+async def test_clear_and_deregister_drop_everything_at_once(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    for name in ("a", "b"):
+        await index.store(unique_name, name, [run(CHAIN, 0, 8)])
+    await index.clear(unique_name, "a")
+    assert await index.match(unique_name, CHAIN) == {"a": 0, "b": 8}
+    await index.store(unique_name, "a", [run(CHAIN, 0, 2)])
+    assert await index.match(unique_name, CHAIN) == {"a": 2, "b": 8}
+    await index.deregister(unique_name, "b")
+    assert await index.match(unique_name, CHAIN) == {"a": 2}
+    with pytest.raises(NotRegisteredError):
+        await index.store(unique_name, "b", [run(CHAIN, 0, 1)])
+
+
+async def test_dead_workers_never_count(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    for name in ("a", "b"):
+        await index.store(unique_name, name, [run(CHAIN, 0, 8)])
+    assert await index.heartbeat(unique_name, "b", 0) == HeartbeatStatus.OK  # deadline = now
+    assert await index.match(unique_name, CHAIN) == {"a": 8}
+    assert await index.owners(unique_name, CHAIN[0]) == {"a": 1}
+    assert await index.heartbeat(unique_name, "b", LONG_TTL) == HeartbeatStatus.OK
+    assert await index.match(unique_name, CHAIN) == {"a": 8, "b": 8}
+
+
+async def test_heartbeat_ttl_expires_in_real_time(index, unique_name):
+    await index.register(worker(unique_name, "a"), 150)
+    await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
+    assert await index.match(unique_name, CHAIN) == {"a": 4}
+    await asyncio.sleep(0.3)
+    assert await index.match(unique_name, CHAIN) == {}
+    assert [w.alive for w in await index.workers(unique_name)] == [False]
+
+
+async def test_gc_forgets_long_dead_workers(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    await index.store(unique_name, "b", [run(CHAIN, 0, 8)])
+    await index.heartbeat(unique_name, "b", 0)
+    result = await index.gc(unique_name, grace_ms=0)
+    assert result.workers_retired == 1
+    assert [w.worker_id for w in await index.workers(unique_name)] == ["a"]
+    assert await index.heartbeat(unique_name, "b", LONG_TTL) == HeartbeatStatus.MISSING
+    with pytest.raises(KVIndexError):
+        await index.store(unique_name, "b", [run(CHAIN, 0, 1)])
+    stats = await index.stats(unique_name)
+    assert (stats.workers, stats.alive_workers, stats.entries, stats.block_keys) == (1, 1, 0, 0)
+
+
+async def test_reregistering_starts_empty(index, unique_name):
+    first = await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.store(unique_name, "a", [run(CHAIN, 0, 8)])
+    second = await index.register(worker(unique_name, "a"), LONG_TTL)
+    assert second.epoch == first.epoch + 1 and second.gid != first.gid
+    assert await index.match(unique_name, CHAIN) == {"a": 0}
+
+
+async def test_one_block_size_per_model(index, unique_name):
+    await index.register(worker(unique_name, "a", 16), LONG_TTL)
+    with pytest.raises(BlockSizeMismatchError, match="block_size 16"):
+        await index.register(worker(unique_name, "b", 32), LONG_TTL)
+    assert await index.block_size(unique_name) == 16
+    await index.heartbeat(unique_name, "a", 0)  # once no other worker is alive, it may change
+    await index.register(worker(unique_name, "b", 32), LONG_TTL)
+    assert await index.block_size(unique_name) == 32
+
+
+async def test_models_are_separate_namespaces(index, unique_name):
+    other = unique_name + "-other"
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.register(worker(other, "a"), LONG_TTL)
+    await index.store(unique_name, "a", [run(CHAIN, 0, 5)])
+    assert await index.match(other, CHAIN) == {"a": 0}
+    assert {unique_name, other} <= set(await index.models())
+    stats = await index.stats(unique_name)
+    assert (stats.block_size, stats.workers, stats.entries, stats.block_keys) == (4, 1, 5, 5)

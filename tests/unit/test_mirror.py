@@ -1,0 +1,97 @@
+"""The mirror's indexed set must always be exactly the held blocks whose ancestors are all held,
+and the operations it emits must move an index from one such state to the next."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvindex.mirror import BlockMirror
+from kvindex.types import StoredRun
+
+# A fixed forest: block b's parent is PARENT[b] (None for chain starts).
+PARENT: dict[int, int | None] = {0: None, 1: 0, 2: 1, 3: 2, 4: 1, 5: 4, 6: None, 7: 6, 8: 7, 9: 3}
+
+
+def path_to(block: int) -> list[int]:
+    path = []
+    cur: int | None = block
+    while cur is not None:
+        path.append(cur)
+        cur = PARENT[cur]
+    return path[::-1]
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), st.sampled_from(sorted(PARENT)), st.integers(1, 4)),
+        st.tuples(st.just("remove"), st.lists(st.sampled_from(sorted(PARENT)), max_size=4), st.just(0)),
+        st.tuples(st.just("clear"), st.just([]), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+def expected_indexed(copies: dict[int, int]) -> dict[int, int]:
+    return {b: c for b, c in copies.items() if all(a in copies for a in path_to(b))}
+
+
+@settings(max_examples=300)
+@given(ops)
+def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
+    mirror = BlockMirror()
+    held: dict[int, int] = {}
+    index: dict[int, int] = {}  # what a backend holds after applying the emitted operations
+    for kind, arg, length in operations:
+        if kind == "store":
+            run = path_to(arg)[-length:]
+            parent = PARENT[run[0]]
+            adds, orphaned = mirror.store([StoredRun(parent, tuple(run))])
+            for block in run:
+                held[block] = held.get(block, 0) + 1
+            for add in adds:
+                assert add.parent is None or add.parent in index, "parents must be indexed first"
+                assert add.parent == PARENT[add.block]
+                index[add.block] = index.get(add.block, 0) + add.count
+            assert orphaned == sum(1 for b in run if b not in expected_indexed(held))
+        elif kind == "remove":
+            subs, missing = mirror.remove(arg)
+            expected_missing = 0
+            for block in arg:
+                if block in held:
+                    held[block] -= 1
+                    if not held[block]:
+                        del held[block]
+                else:
+                    expected_missing += 1
+            assert missing == expected_missing
+            for sub in subs:
+                index[sub.block] -= sub.count
+                if index[sub.block] == 0:
+                    del index[sub.block]
+                    assert not any(PARENT[c] == sub.block for c in index), "children leave before parents"
+        else:
+            mirror.clear()
+            held.clear()
+            index.clear()
+        assert index == expected_indexed(held)
+        assert {a.block: a.count for a in mirror.indexed_in_order()} == index
+        assert mirror.indexed_count == len(index)
+
+
+def test_indexed_in_order_lists_parents_first():
+    mirror = BlockMirror()
+    mirror.store([StoredRun(None, (0, 1, 2, 3, 9)), StoredRun(1, (4, 5)), StoredRun(None, (6, 7, 8))])
+    order = [a.block for a in mirror.indexed_in_order()]
+    assert sorted(order) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for position, block in enumerate(order):
+        assert PARENT[block] is None or order.index(PARENT[block]) < position
+
+
+def test_orphans_join_the_index_when_their_ancestor_returns():
+    mirror = BlockMirror()
+    mirror.store([StoredRun(None, (0, 1, 2, 3))])
+    subs, _ = mirror.remove([1])
+    assert [(s.block, s.count) for s in subs] == [(3, 1), (2, 1), (1, 1)]
+    assert not mirror.is_indexed(2) and mirror.copies(2) == 1
+    adds, orphaned = mirror.store([StoredRun(0, (1,))])
+    assert orphaned == 0
+    assert [a.block for a in adds] == [1, 2, 3]

@@ -1,0 +1,1 @@
+"""The worker agent (issue 2/6): turns an engine's KV events into index updates."""
