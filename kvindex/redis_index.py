@@ -157,7 +157,8 @@ class RedisIndex:
 
     async def _send_adds(self, writer: _Writer, adds: Sequence[IndexAdd]) -> None:
         keys = writer.keys
-        for start in range(0, len(adds), MAX_ITEMS_PER_CALL):
+        # Even an empty batch goes to Redis: it checks that this writer's generation is current.
+        for start in range(0, max(len(adds), 1), MAX_ITEMS_PER_CALL):
             args = encode_adds(adds[start : start + MAX_ITEMS_PER_CALL])
             reply = await self._call(
                 "store",
@@ -176,7 +177,7 @@ class RedisIndex:
 
     async def _send_subs(self, writer: _Writer, subs: Sequence[IndexSub]) -> None:
         keys = writer.keys
-        for start in range(0, len(subs), MAX_ITEMS_PER_CALL):
+        for start in range(0, max(len(subs), 1), MAX_ITEMS_PER_CALL):
             hashes, counts = encode_subs(subs[start : start + MAX_ITEMS_PER_CALL])
             await self._call(
                 "remove",

@@ -51,7 +51,6 @@ class _Worker:
 class _Model:
     block_size: int | None = None
     gid_seq: int = 0
-    epochs: dict[str, int] = field(default_factory=dict)
     workers: dict[str, _Worker] = field(default_factory=dict)
 
 
@@ -87,8 +86,10 @@ class ReferenceIndex:
                 )
         state.block_size = worker.block_size
         state.gid_seq += 1
-        epoch = state.epochs.get(worker.worker_id, 0) + 1
-        state.epochs[worker.worker_id] = epoch
+        # The epoch counts registrations of this id while its record exists (as in Redis, where
+        # deregistering or garbage collection deletes the record).
+        previous = state.workers.get(worker.worker_id)
+        epoch = previous.epoch + 1 if previous else 1
         state.workers[worker.worker_id] = _Worker(worker, state.gid_seq, epoch, ttl_ms, self._clock_ms())
         return Registration(state.gid_seq, epoch)
 

@@ -1,7 +1,7 @@
 -- gc.lua: delete the index entries of workers that are gone, in bounded steps.
--- 1. Workers whose heartbeat deadline passed more than grace_ms ago are deregistered: their gid
---    is retired and their record deleted (an agent that comes back finds its record 'missing'
---    and registers again).
+-- 1. Workers whose heartbeat deadline passed more than grace_ms ago (up to 1000 per call) are
+--    deregistered: their gid is retired and their record deleted (an agent that comes back finds its record 'missing' and
+--    registers again).
 -- 2. Retired gids, oldest first, have their entries removed by reading their block log
 --    backwards (children before parents, so every gid stays prefix-closed while collected).
 --    A cursor per gid makes progress across calls; at most `budget` entries per call, so one
@@ -23,6 +23,7 @@ local retired_key, cursors_key, meta_key = KEYS[4], KEYS[5], KEYS[6]
 local record_prefix, log_prefix, block_prefix = ARGV[1], ARGV[2], ARGV[3]
 local budget, grace_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local HEX = '%02x%02x%02x%02x%02x%02x%02x%02x'
+local MAX_DEAD_PER_CALL = 1000  -- retiring a worker is O(1); the budget bounds entry removal
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local retired_workers, removed, finished, gone_keys = 0, 0, 0, 0
@@ -34,7 +35,7 @@ if grace_ms == nil or grace_ms < 0 then
   return redis.error_reply('ERR kvroute: gc grace_ms must be a non-negative number, got ' .. tostring(ARGV[5]))
 end
 
-local dead = redis.call('ZRANGEBYSCORE', alive_key, '-inf', now_ms - grace_ms, 'LIMIT', 0, budget)
+local dead = redis.call('ZRANGEBYSCORE', alive_key, '-inf', now_ms - grace_ms, 'LIMIT', 0, MAX_DEAD_PER_CALL)
 for _, gid in ipairs(dead) do
   local worker_id = redis.call('HGET', gids_key, gid)
   if worker_id and redis.call('HGET', workers_key, worker_id) == gid then
