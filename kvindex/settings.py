@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvindex.keys import DEFAULT_PREFIX, validate_prefix
 
@@ -54,6 +58,12 @@ class RedisSettings:
         return cls(**values)  # type: ignore[arg-type]
 
     def client(self) -> Redis:
+        """A client that reconnects once a dropped connection is noticed (a restarted server
+        closes every pooled connection; the first command on each would fail otherwise)."""
         return Redis.from_url(
-            self.url, socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.socket_timeout_s
+            self.url,
+            socket_timeout=self.socket_timeout_s,
+            socket_connect_timeout=self.socket_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.01), retries=3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
         )

@@ -1,0 +1,102 @@
+"""`kvroute index ...` as a user runs it: a real process against a real private Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from redis.asyncio import Redis
+
+from kvindex.hashing import sequence_hashes
+from kvindex.redis_index import RedisIndex
+from kvindex.types import StoredRun, WorkerInfo
+
+TOKENS = list(range(1, 129))  # 4 blocks of 32
+
+
+def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvroute", *args], capture_output=True, text=True, timeout=60)
+
+
+async def populate(url: str, model: str) -> None:
+    client = Redis.from_url(url)
+    index = RedisIndex(client)
+    chain = sequence_hashes(TOKENS, 32)
+    await index.register(WorkerInfo("w-long", model, "http://127.0.0.1:9001", 32), 600_000)
+    await index.register(WorkerInfo("w-short", model, "http://127.0.0.1:9002", 32, dp_rank=1), 600_000)
+    await index.register(WorkerInfo("w-dead", model, "http://127.0.0.1:9003", 32), 600_000)
+    await index.store(model, "w-long", [StoredRun(None, tuple(chain))])
+    await index.store(model, "w-short", [StoredRun(None, tuple(chain[:1]))])
+    await index.store(model, "w-dead", [StoredRun(None, tuple(chain))])
+    await index.heartbeat(model, "w-dead", 0)
+    await client.aclose()
+
+
+def test_hash_prints_the_public_json_shape():
+    result = kvroute("index", "hash", "--tokens", "1,2,3,4", "--block-size", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"block_size": 4, "hashes": [14643705804678351452]}
+    salted = json.loads(kvroute("index", "hash", "--tokens", "[1,2,3,4]", "--block-size", "4", "--salt", "s", "--json").stdout)
+    assert salted["hashes"] == sequence_hashes([1, 2, 3, 4], 4, cache_salt="s")
+
+
+def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
+    asyncio.run(populate(redis_server.url, unique_name))
+    tokens = ",".join(map(str, TOKENS))
+    common = ["--redis-url", redis_server.url]
+    result = kvroute("index", "lookup", *common, "--model", unique_name, "--tokens", tokens, "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    chain = sequence_hashes(TOKENS, 32)
+    assert data["model"] == unique_name and data["block_size"] == 32
+    assert [b["hash"] for b in data["blocks"]] == chain
+    assert [b["index"] for b in data["blocks"]] == [0, 1, 2, 3]
+    assert data["blocks"][0]["key"] == f"kvr:{{{unique_name}}}:b:{chain[0]:016x}"
+    assert [b["owners"] for b in data["blocks"]] == [["w-long", "w-short"], ["w-long"], ["w-long"], ["w-long"]]
+    assert data["workers"] == [{"id": "w-long", "matched_blocks": 4}, {"id": "w-short", "matched_blocks": 1}]
+
+    workers = json.loads(kvroute("index", "workers", *common, "--model", unique_name, "--json").stdout)
+    by_id = {w["id"]: w for w in workers}
+    assert set(by_id) == {"w-long", "w-short", "w-dead"}
+    assert by_id["w-dead"]["alive"] is False and by_id["w-long"]["blocks"] == 4
+    assert by_id["w-short"]["dp_rank"] == 1 and by_id["w-short"]["url"] == "http://127.0.0.1:9002"
+
+    stats = json.loads(kvroute("index", "stats", *common, "--model", unique_name, "--json").stdout)
+    (model_stats,) = stats["models"]
+    assert (model_stats["workers"], model_stats["alive_workers"], model_stats["entries"]) == (3, 2, 9)
+    assert model_stats["block_keys"] == 4 and stats["redis"]["used_memory"] > 0
+
+    table = kvroute("index", "lookup", *common, "--model", unique_name, "--tokens", tokens)
+    assert table.returncode == 0 and "w-long" in table.stdout and "matched_blocks" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["index", "hash", "--tokens", "1,x", "--block-size", "4"], "token ids must be integers"),
+        (["index", "hash", "--tokens", "1,2", "--block-size", "0"], "positive integer"),
+        (["index", "hash", "--tokens", "-5", "--block-size", "4"], "0..4294967295"),
+        (["index", "lookup", "--tokens", "1"], "--model"),
+        (["index", "nope"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_get_a_clear_message(args, message):
+    result = kvroute(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_unreachable_redis_is_reported_without_a_traceback():
+    result = kvroute("index", "workers", "--redis-url", "redis://:hunter2@127.0.0.1:1/0", "--json")
+    assert result.returncode == 1
+    assert "cannot use Redis at redis://:***@127.0.0.1:1/0" in result.stderr
+    assert "hunter2" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_lookup_of_an_unknown_model_says_what_to_do(redis_server, unique_name):
+    result = kvroute("index", "lookup", "--redis-url", redis_server.url, "--model", unique_name, "--tokens", "1,2")
+    assert result.returncode == 1
+    assert "has no registered workers; pass --block-size" in result.stderr

@@ -1,0 +1,169 @@
+"""Behaviour only the Redis backend has: script reloads, restarts, argument checks, gc, relog."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+from redis.crc import key_slot
+from redis.exceptions import ResponseError
+
+from kvindex.errors import ScriptArgumentError, StaleGenerationError
+from kvindex.hashing import sequence_hashes
+from kvindex.redis_index import RELOG_SLACK, RedisIndex
+from kvindex.settings import RedisSettings
+from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo
+from kvroute.embedded_redis import RedisServer, available_servers
+
+LONG_TTL = 60_000
+CHAIN = sequence_hashes(list(range(256)), 16)  # 16 blocks
+
+
+def worker(model: str, name: str = "a") -> WorkerInfo:
+    return WorkerInfo(name, model, f"http://{name}", 16)
+
+
+async def model_keys(client: Redis, model: str) -> dict[bytes, bytes]:
+    """Every key of the model with its DUMP, to prove a rejected call changed nothing."""
+    out = {}
+    async for key in client.scan_iter(match=f"kvr:{{{model}}}:*", count=1000):
+        out[key] = await client.dump(key)
+    return out
+
+
+async def test_scripts_reload_after_script_flush(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    await index.register(worker(unique_name), LONG_TTL)
+    await index.match(unique_name, CHAIN)
+    loads_before = index.scripts.reloads
+    await redis_client.script_flush()
+    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:5]))])
+    await redis_client.script_flush()
+    assert await index.match(unique_name, CHAIN) == {"a": 5}
+    assert index.scripts.reloads - loads_before == 2
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("kind", sorted(available_servers()))
+async def test_a_restarted_empty_redis_is_refilled_by_reassert(kind, unique_name):
+    binary = available_servers()[kind]
+    server = RedisServer(binary=binary).start()
+    client = RedisSettings(url=server.url).client()
+    try:
+        index = RedisIndex(client)
+        await index.register(worker(unique_name), LONG_TTL)
+        await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:9])), StoredRun(CHAIN[3], (CHAIN[0],))])
+        await index.remove(unique_name, "a", [CHAIN[8]])
+        before = await index.match(unique_name, CHAIN)
+        server.stop(kill=True)
+        server = RedisServer(binary=binary, port=server.port).start()  # same port, empty, no scripts
+        assert await index.heartbeat(unique_name, "a", LONG_TTL) == HeartbeatStatus.MISSING
+        await index.reassert(unique_name, "a")
+        assert await index.match(unique_name, CHAIN) == before == {"a": 8}
+        assert index.scripts.reloads >= 1
+        assert await index.heartbeat(unique_name, "a", LONG_TTL) == HeartbeatStatus.OK
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("store", ["{gid}", "x", "{prefix}", b"\0" * 8, b"r", b"\0\1", b""], "op id must be an integer"),
+        ("store", ["{gid}", 99, "{prefix}", b"\0" * 7, b"r", b"\0\1", b""], "arguments malformed"),
+        ("store", ["{gid}", 99, "{prefix}", b"\0" * 8, b"c", b"\0\1", b""], "first may not be c"),
+        ("store", ["{gid}", 99, "{prefix}", b"\0" * 8, b"p", b"\0\1", b""], "'p' flags"),
+        ("store", ["12345", 99, "{prefix}", b"\0" * 8, b"r", b"\0\1", b""], "stale generation"),
+        ("remove", ["{gid}", 99, "{prefix}", b"\0" * 8, b"\1"], "arguments malformed"),
+        ("relog", ["{gid}", 99, b"\0" * 9], "8 bytes per block"),
+    ],
+)
+async def test_malformed_script_arguments_are_rejected_without_changes(redis_client, unique_name, script, args, message):
+    index = RedisIndex(redis_client)
+    registration = await index.register(worker(unique_name), LONG_TTL)
+    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
+    keys = index.keys(unique_name)
+    key_lists = {
+        "store": [keys.worker("a"), keys.log(registration.gid), keys.meta],
+        "remove": [keys.worker("a"), keys.meta],
+        "relog": [keys.worker("a"), keys.log(registration.gid)],
+    }
+    filled = [str(registration.gid) if a == "{gid}" else keys.block_prefix if a == "{prefix}" else a for a in args]
+    before = await model_keys(redis_client, unique_name)
+    with pytest.raises(ResponseError, match=message):
+        await index.scripts.call(script, key_lists[script], filled)
+    assert await model_keys(redis_client, unique_name) == before
+    assert await index.match(unique_name, CHAIN) == {"a": 4}
+
+
+async def test_bad_register_arguments_get_clear_errors(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    with pytest.raises(ScriptArgumentError, match="block_size must be a positive integer"):
+        await index.register(WorkerInfo("a", unique_name, "http://a", 0), LONG_TTL)
+    with pytest.raises(ScriptArgumentError, match="dp_rank"):
+        await index.register(WorkerInfo("a", unique_name, "http://a", 16, dp_rank=-1), LONG_TTL)
+    assert await model_keys(redis_client, unique_name) == {}
+
+
+async def test_a_second_registration_supersedes_the_first_writer(redis_client, unique_name):
+    first, second = RedisIndex(redis_client), RedisIndex(redis_client)
+    await first.register(worker(unique_name), LONG_TTL)
+    await second.register(worker(unique_name), LONG_TTL)
+    assert await first.heartbeat(unique_name, "a", LONG_TTL) == HeartbeatStatus.SUPERSEDED
+    with pytest.raises(StaleGenerationError):
+        await first.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:2]))])
+    await second.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:3]))])
+    assert await first.match(unique_name, CHAIN) == {"a": 3}
+
+
+async def test_gc_removes_every_entry_of_retired_generations_in_bounded_steps(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    chains = [sequence_hashes([i] * 16 + list(range(400)), 16) for i in range(20)]
+    for chain in chains:
+        await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
+        await index.store(unique_name, "b", [StoredRun(None, tuple(chain[:3]))])
+    await index.clear(unique_name, "a")
+    await index.heartbeat(unique_name, "b", 0)
+    steps = 0
+    while True:
+        result = await index.gc(unique_name, budget=50, grace_ms=0)
+        assert result.entries_removed <= 50
+        steps += 1
+        if result.gids_pending == 0:
+            break
+    assert steps > 5
+    keys = await model_keys(redis_client, unique_name)
+    leftovers = [k for k in keys if b":b:" in k or b":log:" in k]
+    assert leftovers == []
+    stats = await index.stats(unique_name)
+    assert (stats.workers, stats.entries, stats.block_keys, stats.gids_pending_gc) == (1, 0, 0, 0)
+
+
+async def test_churn_compacts_the_block_log_and_gc_still_finds_everything(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    registration = await index.register(worker(unique_name), LONG_TTL)
+    chain = sequence_hashes(list(range(16 * 64)), 16)
+    for _ in range(40):  # evict the tail and store it again, as a busy LRU cache does
+        await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
+        await index.remove(unique_name, "a", chain[32:][::-1])
+        await index.remove(unique_name, "a", chain[:32][::-1])
+    await index.store(unique_name, "a", [StoredRun(None, tuple(chain[:40]))])
+    log_entries = await redis_client.strlen(index.keys(unique_name).log(registration.gid)) // 8
+    assert log_entries <= 2 * 40 + RELOG_SLACK
+    assert await index.match(unique_name, chain) == {"a": 40}
+    await index.clear(unique_name, "a")
+    while (await index.gc(unique_name, budget=1000, grace_ms=0)).gids_pending:
+        pass
+    assert [k for k in await model_keys(redis_client, unique_name) if b":b:" in k] == []
+
+
+async def test_every_key_of_a_model_is_in_one_cluster_slot(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    await index.register(worker(unique_name), LONG_TTL)
+    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN))])
+    await index.clear(unique_name, "a")
+    keys = await model_keys(redis_client, unique_name)
+    assert len(keys) > 10
+    assert {key_slot(k) for k in keys} == {key_slot(unique_name.encode())}
