@@ -74,6 +74,25 @@ def _decode(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else (value or "")
 
 
+def _gid_list(csv: bytes | str) -> list[int]:
+    text = _decode(csv)
+    return [int(g) for g in text.split(",")] if text else []
+
+
+def _depths_from_match_reply(reply: list[bytes | int]) -> dict[int, int]:
+    """match.lua's reply -> {alive gid: matched blocks} (see the script's header)."""
+    depths = dict.fromkeys(_gid_list(reply[0]), 0)  # type: ignore[arg-type]
+    assigned: set[int] = set()
+    for i in range(1, len(reply), 2):
+        depth = int(reply[i])
+        for gid in _gid_list(reply[i + 1]):  # type: ignore[arg-type]
+            if gid not in assigned:
+                assigned.add(gid)
+                if gid in depths:
+                    depths[gid] = depth
+    return depths
+
+
 class RedisIndex:
     """:class:`kvindex.interface.KVIndex` backed by Redis (or Valkey, or Redis Cluster)."""
 
@@ -238,9 +257,9 @@ class RedisIndex:
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
         keys = self.keys(model)
         reply = await self._call("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
-        pairs = [(int(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2)]  # type: ignore[arg-type]
-        names = await self._worker_names(model, [gid for gid, _ in pairs])
-        return {names[gid]: depth for gid, depth in pairs if gid in names}
+        depths = _depths_from_match_reply(reply)  # type: ignore[arg-type]
+        names = await self._worker_names(model, list(depths))
+        return {names[gid]: depth for gid, depth in depths.items() if gid in names}
 
     async def _worker_names(self, model: str, gids: Sequence[int]) -> dict[int, str]:
         unknown = [gid for gid in gids if (model, gid) not in self._gid_names]

@@ -10,7 +10,8 @@
 -- KEYS[1] alive  ZSET  gid -> heartbeat deadline (ms, server clock)
 -- ARGV[1] block key prefix (shares KEYS[1]'s hash tag)
 -- ARGV[2] the chain: 8 bytes big-endian per block hash, block 0 first
--- Returns a flat array {gid, matched_blocks, gid, matched_blocks, ...} over all alive gids.
+-- Returns {alive gids as 'g1,g2,...', depth, 'gids owning block depth-1', depth, ...}, deepest
+-- first. A gid's match is the first depth whose group lists it, 0 if none; only alive gids count.
 local alive_key = KEYS[1]
 local block_prefix, chain = ARGV[1], ARGV[2]
 local n = #chain / 8
@@ -19,14 +20,13 @@ local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local cards = {}
 local boundaries = {}
-local depth = {}
 
 if n % 1 ~= 0 then
   return redis.error_reply('ERR kvroute: match needs 8 bytes per block hash, got ' .. #chain .. ' bytes')
 end
 local alive = redis.call('ZRANGEBYSCORE', alive_key, '(' .. now_ms, '+inf')
 if #alive == 0 then
-  return {}
+  return {''}
 end
 
 local function block_key(i)
@@ -67,27 +67,14 @@ if n > 0 and card(0) > 0 then
   end
 end
 
--- Deepest boundary first: a gid's match length is one past the deepest block it owns.
+-- Deepest boundary first: a gid's match length is one past the deepest block it owns; the client
+-- gives each gid the depth of the first group it appears in. Members travel as comma-separated
+-- strings and liveness is applied by the client: building per-member replies or a Lua set of the
+-- alive gids would cost Redis more CPU than everything else in this script.
 table.sort(boundaries, function(a, b) return a > b end)
-local alive_set, unassigned = {}, #alive
-for _, gid in ipairs(alive) do
-  alive_set[gid] = true
-end
+local out = {table.concat(alive, ',')}
 for _, b in ipairs(boundaries) do
-  if unassigned == 0 then
-    break
-  end
-  for _, gid in ipairs(redis.call('ZRANGE', block_key(b), 0, -1)) do
-    if alive_set[gid] and depth[gid] == nil then
-      depth[gid] = b + 1
-      unassigned = unassigned - 1
-    end
-  end
-end
-
-local out = {}
-for _, gid in ipairs(alive) do
-  out[#out + 1] = tonumber(gid)
-  out[#out + 1] = depth[gid] or 0
+  out[#out + 1] = b + 1
+  out[#out + 1] = table.concat(redis.call('ZRANGE', block_key(b), 0, -1), ',')
 end
 return out
