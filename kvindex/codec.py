@@ -59,9 +59,7 @@ def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
             counts.append(chunk)
             remaining -= chunk
         previous = add.block
-    return StoreArgs(
-        pack_hashes(hashes), bytes(flags), struct.pack(f">{len(counts)}H", *counts), pack_hashes(parents)
-    )
+    return StoreArgs(pack_hashes(hashes), bytes(flags), struct.pack(f">{len(counts)}H", *counts), pack_hashes(parents))
 
 
 def encode_subs(subs: Sequence[IndexSub]) -> tuple[bytes, bytes]:

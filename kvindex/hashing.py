@@ -68,9 +68,7 @@ def block_local_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     return [digest(data[i * stride : (i + 1) * stride], seed=HASH_SEED) for i in range(full)]
 
 
-def chain_hashes(
-    local_hashes: Sequence[int], identity: bytes | None = None, parent: int | None = None
-) -> list[int]:
+def chain_hashes(local_hashes: Sequence[int], identity: bytes | None = None, parent: int | None = None) -> list[int]:
     """Turn per-block local hashes into chained sequence hashes (see the module docstring).
 
     ``parent`` continues an existing chain (its identity is already folded in); without it the

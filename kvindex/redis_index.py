@@ -120,9 +120,7 @@ class RedisIndex:
     def _writer(self, model: str, worker_id: str) -> _Writer:
         writer = self._writers.get((model, worker_id))
         if writer is None:
-            raise NotRegisteredError(
-                f"worker {worker_id!r} of model {model!r} was not registered through this client"
-            )
+            raise NotRegisteredError(f"worker {worker_id!r} of model {model!r} was not registered through this client")
         return writer
 
     def mirror(self, model: str, worker_id: str) -> BlockMirror:
@@ -241,9 +239,7 @@ class RedisIndex:
         self._writers.pop((model, worker_id), None)
         return _decode(status) == "ok"  # type: ignore[arg-type]
 
-    async def gc(
-        self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS
-    ) -> GcResult:
+    async def gc(self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS) -> GcResult:
         keys = self.keys(model)
         reply = await self._call(
             "gc",

@@ -207,9 +207,7 @@ class ReferenceIndex:
             gids_pending_gc=0,
         )
 
-    async def gc(
-        self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS
-    ) -> GcResult:
+    async def gc(self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS) -> GcResult:
         state = self._models.get(model, _Model())
         cutoff = self._clock_ms() - grace_ms
         dead = [wid for wid, w in state.workers.items() if w.deadline_ms() <= cutoff]

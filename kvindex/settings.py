@@ -44,7 +44,10 @@ class RedisSettings:
             raise ValueError(f"socket timeout must be positive, got {self.socket_timeout_s}")
 
     def __repr__(self) -> str:
-        return f"RedisSettings(url={redact_url(self.url)!r}, prefix={self.prefix!r}, socket_timeout_s={self.socket_timeout_s})"
+        return (
+            f"RedisSettings(url={redact_url(self.url)!r}, prefix={self.prefix!r}, "
+            f"socket_timeout_s={self.socket_timeout_s})"
+        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RedisSettings:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Registration:
     epoch: int
 
 
-class HeartbeatStatus(str, Enum):
+class HeartbeatStatus(StrEnum):
     OK = "ok"
     MISSING = "missing"  # the record is gone: register again and re-assert
     SUPERSEDED = "superseded"  # another registration of this worker id took over

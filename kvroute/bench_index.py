@@ -76,7 +76,9 @@ async def load_fleet(client: Redis, model: str, workers: int, entries: int, seed
         if rng.random() < 0.5:
             holders.append((rng.randrange(workers), rng.randint(SYSTEM_BLOCKS + 1, holders[0][1])))
         for worker, depth in holders:
-            result = await index.store(model, f"w{worker}", [StoredRun(chain[SYSTEM_BLOCKS - 1], tuple(chain[SYSTEM_BLOCKS:depth]))])
+            result = await index.store(
+                model, f"w{worker}", [StoredRun(chain[SYSTEM_BLOCKS - 1], tuple(chain[SYSTEM_BLOCKS:depth]))]
+            )
             loaded += result.applied
     stats = await index.stats(model)
     memory_after = int((await client.info("memory"))["used_memory"])
@@ -137,8 +139,12 @@ async def run_benchmark(url: str, args: argparse.Namespace) -> dict[str, object]
     rng = random.Random(11)
     for workers in _parse_list(args.workers):
         fleet = await load_fleet(client, f"bench-w{workers}", workers, args.entries)
-        memory.append({"workers": workers, "entries": fleet.entries, "bytes_per_entry": fleet.memory_bytes / fleet.entries})
-        print(f"loaded {fleet.entries} entries for {workers} workers ({fleet.memory_bytes / fleet.entries:.1f} B/entry)")
+        memory.append(
+            {"workers": workers, "entries": fleet.entries, "bytes_per_entry": fleet.memory_bytes / fleet.entries}
+        )
+        print(
+            f"loaded {fleet.entries} entries for {workers} workers ({fleet.memory_bytes / fleet.entries:.1f} B/entry)"
+        )
         for blocks in _parse_list(args.prompt_blocks):
             chains = [rng.choice(fleet.conversations)[:blocks] for _ in range(args.queries)]
             p50, p99, cpu = await time_matches(client, fleet.model, chains)
@@ -149,7 +155,12 @@ async def run_benchmark(url: str, args: argparse.Namespace) -> dict[str, object]
     rows.append(MatchRow(512, 64, "adversarial: 64 distinct depths", p50, p99, cpu))
     ingest = await measure_ingest(url, args.writers, 200_000 // args.writers * 4)
     await client.aclose()
-    return {"match": [asdict(r) for r in rows], "memory": memory, "ingest_blocks_per_s": ingest, "writers": args.writers}
+    return {
+        "match": [asdict(r) for r in rows],
+        "memory": memory,
+        "ingest_blocks_per_s": ingest,
+        "writers": args.writers,
+    }
 
 
 def render(results: dict[str, object]) -> str:
@@ -162,7 +173,10 @@ def render(results: dict[str, object]) -> str:
     lines += ["", "| workers | entries | bytes per entry |", "|---|---|---|"]
     for m in results["memory"]:  # type: ignore[attr-defined]
         lines.append(f"| {m['workers']} | {m['entries']} | {m['bytes_per_entry']:.1f} |")
-    lines += ["", f"Ingest with {results['writers']} concurrent writers: {results['ingest_blocks_per_s']:,.0f} blocks/s"]
+    lines += [
+        "",
+        f"Ingest with {results['writers']} concurrent writers: {results['ingest_blocks_per_s']:,.0f} blocks/s",
+    ]
     return "\n".join(lines)
 
 

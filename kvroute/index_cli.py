@@ -119,7 +119,9 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def _run_hash(args: argparse.Namespace) -> int:
     hashes = sequence_hashes(args.tokens, args.block_size, lora_name=args.lora, cache_salt=args.salt)
     data = {"block_size": args.block_size, "hashes": hashes}
-    return _emit(args, data, lambda d: _table(["index", "hash", "hex"], [[i, h, f"{h:016x}"] for i, h in enumerate(d["hashes"])]))
+    return _emit(
+        args, data, lambda d: _table(["index", "hash", "hex"], [[i, h, f"{h:016x}"] for i, h in enumerate(d["hashes"])])
+    )
 
 
 def _run_lookup(args: argparse.Namespace) -> int:
@@ -137,11 +139,16 @@ def _run_lookup(args: argparse.Namespace) -> int:
             "blocks": [
                 {"index": i, "hash": h, "key": keys.block(h), "owners": sorted(owners[i])} for i, h in enumerate(chain)
             ],
-            "workers": [{"id": w, "matched_blocks": m} for w, m in sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))],
+            "workers": [
+                {"id": w, "matched_blocks": m} for w, m in sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))
+            ],
         }
 
     def table(d: dict[str, Any]) -> str:
-        blocks = _table(["block", "hash", "owners"], [[b["index"], f"{b['hash']:016x}", ",".join(b["owners"]) or "-"] for b in d["blocks"]])
+        blocks = _table(
+            ["block", "hash", "owners"],
+            [[b["index"], f"{b['hash']:016x}", ",".join(b["owners"]) or "-"] for b in d["blocks"]],
+        )
         workers = _table(["worker", "matched_blocks"], [[w["id"], w["matched_blocks"]] for w in d["workers"]])
         return f"model {d['model']}, block size {d['block_size']}, {len(d['blocks'])} blocks\n\n{blocks}\n\n{workers}"
 
@@ -170,7 +177,10 @@ def _run_stats(args: argparse.Namespace) -> int:
     async def body(index: RedisIndex) -> dict[str, Any]:
         models = [args.model] if args.model else await index.models()
         out = [vars(await index.stats(m)) for m in models]
-        return {"models": [{k: v for k, v in s.items() if k != "extra"} for s in out], "redis": await index.server_memory()}
+        return {
+            "models": [{k: v for k, v in s.items() if k != "extra"} for s in out],
+            "redis": await index.server_memory(),
+        }
 
     def table(d: dict[str, Any]) -> str:
         headers = ["model", "block_size", "workers", "alive_workers", "entries", "block_keys", "gids_pending_gc"]

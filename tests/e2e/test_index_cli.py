@@ -39,7 +39,9 @@ def test_hash_prints_the_public_json_shape():
     result = kvroute("index", "hash", "--tokens", "1,2,3,4", "--block-size", "4", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"block_size": 4, "hashes": [14643705804678351452]}
-    salted = json.loads(kvroute("index", "hash", "--tokens", "[1,2,3,4]", "--block-size", "4", "--salt", "s", "--json").stdout)
+    salted = json.loads(
+        kvroute("index", "hash", "--tokens", "[1,2,3,4]", "--block-size", "4", "--salt", "s", "--json").stdout
+    )
     assert salted["hashes"] == sequence_hashes([1, 2, 3, 4], 4, cache_salt="s")
 
 

@@ -78,7 +78,9 @@ async def test_a_restarted_empty_redis_is_refilled_by_reassert(kind, unique_name
         ("relog", ["{gid}", 99, b"\0" * 9], "8 bytes per block"),
     ],
 )
-async def test_malformed_script_arguments_are_rejected_without_changes(redis_client, unique_name, script, args, message):
+async def test_malformed_script_arguments_are_rejected_without_changes(
+    redis_client, unique_name, script, args, message
+):
     index = RedisIndex(redis_client)
     registration = await index.register(worker(unique_name), LONG_TTL)
     await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
