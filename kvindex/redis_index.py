@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -110,7 +111,7 @@ class RedisIndex:
     def keys(self, model: str) -> ModelKeys:
         return self._schema.for_model(model)
 
-    async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | bytes | int]) -> object:
+    async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
         try:
             return await self._scripts.call(name, keys, args)
         except ResponseError as exc:
@@ -157,7 +158,7 @@ class RedisIndex:
         writer.ttl_ms = ttl_ms
         keys = writer.keys
         status = await self._call("heartbeat", [keys.worker(worker_id), keys.alive], [writer.gid, ttl_ms])
-        return HeartbeatStatus(_decode(status))  # type: ignore[arg-type]
+        return HeartbeatStatus(_decode(status))
 
     async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
         writer = self._writer(model, worker_id)
@@ -182,7 +183,7 @@ class RedisIndex:
                 [keys.worker(writer.info.worker_id), keys.log(writer.gid), keys.meta],
                 [writer.gid, writer.next_op(), keys.block_prefix, args.hashes, args.flags, args.counts, args.parents],
             )
-            skipped, log_entries = int(reply[2]), int(reply[4])  # type: ignore[index]
+            skipped, log_entries = int(reply[2]), int(reply[4])
             if skipped:
                 raise StaleGenerationError(
                     f"Redis refused {skipped} blocks of worker {writer.info.worker_id!r} whose parent it "
@@ -209,11 +210,11 @@ class RedisIndex:
             [writer.keys.worker(writer.info.worker_id), writer.keys.log(writer.gid)],
             [writer.gid, writer.next_op(), pack_hashes(blocks)],
         )
-        writer.log_entries = int(reply[1])  # type: ignore[index]
+        writer.log_entries = int(reply[1])
 
     async def _retire(self, model: str, worker_id: str, mode: str, gid: int | str) -> list[object]:
         keys = self.keys(model)
-        return await self._call(  # type: ignore[return-value]
+        return await self._call(
             "clear",
             [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)],
             [worker_id, gid, mode],
@@ -246,14 +247,14 @@ class RedisIndex:
             [keys.workers, keys.gids, keys.alive, keys.retired, keys.gc_cursors, keys.meta],
             [keys.worker_prefix, keys.log_prefix, keys.block_prefix, budget, grace_ms],
         )
-        return GcResult(*(int(v) for v in reply))  # type: ignore[attr-defined]
+        return GcResult(*(int(v) for v in reply))
 
     # --- reads ------------------------------------------------------------------------------
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
         keys = self.keys(model)
         reply = await self._call("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
-        depths = _depths_from_match_reply(reply)  # type: ignore[arg-type]
+        depths = _depths_from_match_reply(reply)
         names = await self._worker_names(model, list(depths))
         return {names[gid]: depth for gid, depth in depths.items() if gid in names}
 
@@ -278,7 +279,7 @@ class RedisIndex:
     async def owners(self, model: str, block: int) -> dict[str, int]:
         """Alive workers that hold ``block`` in the index, with their copy counts."""
         alive = await self._alive_gids(model)
-        entries = await self._client.zrange(self.keys(model).block(block), 0, -1, withscores=True)
+        entries: list[Any] = await self._client.zrange(self.keys(model).block(block), 0, -1, withscores=True)
         held = {int(gid): int(score) for gid, score in entries if int(gid) in alive}
         names = await self._worker_names(model, list(held))
         return {names[gid]: copies for gid, copies in held.items() if gid in names}

@@ -194,7 +194,7 @@ class ReferenceIndex:
 
     async def stats(self, model: str) -> ModelStats:
         records = await self.workers(model)
-        keys = set()
+        keys: set[int] = set()
         for worker in self._models.get(model, _Model()).workers.values():
             keys.update(b for b in worker.copies if worker.reachable(b))
         return ModelStats(
