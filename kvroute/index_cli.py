@@ -86,7 +86,7 @@ def add_parser(commands: Any) -> None:
 
 
 def _emit(args: argparse.Namespace, data: Any, table: Callable[[Any], str]) -> int:
-    print(json.dumps(data, indent=None if args.json else 2) if args.json else table(data))
+    print(json.dumps(data) if args.json else table(data))
     return 0
 
 
