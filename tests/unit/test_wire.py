@@ -1,0 +1,111 @@
+"""Golden decoding of every message a real vLLM 0.32 server published (../shared captures),
+plus the older positional encoding and malformed input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from worker_agent.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    WireError,
+    decode_message,
+)
+
+CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu" / "captures"
+CAPTURE_NAMES = ["run1_events", "run2_evict_events", "run3_cbor_bytes_events"]
+
+
+def raw_messages(name: str) -> list[list[bytes]]:
+    """The frames of each message, from the hex dump in <name>.txt."""
+    messages: list[list[bytes]] = []
+    for line in (CAPTURES / f"{name}.txt").read_text().splitlines():
+        if line.startswith("--- msg #"):
+            messages.append([])
+        match = re.match(r"\s+frame\[\d+\] len=\d+ hex=([0-9a-f]*)$", line)
+        if match:
+            messages[-1].append(bytes.fromhex(match.group(1)))
+    return messages
+
+
+def expected_hash(value):
+    return bytes.fromhex(value["__bytes_hex__"]) if isinstance(value, dict) else value
+
+
+@pytest.mark.parametrize("name", CAPTURE_NAMES)
+def test_every_captured_message_decodes_exactly(name):
+    decoded_lines = [json.loads(line) for line in (CAPTURES / f"{name}.jsonl").read_text().splitlines()]
+    messages = raw_messages(name)
+    assert len(messages) == len(decoded_lines) > 0
+    for frames, expected in zip(messages, decoded_lines, strict=True):
+        batch = decode_message(frames)
+        ts, events, dp_rank = expected["payload"]
+        assert (batch.topic, batch.seq, batch.ts, batch.dp_rank) == (expected["topic"], expected["seq"], ts, dp_rank)
+        assert batch.unknown_events == 0 and batch.unknown_keys == frozenset()
+        assert len(batch.events) == len(events)
+        for event, want in zip(batch.events, events, strict=True):
+            hashes = tuple(expected_hash(h) for h in want.get("block_hashes", ()))
+            if want["type"] == "BlockStored":
+                assert isinstance(event, BlockStored)
+                assert event.block_hashes == hashes
+                parent = want["parent_block_hash"]
+                assert event.parent_block_hash == (None if parent is None else expected_hash(parent))
+                assert list(event.token_ids) == want["token_ids"]
+                assert event.block_size == want["block_size"] and event.medium == want["medium"]
+                assert list(event.extra_keys or []) == want["extra_keys"]
+            elif want["type"] == "BlockRemoved":
+                assert isinstance(event, BlockRemoved) and event.block_hashes == hashes
+            else:
+                assert isinstance(event, AllBlocksCleared)
+
+
+def frames_for(events, seq=5) -> list[bytes]:
+    return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([1.5, events, 0])]
+
+
+def test_the_older_positional_encoding_is_accepted():
+    batch = decode_message(
+        frames_for(
+            [
+                ["BlockStored", [11, 12], None, list(range(8)), 4, None, "GPU"],
+                ["BlockRemoved", [12], "GPU"],
+                ["AllBlocksCleared"],
+            ]
+        )
+    )
+    stored, removed, cleared = batch.events
+    assert stored == BlockStored((11, 12), None, tuple(range(8)), 4, medium="GPU")
+    assert removed == BlockRemoved((12,), "GPU") and cleared == AllBlocksCleared()
+
+
+def test_unknown_types_and_keys_are_counted_and_skipped():
+    batch = decode_message(
+        frames_for([{"type": "BlockTouched", "x": 1}, {"type": "BlockRemoved", "block_hashes": [3], "future": 1}])
+    )
+    assert batch.unknown_events == 1 and batch.unknown_keys == {"future"}
+    assert batch.events == (BlockRemoved((3,), None),)
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([b"kv", b"\0" * 8], "3 frames"),
+        ([b"kv", b"\0" * 7, msgpack.packb([1.0, [], 0])], "8 bytes"),
+        ([b"kv", b"\0" * 8, b"\xc1garbage"], "not valid msgpack"),
+        ([b"kv", b"\0" * 8, msgpack.packb({"a": 1})], "must be an array"),
+        (frames_for([{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 4}]), "token ids"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": []}]), "non-empty"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": ["x"]}]), "integer or bytes"),
+        (frames_for([42]), "map or a tagged array"),
+        ([b"\xff", b"\0" * 8, msgpack.packb([1.0, [], 0])], "utf-8"),
+    ],
+)
+def test_malformed_messages_raise_a_clear_wire_error(frames, message):
+    with pytest.raises(WireError, match=message):
+        decode_message(frames)
