@@ -75,6 +75,12 @@ def _decode(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else (value or "")
 
 
+def _time_ms(server_time: tuple[int, int]) -> int:
+    """Redis TIME (seconds, microseconds) in ms: the clock the scripts use for deadlines."""
+    seconds, micros = server_time
+    return seconds * 1000 + micros // 1000
+
+
 def _gid_list(csv: bytes | str) -> list[int]:
     text = _decode(csv)
     return [int(g) for g in text.split(",")] if text else []
@@ -272,17 +278,13 @@ class RedisIndex:
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.time()
             pipe.zrange(keys.alive, 0, -1, withscores=True)
-            (seconds, micros), entries = await pipe.execute()
-        now_ms = seconds * 1000 + micros // 1000
+            server_time, entries = await pipe.execute()
+        now_ms = _time_ms(server_time)
         return {int(gid) for gid, deadline in entries if deadline > now_ms}
 
     async def owners(self, model: str, block: int) -> dict[str, int]:
         """Alive workers that hold ``block`` in the index, with their copy counts."""
-        alive = await self._alive_gids(model)
-        entries: list[Any] = await self._client.zrange(self.keys(model).block(block), 0, -1, withscores=True)
-        held = {int(gid): int(score) for gid, score in entries if int(gid) in alive}
-        names = await self._worker_names(model, list(held))
-        return {names[gid]: copies for gid, copies in held.items() if gid in names}
+        return (await self.owners_of_chain(model, [block]))[0]
 
     async def owners_of_chain(self, model: str, chain: Sequence[int]) -> list[dict[str, int]]:
         """:meth:`owners` of every block of a chain, in one pipelined round trip."""
@@ -316,8 +318,8 @@ class RedisIndex:
             pipe.zrange(keys.alive, 0, -1, withscores=True)
             for worker_id in worker_ids:
                 pipe.hgetall(keys.worker(worker_id))
-            (seconds, micros), alive, *records = await pipe.execute()
-        now_ms = seconds * 1000 + micros // 1000
+            server_time, alive, *records = await pipe.execute()
+        now_ms = _time_ms(server_time)
         deadlines = {int(gid): deadline for gid, deadline in alive}
         out = []
         for raw in records:
