@@ -10,7 +10,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvindex.mirror import IndexAdd, IndexSub
+from kvindex.mirror import IndexAdd, IndexOp, IndexSub
 
 MAX_COUNT_PER_ITEM = 0xFFFF
 
@@ -37,7 +37,7 @@ class StoreArgs:
 
 
 def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
-    """Encode additions for store.lua: flag 'r' (chain start), 'c' (parent is the previous item)
+    """Encode additions for an apply.lua segment: flag 'r' (chain start), 'c' (parent is the previous item)
     or 'p' (parent given explicitly). Counts above 65535 are split into several items."""
     hashes: list[int] = []
     flags = bytearray()
@@ -63,7 +63,7 @@ def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
 
 
 def encode_subs(subs: Sequence[IndexSub]) -> tuple[bytes, bytes]:
-    """Encode subtractions for remove.lua: the hashes and their 2-byte counts."""
+    """Encode subtractions for an apply.lua segment: the hashes and their 2-byte counts."""
     hashes: list[int] = []
     counts: list[int] = []
     for sub in subs:
@@ -74,3 +74,24 @@ def encode_subs(subs: Sequence[IndexSub]) -> tuple[bytes, bytes]:
             counts.append(chunk)
             remaining -= chunk
     return pack_hashes(hashes), struct.pack(f">{len(counts)}H", *counts)
+
+
+def encode_ops(ops: Sequence[IndexOp]) -> tuple[bytes, list[bytes]]:
+    """Encode an ordered mix of additions and subtractions for apply.lua: the segment kinds
+    ('a'/'s', one per run of same-kind operations) and each segment's arguments in order."""
+    kinds = bytearray()
+    args: list[bytes] = []
+    start = 0
+    for end in range(1, len(ops) + 1):
+        if end < len(ops) and type(ops[end]) is type(ops[start]):
+            continue
+        segment = ops[start:end]
+        if isinstance(segment[0], IndexAdd):
+            kinds += b"a"
+            encoded = encode_adds(segment)  # type: ignore[arg-type]
+            args += [encoded.hashes, encoded.flags, encoded.counts, encoded.parents]
+        else:
+            kinds += b"s"
+            args += list(encode_subs(segment))  # type: ignore[arg-type]
+        start = end
+    return bytes(kinds), args

@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvindex.types import (
+    BlockChange,
     GcResult,
     HeartbeatStatus,
     ModelStats,
     Registration,
     StoredRun,
     WorkerInfo,
+    WorkerLoad,
     WorkerRecord,
     WriteResult,
 )
@@ -39,6 +41,12 @@ class KVIndex(Protocol):
     async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult: ...
 
     async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult: ...
+
+    async def apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
+        """Stores and removals in order, as one atomic step for readers."""
+        ...
+
+    async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus: ...
 
     async def clear(self, model: str, worker_id: str) -> None: ...
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvindex.types import StoredRun
+from kvindex.types import BlockChange, RemovedBlocks, StoredRun, WriteResult
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class IndexSub:
 
     block: int
     count: int
+
+
+IndexOp = IndexAdd | IndexSub
 
 
 class BlockMirror:
@@ -55,6 +58,22 @@ class BlockMirror:
 
     def is_indexed(self, block: int) -> bool:
         return block in self._indexed
+
+    def apply(self, changes: Iterable[BlockChange]) -> tuple[list[IndexOp], WriteResult]:
+        """Record stores and removals in order; returns the index operations in the order they
+        must be applied, and what happened (stored blocks not indexable count as skipped)."""
+        ops: list[IndexOp] = []
+        result = WriteResult()
+        for change in changes:
+            if isinstance(change, RemovedBlocks):
+                subs, missing = self.remove(change.hashes)
+                ops.extend(subs)
+                result += WriteResult(applied=len(change.hashes) - missing, missing=missing)
+            else:
+                adds, orphaned = self.store([change])
+                ops.extend(adds)
+                result += WriteResult(applied=len(change.hashes) - orphaned, skipped=orphaned)
+        return ops, result
 
     def store(self, runs: Iterable[StoredRun]) -> tuple[list[IndexAdd], int]:
         """Record stored runs; returns the index additions (parents first) and how many stored

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
-from kvindex.codec import encode_adds, encode_subs, pack_hashes
+from kvindex.codec import encode_ops, pack_hashes
 from kvindex.errors import (
     BlockSizeMismatchError,
     NotRegisteredError,
@@ -23,20 +23,23 @@ from kvindex.errors import (
 )
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.keys import KeySchema, ModelKeys
-from kvindex.mirror import BlockMirror, IndexAdd, IndexSub
+from kvindex.mirror import BlockMirror, IndexOp
 from kvindex.scripts import Scripts
 from kvindex.types import (
+    BlockChange,
     GcResult,
     HeartbeatStatus,
     ModelStats,
     Registration,
+    RemovedBlocks,
     StoredRun,
     WorkerInfo,
+    WorkerLoad,
     WorkerRecord,
     WriteResult,
 )
 
-# Items per store/remove call: keeps each script run around a few milliseconds.
+# Items per apply.lua call: keeps each script run around a few milliseconds.
 MAX_ITEMS_PER_CALL = 4096
 # Rewrite a gid's block log once it lists this many more entries than the gid holds.
 RELOG_SLACK = 1024
@@ -53,6 +56,8 @@ class _Writer:
     op: int = 0
     mirror: BlockMirror = field(default_factory=BlockMirror)
     log_entries: int = 0
+    dirty: bool = False  # a write failed: Redis may lack part of the mirror until reassert()
+    load: WorkerLoad | None = None
 
     def next_op(self) -> int:
         self.op += 1
@@ -79,6 +84,12 @@ def _time_ms(server_time: tuple[int, int]) -> int:
     """Redis TIME (seconds, microseconds) in ms: the clock the scripts use for deadlines."""
     seconds, micros = server_time
     return seconds * 1000 + micros // 1000
+
+
+def _load_of(record: dict[str, str]) -> WorkerLoad | None:
+    if "load_ms" not in record:
+        return None
+    return WorkerLoad(int(record["running"]), int(record["waiting"]), float(record["kv_usage"]))
 
 
 def _gid_list(csv: bytes | str) -> list[int]:
@@ -148,15 +159,24 @@ class RedisIndex:
         self._writers[(worker.model, worker.worker_id)] = _Writer(worker, keys, int(gid), ttl_ms)
         return Registration(int(gid), int(epoch))
 
+    def needs_reassert(self, model: str, worker_id: str) -> bool:
+        """True after a write failed: Redis may lack changes the mirror has."""
+        return self._writer(model, worker_id).dirty
+
     async def reassert(self, model: str, worker_id: str) -> Registration:
         """Register again under a fresh generation and write the whole mirror back: used when
-        Redis lost data (restart, failover, flush) or drifted from what the worker holds."""
+        Redis lost data (restart, failover, flush), a write failed, or to heal drift."""
         writer = self._writer(model, worker_id)
-        mirror = writer.mirror
         registration = await self.register(writer.info, writer.ttl_ms)
         fresh = self._writer(model, worker_id)
-        fresh.mirror = mirror
-        await self._send_adds(fresh, mirror.indexed_in_order())
+        fresh.mirror, fresh.load = writer.mirror, writer.load
+        try:
+            await self._send(fresh, list(fresh.mirror.indexed_in_order()))
+            if fresh.load is not None:
+                await self.report_load(model, worker_id, fresh.load)
+        except (RedisError, OSError, StaleGenerationError):
+            fresh.dirty = True
+            raise
         return registration
 
     async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
@@ -166,48 +186,59 @@ class RedisIndex:
         status = await self._call("heartbeat", [keys.worker(worker_id), keys.alive], [writer.gid, ttl_ms])
         return HeartbeatStatus(_decode(status))
 
-    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
+    async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus:
         writer = self._writer(model, worker_id)
-        adds, orphaned = writer.mirror.store(runs)
-        await self._send_adds(writer, adds)
-        stored = sum(len(run.hashes) for run in runs)
-        return WriteResult(applied=stored - orphaned, skipped=orphaned)
+        writer.load = load
+        status = await self._call(
+            "load", [writer.keys.worker(worker_id)], [writer.gid, load.running, load.waiting, repr(load.kv_usage)]
+        )
+        return HeartbeatStatus(_decode(status))
+
+    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
+        return await self.apply(model, worker_id, runs)
 
     async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult:
-        writer = self._writer(model, worker_id)
-        subs, missing = writer.mirror.remove(blocks)
-        await self._send_subs(writer, subs)
-        return WriteResult(applied=len(blocks) - missing, missing=missing)
+        return await self.apply(model, worker_id, [RemovedBlocks(tuple(blocks))])
 
-    async def _send_adds(self, writer: _Writer, adds: Sequence[IndexAdd]) -> None:
+    async def apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
+        """Apply stores and removals in order: one apply.lua call (unless above
+        MAX_ITEMS_PER_CALL items), so readers see all of it or none of it.
+
+        The mirror is updated first. If Redis cannot be reached, the writer is marked dirty:
+        later calls only update the mirror, and :meth:`reassert` (which the agent retries until
+        it succeeds) writes everything back. A StaleGenerationError (Redis lost data, or another
+        registration took over) is raised and also calls for :meth:`reassert`."""
+        writer = self._writer(model, worker_id)
+        ops, result = writer.mirror.apply(changes)
+        if writer.dirty:
+            return result
+        try:
+            await self._send(writer, ops)
+        except (RedisError, OSError) as exc:
+            if not isinstance(exc, ResponseError):
+                writer.dirty = True  # unknown whether Redis applied it
+            raise
+        return result
+
+    async def _send(self, writer: _Writer, ops: Sequence[IndexOp]) -> None:
         keys = writer.keys
         # Even an empty batch goes to Redis: it checks that this writer's generation is current.
-        for start in range(0, max(len(adds), 1), MAX_ITEMS_PER_CALL):
-            args = encode_adds(adds[start : start + MAX_ITEMS_PER_CALL])
+        for start in range(0, max(len(ops), 1), MAX_ITEMS_PER_CALL):
+            kinds, args = encode_ops(ops[start : start + MAX_ITEMS_PER_CALL])
             reply = await self._call(
-                "store",
+                "apply",
                 [keys.worker(writer.info.worker_id), keys.log(writer.gid), keys.meta],
-                [writer.gid, writer.next_op(), keys.block_prefix, args.hashes, args.flags, args.counts, args.parents],
+                [writer.gid, writer.next_op(), keys.block_prefix, kinds, *args],
             )
-            skipped, log_entries = int(reply[2]), int(reply[4])
-            if skipped:
+            skipped, log_entries, missing = int(reply[2]), int(reply[4]), int(reply[6])
+            if skipped or missing:
                 raise StaleGenerationError(
-                    f"Redis refused {skipped} blocks of worker {writer.info.worker_id!r} whose parent it "
-                    "does not hold: the index lost data; re-assert the worker"
+                    f"Redis lacks {skipped + missing} blocks that worker {writer.info.worker_id!r} indexed "
+                    "before: the index lost data; re-assert the worker"
                 )
             writer.log_entries = log_entries
         if writer.log_entries > 2 * writer.mirror.indexed_count + RELOG_SLACK:
             await self._relog(writer)
-
-    async def _send_subs(self, writer: _Writer, subs: Sequence[IndexSub]) -> None:
-        keys = writer.keys
-        for start in range(0, max(len(subs), 1), MAX_ITEMS_PER_CALL):
-            hashes, counts = encode_subs(subs[start : start + MAX_ITEMS_PER_CALL])
-            await self._call(
-                "remove",
-                [keys.worker(writer.info.worker_id), keys.meta],
-                [writer.gid, writer.next_op(), keys.block_prefix, hashes, counts],
-            )
 
     async def _relog(self, writer: _Writer) -> None:
         blocks = [add.block for add in writer.mirror.indexed_in_order()]
@@ -229,11 +260,18 @@ class RedisIndex:
     async def clear(self, model: str, worker_id: str) -> None:
         """Drop all of the worker's blocks (it stays registered, under a fresh generation)."""
         writer = self._writer(model, worker_id)
-        status, gid = await self._retire(model, worker_id, "keep", writer.gid)
+        writer.mirror.clear()
+        if writer.dirty:
+            return
+        try:
+            status, gid = await self._retire(model, worker_id, "keep", writer.gid)
+        except (RedisError, OSError) as exc:
+            if not isinstance(exc, ResponseError):
+                writer.dirty = True
+            raise
         if _decode(status) != "ok":  # type: ignore[arg-type]
             raise StaleGenerationError(f"worker {worker_id!r} is {_decode(status)} in the index")  # type: ignore[arg-type]
         writer.gid, writer.op, writer.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
-        writer.mirror.clear()
 
     async def deregister(self, model: str, worker_id: str) -> None:
         writer = self._writer(model, worker_id)
@@ -298,6 +336,11 @@ class RedisIndex:
         names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
         return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
 
+    async def server_run_id(self) -> str:
+        """The Redis process's run_id: it changes when the server restarts or fails over."""
+        info = await self._client.info("server")
+        return str(info["run_id"])
+
     async def server_memory(self) -> dict[str, int]:
         """Redis's own view of its size, for `kvroute index stats`."""
         info = await self._client.info("memory")
@@ -340,6 +383,8 @@ class RedisIndex:
                     blocks=int(rec["blocks"]),
                     heartbeat_age_ms=now_ms - int(rec["heartbeat_ms"]),
                     ttl_ms=int(rec["ttl_ms"]),
+                    load=_load_of(rec),
+                    load_age_ms=now_ms - int(rec["load_ms"]) if "load_ms" in rec else None,
                 )
             )
         return out

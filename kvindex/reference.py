@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from kvindex.errors import BlockSizeMismatchError, NotRegisteredError
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.types import (
+    BlockChange,
     GcResult,
     HeartbeatStatus,
     ModelStats,
     Registration,
+    RemovedBlocks,
     StoredRun,
     WorkerInfo,
+    WorkerLoad,
     WorkerRecord,
     WriteResult,
 )
@@ -34,6 +37,8 @@ class _Worker:
     heartbeat_ms: int
     copies: dict[int, int] = field(default_factory=dict)
     parent: dict[int, int | None] = field(default_factory=dict)
+    load: WorkerLoad | None = None
+    load_ms: int = 0
 
     def deadline_ms(self) -> int:
         return self.heartbeat_ms + self.ttl_ms
@@ -135,6 +140,20 @@ class ReferenceIndex:
                 del worker.parent[block]
         return WriteResult(applied=applied, missing=missing)
 
+    async def apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
+        result = WriteResult()
+        for change in changes:
+            if isinstance(change, RemovedBlocks):
+                result += await self.remove(model, worker_id, change.hashes)
+            else:
+                result += await self.store(model, worker_id, [change])
+        return result
+
+    async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus:
+        worker = self._writer(model, worker_id)
+        worker.load, worker.load_ms = load, self._clock_ms()
+        return HeartbeatStatus.OK
+
     async def clear(self, model: str, worker_id: str) -> None:
         worker = self._writer(model, worker_id)
         state = self._models[model]
@@ -182,6 +201,8 @@ class ReferenceIndex:
                 blocks=sum(1 for b in w.copies if w.reachable(b)),
                 heartbeat_age_ms=now - w.heartbeat_ms,
                 ttl_ms=w.ttl_ms,
+                load=w.load,
+                load_age_ms=now - w.load_ms if w.load else None,
             )
             for w in sorted(self._models.get(model, _Model()).workers.values(), key=lambda w: w.info.worker_id)
         ]

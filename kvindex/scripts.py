@@ -15,7 +15,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-SCRIPT_NAMES = ("register", "heartbeat", "store", "remove", "clear", "relog", "gc", "match")
+SCRIPT_NAMES = ("register", "heartbeat", "apply", "load", "clear", "relog", "gc", "match")
 
 KeyOrArg = str | bytes | int
 

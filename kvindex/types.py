@@ -27,6 +27,26 @@ class StoredRun:
 
 
 @dataclass(frozen=True)
+class RemovedBlocks:
+    """Blocks that lost one copy each (one engine BlockRemoved per copy)."""
+
+    hashes: tuple[int, ...]
+
+
+# One ordered change to a worker's cached blocks; a batch of them is applied atomically.
+BlockChange = StoredRun | RemovedBlocks
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """The engine's own load signal, scraped from its /metrics by the agent."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1
+
+
+@dataclass(frozen=True)
 class Registration:
     gid: int
     epoch: int
@@ -47,6 +67,9 @@ class WriteResult:
     skipped: int = 0
     missing: int = 0
 
+    def __add__(self, other: WriteResult) -> WriteResult:
+        return WriteResult(self.applied + other.applied, self.skipped + other.skipped, self.missing + other.missing)
+
 
 @dataclass(frozen=True)
 class WorkerRecord:
@@ -61,6 +84,8 @@ class WorkerRecord:
     blocks: int
     heartbeat_age_ms: int
     ttl_ms: int
+    load: WorkerLoad | None = None
+    load_age_ms: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 -- match.lua: for a prompt's chain of block hashes, the number of leading blocks every ALIVE
 -- worker generation (gid) holds, in one round trip.
--- Every gid's entries are prefix-closed (store.lua accepts a block only under an indexed parent;
+-- Every gid's entries are prefix-closed (apply.lua accepts a block only under an indexed parent;
 -- removals and gc take children first), so along a chain the owner sets shrink monotonically:
 -- owners(i) contains owners(i+1). Equal ZCARDs at two depths therefore mean equal owner sets in
 -- between, and a bisection over depth finds the few depths where the set shrinks. Cost grows with

@@ -1,5 +1,5 @@
 -- relog.lua: replace a gid's block log with a compact one (no removed or repeated entries).
--- store.lua only appends to the log, so churn (evict, store again) grows it; the writer, which
+-- apply.lua only appends to the log, so churn (evict, store again) grows it; the writer, which
 -- knows exactly which blocks the gid holds, rewrites it when it exceeds twice that. The new log
 -- must list parents before children, so that gc.lua (which reads it backwards) removes children
 -- first and the index stays prefix-closed while it is collected.

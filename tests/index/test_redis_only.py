@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError, ResponseError
 
 from kvindex.errors import ScriptArgumentError, StaleGenerationError
 from kvindex.hashing import sequence_hashes
@@ -69,12 +69,16 @@ async def test_a_restarted_empty_redis_is_refilled_by_reassert(kind, unique_name
 @pytest.mark.parametrize(
     ("script", "args", "message"),
     [
-        ("store", ["{gid}", "x", "{prefix}", b"\0" * 8, b"r", b"\0\1", b""], "op id must be an integer"),
-        ("store", ["{gid}", 99, "{prefix}", b"\0" * 7, b"r", b"\0\1", b""], "arguments malformed"),
-        ("store", ["{gid}", 99, "{prefix}", b"\0" * 8, b"c", b"\0\1", b""], "first may not be c"),
-        ("store", ["{gid}", 99, "{prefix}", b"\0" * 8, b"p", b"\0\1", b""], "'p' flags"),
-        ("store", ["12345", 99, "{prefix}", b"\0" * 8, b"r", b"\0\1", b""], "stale generation"),
-        ("remove", ["{gid}", 99, "{prefix}", b"\0" * 8, b"\1"], "arguments malformed"),
+        ("apply", ["{gid}", "x", "{prefix}", b"a", b"\0" * 8, b"r", b"\0\1", b""], "op id must be an integer"),
+        ("apply", ["{gid}", 99, "{prefix}", b"a", b"\0" * 7, b"r", b"\0\1", b""], "arguments malformed"),
+        ("apply", ["{gid}", 99, "{prefix}", b"a", b"\0" * 8, b"c", b"\0\1", b""], "first may not be c"),
+        ("apply", ["{gid}", 99, "{prefix}", b"a", b"\0" * 8, b"p", b"\0\1", b""], "'p' flags"),
+        ("apply", ["12345", 99, "{prefix}", b"a", b"\0" * 8, b"r", b"\0\1", b""], "stale generation"),
+        ("apply", ["{gid}", 99, "{prefix}", b"s", b"\0" * 8, b"\1"], "segment 1: arguments malformed"),
+        ("apply", ["{gid}", 99, "{prefix}", b"sa", b"\0" * 8, b"\0\1"], "need 10 arguments, got 6"),
+        ("apply", ["{gid}", 99, "{prefix}", b"x", b"\0" * 8, b"\0\1"], "kinds must be"),
+        ("load", ["{gid}", -1, 0, "0.5"], "non-negative running"),
+        ("load", ["{gid}", 1, 0, "1.5"], "within 0..1"),
         ("relog", ["{gid}", 99, b"\0" * 9], "8 bytes per block"),
     ],
 )
@@ -86,8 +90,8 @@ async def test_malformed_script_arguments_are_rejected_without_changes(
     await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
     keys = index.keys(unique_name)
     key_lists = {
-        "store": [keys.worker("a"), keys.log(registration.gid), keys.meta],
-        "remove": [keys.worker("a"), keys.meta],
+        "apply": [keys.worker("a"), keys.log(registration.gid), keys.meta],
+        "load": [keys.worker("a")],
         "relog": [keys.worker("a"), keys.log(registration.gid)],
     }
     filled = [str(registration.gid) if a == "{gid}" else keys.block_prefix if a == "{prefix}" else a for a in args]
@@ -169,3 +173,27 @@ async def test_every_key_of_a_model_is_in_one_cluster_slot(redis_client, unique_
     keys = await model_keys(redis_client, unique_name)
     assert len(keys) > 10
     assert {key_slot(k) for k in keys} == {key_slot(unique_name.encode())}
+
+
+@pytest.mark.faults
+async def test_writes_while_redis_is_down_reach_it_through_reassert(unique_name):
+    server = RedisServer(binary=available_servers()["redis"]).start()
+    client = RedisSettings(url=server.url, socket_timeout_s=0.5).client()
+    try:
+        index = RedisIndex(client)
+        await index.register(worker(unique_name), LONG_TTL)
+        await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
+        server.stop(kill=True)
+        with pytest.raises(ConnectionError):
+            await index.store(unique_name, "a", [StoredRun(CHAIN[3], tuple(CHAIN[4:6]))])
+        assert index.needs_reassert(unique_name, "a")
+        # While dirty, writes only update the mirror (no waiting on a dead server).
+        await index.remove(unique_name, "a", [CHAIN[5]])
+        await index.store(unique_name, "a", [StoredRun(CHAIN[4], tuple(CHAIN[5:8]))])
+        server = RedisServer(binary=server.binary, port=server.port).start()
+        await index.reassert(unique_name, "a")
+        assert not index.needs_reassert(unique_name, "a")
+        assert await index.match(unique_name, CHAIN) == {"a": 8}
+    finally:
+        await client.aclose()
+        server.stop()

@@ -6,7 +6,7 @@ import pytest
 
 from kvindex.errors import BlockSizeMismatchError, KVIndexError, NotRegisteredError
 from kvindex.hashing import sequence_hashes
-from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo
+from kvindex.types import HeartbeatStatus, RemovedBlocks, StoredRun, WorkerInfo, WorkerLoad
 
 LONG_TTL = 60_000
 
@@ -137,3 +137,39 @@ async def test_models_are_separate_namespaces(index, unique_name):
     assert {unique_name, other} <= set(await index.models())
     stats = await index.stats(unique_name)
     assert (stats.block_size, stats.workers, stats.entries, stats.block_keys) == (4, 1, 5, 5)
+
+
+async def test_apply_takes_changes_in_their_order(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    # store then remove the tail in one call: gone; remove then store again: present.
+    result = await index.apply(
+        unique_name, "a", [run(CHAIN, 0, 6), RemovedBlocks((CHAIN[5], CHAIN[4])), run(CHAIN, 4, 5)]
+    )
+    assert (result.applied, result.skipped, result.missing) == (9, 0, 0)
+    assert await index.match(unique_name, CHAIN) == {"a": 5}
+    result = await index.apply(unique_name, "a", [RemovedBlocks((CHAIN[9],)), RemovedBlocks((CHAIN[2],))])
+    assert (result.applied, result.missing) == (1, 1)
+    assert await index.match(unique_name, CHAIN) == {"a": 2}
+    await index.apply(unique_name, "a", [run(CHAIN, 2, 3)])
+    assert await index.match(unique_name, CHAIN) == {"a": 5}
+
+
+async def test_apply_counts_copies_like_store_and_remove(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.apply(unique_name, "a", [run(CHAIN, 0, 3), run(CHAIN, 2, 3), RemovedBlocks((CHAIN[2],))])
+    assert await index.match(unique_name, CHAIN) == {"a": 3}
+    assert await index.owners(unique_name, CHAIN[2]) == {"a": 1}
+
+
+async def test_reported_load_is_shown_with_the_worker(index, unique_name):
+    await index.register(worker(unique_name, "a"), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    status = await index.report_load(unique_name, "a", WorkerLoad(running=3, waiting=1, kv_usage=0.25))
+    assert status == HeartbeatStatus.OK
+    records = {r.worker_id: r for r in await index.workers(unique_name)}
+    assert records["a"].load == WorkerLoad(3, 1, 0.25)
+    assert records["a"].load_age_ms is not None and 0 <= records["a"].load_age_ms < 5_000
+    assert records["b"].load is None and records["b"].load_age_ms is None
+    await index.deregister(unique_name, "b")
+    with pytest.raises(NotRegisteredError):
+        await index.report_load(unique_name, "b", WorkerLoad(0, 0, 0.0))

@@ -1,0 +1,169 @@
+-- apply.lua: apply one ordered list of index changes to one worker generation (gid), atomically.
+-- A change list is a sequence of segments, each either additions ('a') or subtractions ('s');
+-- an engine batch (or several consecutive ones) becomes one call, so routers never see half of it.
+--
+-- Additions: each block key is a ZSET member=gid, score=reference count (vLLM stores a second
+-- copy of a block it already holds and later sends one BlockRemoved per copy). The index stays
+-- prefix-closed: a block is accepted only when its parent is indexed for the same gid (or it is a
+-- chain's first block), so match.lua can search over depth exactly.
+-- Subtractions: a block leaves the gid's set when its count reaches 0 (Redis deletes an empty
+-- ZSET). The caller sends a chain's descendants before their ancestor (kvindex.mirror does).
+-- Idempotent: each call carries an op id that must exceed the last one applied for the gid;
+-- a replayed call (same op id) changes nothing and returns 'dup'.
+--
+-- KEYS[1] record  HASH    the worker's record (fields gid, op, blocks)
+-- KEYS[2] log     STRING  8-byte hashes of blocks that joined this gid, in order (gc.lua reads it)
+-- KEYS[3] meta    HASH    model settings (field block_keys counts distinct block keys)
+-- ARGV[1] gid   ARGV[2] op id (integer > last op)   ARGV[3] block key prefix
+-- ARGV[4] segment kinds, one char per segment: 'a' or 's'; then per segment, in order:
+--   'a': hashes (8 bytes big-endian per item), parent flags (one char per item: 'r' chain start,
+--        'c' parent is the previous item of the segment, 'p' parent is the next 8 bytes of the
+--        explicit parents), counts (2 bytes big-endian per item, 1..65535), explicit parents
+--   's': hashes (8 bytes big-endian per item), counts (2 bytes big-endian per item)
+-- Returns {'ok'|'dup', accepted, skipped (parent not indexed), new entries, log entries,
+--          subtracted, missing (not indexed for the gid), entries removed}.
+local record_key, log_key, meta_key = KEYS[1], KEYS[2], KEYS[3]
+local gid, op_id, block_prefix, kinds = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local HEX = '%02x%02x%02x%02x%02x%02x%02x%02x'
+local accepted, skipped, added, new_keys = 0, 0, 0, 0
+local subtracted, missing, removed, gone_keys = 0, 0, 0, 0
+local appended = {}
+
+local function block_key(bytes, pos)
+  return block_prefix .. string.format(HEX, string.byte(bytes, pos, pos + 7))
+end
+
+local function count_at(counts, i)
+  return string.byte(counts, 2 * i + 1) * 256 + string.byte(counts, 2 * i + 2)
+end
+
+local function check_adds(hashes, flags, counts, parents)
+  local n = #hashes / 8
+  if n % 1 ~= 0 or #flags ~= n or #counts ~= 2 * n or #parents % 8 ~= 0 then
+    return 'arguments malformed: ' .. #hashes .. ' hash bytes, ' .. #flags .. ' flags, '
+      .. #counts .. ' count bytes, ' .. #parents .. ' parent bytes'
+  end
+  if string.find(flags, '[^rcp]') or string.sub(flags, 1, 1) == 'c' then
+    return 'parent flags must be r, c or p, and the first may not be c'
+  end
+  local _, p_flags = string.gsub(flags, 'p', 'p')
+  if p_flags * 8 ~= #parents then
+    return p_flags .. " 'p' flags but " .. #parents / 8 .. ' parents'
+  end
+  return nil
+end
+
+local function check_subs(hashes, counts)
+  local n = #hashes / 8
+  if n % 1 ~= 0 or #counts ~= 2 * n then
+    return 'arguments malformed: ' .. #hashes .. ' hash bytes, ' .. #counts .. ' count bytes'
+  end
+  return nil
+end
+
+local function apply_adds(hashes, flags, counts, parents)
+  local parent_pos, previous_ok = 1, false
+  for i = 0, #hashes / 8 - 1 do
+    local flag, count, parent_ok = string.sub(flags, i + 1, i + 1), count_at(counts, i), false
+    if flag == 'r' then
+      parent_ok = true
+    elseif flag == 'c' then
+      parent_ok = previous_ok
+    else
+      parent_ok = redis.call('ZSCORE', block_key(parents, parent_pos), gid) ~= false
+      parent_pos = parent_pos + 8
+    end
+    if parent_ok and count > 0 then
+      local key = block_key(hashes, 8 * i + 1)
+      if tonumber(redis.call('ZINCRBY', key, count, gid)) == count then
+        added = added + 1
+        appended[added] = string.sub(hashes, 8 * i + 1, 8 * i + 8)
+        if redis.call('ZCARD', key) == 1 then
+          new_keys = new_keys + 1
+        end
+      end
+      accepted = accepted + 1
+      previous_ok = true
+    else
+      skipped = skipped + 1
+      previous_ok = false
+    end
+  end
+end
+
+local function apply_subs(hashes, counts)
+  for i = 0, #hashes / 8 - 1 do
+    local key, count = block_key(hashes, 8 * i + 1), count_at(counts, i)
+    local score = redis.call('ZSCORE', key, gid)
+    if not score then
+      missing = missing + 1
+    else
+      subtracted = subtracted + 1
+      if tonumber(score) - count <= 0 then
+        redis.call('ZREM', key, gid)
+        removed = removed + 1
+        if redis.call('EXISTS', key) == 0 then
+          gone_keys = gone_keys + 1
+        end
+      else
+        redis.call('ZINCRBY', key, -count, gid)
+      end
+    end
+  end
+end
+
+if op_id == nil or op_id % 1 ~= 0 then
+  return redis.error_reply('ERR kvroute: apply op id must be an integer, got ' .. tostring(ARGV[2]))
+end
+if string.find(kinds, '[^as]') then
+  return redis.error_reply("ERR kvroute: apply segment kinds must be 'a' or 's', got " .. kinds)
+end
+local arg, problem = 5, nil
+for k = 1, #kinds do
+  if string.sub(kinds, k, k) == 'a' then
+    problem = check_adds(ARGV[arg] or '', ARGV[arg + 1] or '', ARGV[arg + 2] or '', ARGV[arg + 3] or '')
+    arg = arg + 4
+  else
+    problem = check_subs(ARGV[arg] or '', ARGV[arg + 1] or '')
+    arg = arg + 2
+  end
+  if problem then
+    return redis.error_reply('ERR kvroute: apply segment ' .. k .. ': ' .. problem)
+  end
+end
+if arg - 1 ~= #ARGV then
+  return redis.error_reply('ERR kvroute: apply arguments malformed: segments ' .. kinds .. ' need '
+    .. (arg - 1) .. ' arguments, got ' .. #ARGV)
+end
+local current = redis.call('HGET', record_key, 'gid')
+if current ~= gid then
+  return redis.error_reply('ERR kvroute: stale generation: gid ' .. gid .. ' is not current (current: '
+    .. tostring(current) .. ')')
+end
+if op_id <= tonumber(redis.call('HGET', record_key, 'op') or '0') then
+  return {'dup', 0, 0, 0, 0, 0, 0, 0}
+end
+
+arg = 5
+for k = 1, #kinds do
+  if string.sub(kinds, k, k) == 'a' then
+    apply_adds(ARGV[arg], ARGV[arg + 1], ARGV[arg + 2], ARGV[arg + 3])
+    arg = arg + 4
+  else
+    apply_subs(ARGV[arg], ARGV[arg + 1])
+    arg = arg + 2
+  end
+end
+
+local log_len = redis.call('STRLEN', log_key)
+if added > 0 then
+  log_len = redis.call('APPEND', log_key, table.concat(appended))
+end
+if added - removed ~= 0 then
+  redis.call('HINCRBY', record_key, 'blocks', added - removed)
+end
+if new_keys - gone_keys ~= 0 then
+  redis.call('HINCRBY', meta_key, 'block_keys', new_keys - gone_keys)
+end
+redis.call('HSET', record_key, 'op', op_id)
+return {'ok', accepted, skipped, added, log_len / 8, subtracted, missing, removed}
