@@ -336,6 +336,15 @@ class RedisIndex:
         names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
         return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
 
+    async def indexed_blocks(self, model: str, worker_id: str) -> int | None:
+        """How many blocks Redis indexes for this writer's current generation (None when the
+        record is gone or belongs to another generation): compared with the mirror to find drift."""
+        writer = self._writer(model, worker_id)
+        gid, blocks = await self._client.hmget(writer.keys.worker(worker_id), ["gid", "blocks"])
+        if gid is None or int(gid) != writer.gid:
+            return None
+        return int(blocks or 0)
+
     async def server_run_id(self) -> str:
         """The Redis process's run_id: it changes when the server restarts or fails over."""
         info = await self._client.info("server")

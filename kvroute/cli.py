@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvroute import __version__, bench_cli, index_cli
+from kvroute import __version__, agent_cli, bench_cli, index_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     index_cli.add_parser(commands)
+    agent_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     return parser
 

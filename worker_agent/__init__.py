@@ -1,1 +1,3 @@
-"""The worker agent (issue 2/6): turns an engine's KV events into index updates."""
+"""The worker agent: one per engine, it turns the engine's KV-cache events into index updates.
+
+Imports the core index (``kvindex``), never ``router``."""

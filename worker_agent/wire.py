@@ -40,12 +40,14 @@ class BlockStored:
     lora_name: str | None = None
     medium: str | None = None
     extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[EngineHash, ...]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ def _engine_hash(value: Any, what: str) -> EngineHash:
     if isinstance(value, int) and not 0 <= value < 1 << 64:
         value &= (1 << 64) - 1  # signed encoders: keep the 64 bits
     return value
+
+
+def _optional_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _hashes(value: Any) -> tuple[EngineHash, ...]:
@@ -118,6 +124,7 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
         lora_name=lora_name if isinstance(lora_name, str) else None,
         medium=fields.get("medium") if isinstance(fields.get("medium"), str) else None,
         extra_keys=tuple(extra) if isinstance(extra, list | tuple) else None,
+        group_idx=_optional_int(fields.get("group_idx")),
     )
 
 
@@ -132,7 +139,11 @@ def decode_event(raw: Any) -> tuple[Event | None, set[str]]:
         return _stored(fields), unknown
     if kind == "BlockRemoved":
         medium = fields.get("medium")
-        return BlockRemoved(_hashes(fields.get("block_hashes")), medium if isinstance(medium, str) else None), unknown
+        return BlockRemoved(
+            _hashes(fields.get("block_hashes")),
+            medium if isinstance(medium, str) else None,
+            _optional_int(fields.get("group_idx")),
+        ), unknown
     return AllBlocksCleared(), unknown
 
 

@@ -1,0 +1,149 @@
+"""The engine side of vLLM's KV-event wire: what vLLM 0.32/0.33's ZmqEventPublisher sends.
+
+PUB frames ``[topic, seq (8 bytes big-endian), msgpack([ts, [event maps], dp_rank])]``, with seq
+counting batches from 0 per process, and a ROUTER replay socket that answers a DEALER's
+``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` per buffered batch with seq >= start,
+then ``[b"", b"", ff*8, b""]``. Event maps carry vLLM's keys in vLLM's order (see
+../shared/docs/vllm-kv-events.md and the captures), so a consumer cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+END_SEQ = (0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+
+
+def stored_event(
+    block_hashes: Sequence[int | bytes],
+    parent_block_hash: int | bytes | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    extra_keys: Sequence[Any] | None = None,
+    medium: str = "GPU",
+    group_idx: int = 0,
+) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(block_hashes),
+        "parent_block_hash": parent_block_hash,
+        "token_ids": list(token_ids),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": lora_name,
+        "extra_keys": list(extra_keys) if extra_keys is not None else [None] * len(block_hashes),
+        "group_idx": group_idx,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def removed_event(block_hashes: Sequence[int | bytes], *, medium: str = "GPU", group_idx: int = 0) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium, "group_idx": group_idx}
+
+
+def cleared_event() -> dict[str, Any]:
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(events: Sequence[dict[str, Any]], dp_rank: int = 0, ts: float | None = None) -> bytes:
+    return msgpack.packb([time.time() if ts is None else ts, list(events), dp_rank], use_bin_type=True)
+
+
+class KVEventPublisher:
+    """Publishes batches like one vLLM engine process (one data-parallel rank)."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        dp_rank: int = 0,
+    ) -> None:
+        self.topic = topic.encode()
+        self.dp_rank = dp_rank
+        self._pub = context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self._router: zmq.asyncio.Socket | None = None
+        if replay_endpoint is not None:
+            self._router = context.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(replay_endpoint)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        self._replay_task: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The bound PUB endpoint (with the real port when bound to ``*``)."""
+        return self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self._router.getsockopt(zmq.LAST_ENDPOINT).decode() if self._router else None  # type: ignore[union-attr]
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def start(self) -> KVEventPublisher:
+        if self._router is not None and self._replay_task is None:
+            self._replay_task = asyncio.create_task(self._serve_replay())
+        return self
+
+    async def publish(self, events: Sequence[dict[str, Any]], *, deliver: bool = True) -> int:
+        """Publish one batch; returns its seq. ``deliver=False`` keeps it for replay but does not
+        send it, as when a subscriber's queue overflows (fault injection for tests)."""
+        seq = self._seq
+        self._seq += 1
+        payload = encode_batch(events, self.dp_rank)
+        self._buffer.append((seq, payload))
+        if deliver:
+            await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def send_raw(self, frames: Sequence[bytes]) -> None:
+        """Send arbitrary frames on the PUB socket (a broken or hostile publisher)."""
+        await self._pub.send_multipart(list(frames))
+
+    def restart(self) -> None:
+        """Behave like a new engine process: seq from 0, nothing buffered."""
+        self._seq = 0
+        self._buffer.clear()
+
+    async def _serve_replay(self) -> None:
+        assert self._router is not None
+        while True:
+            frames = await self._router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start_frame = frames
+            start = int.from_bytes(start_frame, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    await self._router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            await self._router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        self._pub.close(linger=0)
+        if self._router is not None:
+            self._router.close(linger=0)

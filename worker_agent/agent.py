@@ -1,0 +1,279 @@
+"""The agent's lifecycle: one per engine (per data-parallel rank).
+
+Start: subscribe to the events first (so nothing published from then on is lost), wait for the
+engine's /health, learn the model and block size, register, rebuild from the replay buffer, then
+run the loops below until SIGTERM, which deregisters the worker (its entries stop counting at once).
+
+* events: receive, and apply in order (:mod:`worker_agent.pipeline`).
+* liveness: heartbeat each second; re-assert everything when Redis lost the record, restarted
+  (run_id changed), missed a write, or holds a different block count than the mirror, and
+  periodically anyway.
+* engine: /health (down for a few checks -> leave the index; back -> a new, empty cache) and
+  /metrics every 250 ms -> the load signal in the index.
+* gc: a bounded step of the index's garbage collection now and then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvindex.errors import KVIndexError
+from kvindex.redis_index import RedisIndex
+from kvindex.types import HeartbeatStatus, WorkerInfo
+from worker_agent.engine import EngineClient
+from worker_agent.metrics import AgentCounters, Gauges
+from worker_agent.pipeline import EventPipeline, Received
+from worker_agent.replay import ReplayClient
+from worker_agent.settings import AgentSettings
+from worker_agent.translate import Translator
+from worker_agent.wire import BlockStored
+from worker_agent.writer import REDIS_FAILURES, WorkerWriter
+
+log = logging.getLogger(__name__)
+MAX_MESSAGES_PER_STEP = 512  # queued messages applied with one Lua call when the agent lags
+EXIT_SUPERSEDED = 3
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        index: RedisIndex,
+        engine: EngineClient,
+        context: zmq.asyncio.Context,
+        pipeline_factory: Callable[[WorkerWriter, Translator, ReplayClient | None], EventPipeline],
+        counters: AgentCounters,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.engine = engine
+        self.counters = counters
+        self.writer = WorkerWriter(index, counters, settings.ttl_ms)
+        replay = ReplayClient(context, settings.replay, settings.replay_timeout_s) if settings.replay else None
+        self.pipeline = pipeline_factory(self.writer, Translator(settings.block_size), replay)
+        self.engine_up = False
+        self.exit_code = 0
+        self._context = context
+        self._lock = asyncio.Lock()  # one writer at a time: op ids must reach Redis in order
+        self._stop = asyncio.Event()
+        self._model = settings.model
+        self._run_id: str | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        subscriber = self._subscribe()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            if not await self._start():
+                return self.exit_code
+            loops: list[Callable[[], Coroutine[Any, Any, None]]] = [
+                lambda: self._events_loop(subscriber),
+                self._liveness_loop,
+                self._load_loop,
+                self._health_loop,
+                self._gc_loop,
+            ]
+            tasks = [asyncio.create_task(loop()) for loop in loops]
+            stop_task = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([*tasks, stop_task], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop_task and task.exception() is not None:
+                    log.error("agent loop crashed", exc_info=task.exception())
+                    self.exit_code = 1
+            stop_task.cancel()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.exit_code != EXIT_SUPERSEDED:
+                async with self._lock:
+                    await self.writer.deregister()
+            subscriber.close(linger=0)
+        return self.exit_code
+
+    def _subscribe(self) -> zmq.asyncio.Socket:
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's own send HWM: ride out bursts
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+        socket.connect(self.settings.events)
+        return socket
+
+    async def _start(self) -> bool:
+        """Wait for the engine, learn what is needed, register and catch up. False if stopped."""
+        log.info("waiting for the engine at %s", self.engine.root)
+        while not self._stop.is_set():
+            if await self.engine.healthy() and await self._learn_model():
+                break
+            await self._sleep(self.settings.health_interval_s)
+        if self._stop.is_set():
+            return False
+        self.engine_up = True
+        if self.pipeline.translator.block_size is None:
+            metrics = await self.engine.metrics()
+            self.pipeline.translator.block_size = metrics.block_size if metrics else None
+        async with self._lock:
+            await self._register_and_catch_up()
+        return not self._stop.is_set()
+
+    async def _learn_model(self) -> bool:
+        if self._model is not None:
+            return True
+        served = await self.engine.served_models()
+        if len(served) == 1:
+            self._model = served[0]
+            return True
+        if served:
+            log.error("the engine serves %s: pass --model", served)
+        return False
+
+    async def _register_and_catch_up(self) -> None:
+        """Register (retrying while Redis is down) and rebuild from the replay buffer. Needs the
+        block size; without one the first BlockStored brings it (see _events_loop)."""
+        block_size = self.pipeline.translator.block_size
+        if block_size is None or self._model is None:
+            return
+        info = WorkerInfo(
+            self.settings.resolved_worker_id, self._model, self.settings.engine_root, block_size, self.settings.dp_rank
+        )
+        while not await self.writer.register(info):
+            if await self._sleep(self.settings.heartbeat_interval_s):
+                return
+        with contextlib.suppress(*REDIS_FAILURES):
+            self._run_id = await self.index.server_run_id()
+        self.pipeline.translator.reset()
+        self.pipeline.sequencer.reset()
+        await self.pipeline.catch_up()
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep unless stopped first; True when stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
+
+    # --- loops ----------------------------------------------------------------------------
+
+    async def _events_loop(self, subscriber: zmq.asyncio.Socket) -> None:
+        while True:
+            messages = [Received(await subscriber.recv_multipart())]
+            while len(messages) < MAX_MESSAGES_PER_STEP:
+                try:
+                    messages.append(Received(await subscriber.recv_multipart(flags=zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+            async with self._lock:
+                if not self.writer.registered:
+                    if not self.engine_up or not self._learn_block_size(messages):
+                        continue  # the engine is down, or nothing here to index yet
+                    await self._register_and_catch_up()
+                await self.pipeline.process(messages)
+
+    def _learn_block_size(self, messages: list[Received]) -> bool:
+        if self.pipeline.translator.block_size is not None:
+            return True
+        for message in messages:
+            decoded = self.pipeline.decode(message.frames)
+            for event in decoded[0].events if decoded else ():
+                if isinstance(event, BlockStored):
+                    self.pipeline.translator.block_size = event.block_size
+                    return True
+        return False
+
+    async def _liveness_loop(self) -> None:
+        last_verify = last_reassert = time.monotonic()
+        while not await self._sleep(self.settings.heartbeat_interval_s):
+            async with self._lock:
+                if not self.writer.registered:
+                    continue
+                reason = await self._reassert_reason()
+                now = time.monotonic()
+                if reason is None and now - last_verify >= self.settings.verify_interval_s:
+                    last_verify = now
+                    reason = "drift" if await self.writer.drifted() else None
+                if reason is None and now - last_reassert >= self.settings.reassert_interval_s:
+                    reason = "periodic"
+                if reason is not None and await self.writer.reassert(reason):
+                    last_reassert = now
+
+    async def _reassert_reason(self) -> str | None:
+        """Heartbeat, then say why the index must be rewritten (None: it need not)."""
+        status = await self.writer.heartbeat()
+        if status is HeartbeatStatus.SUPERSEDED:
+            log.error("another agent registered worker %s: stopping (exit %d)", self.writer.worker_id, EXIT_SUPERSEDED)
+            self.exit_code = EXIT_SUPERSEDED
+            self.writer.registered = False
+            self._stop.set()
+            return None
+        if status is HeartbeatStatus.MISSING:
+            return "missing"
+        try:
+            run_id = await self.index.server_run_id()
+        except REDIS_FAILURES:
+            return None
+        restarted = self._run_id is not None and run_id != self._run_id
+        self._run_id = run_id
+        if restarted:
+            return "redis_restart"
+        return "write_failed" if self.writer.needs_reassert() else None
+
+    async def _load_loop(self) -> None:
+        while not await self._sleep(self.settings.load_interval_s):
+            metrics = await self.engine.metrics()
+            if metrics is not None and metrics.load is not None and self.writer.registered:
+                await self.writer.report_load(metrics.load)
+
+    async def _health_loop(self) -> None:
+        failures = 0
+        while not await self._sleep(self.settings.health_interval_s):
+            if await self.engine.healthy():
+                failures = 0
+                if not self.engine_up:
+                    self.engine_up = True
+                    async with self._lock:
+                        await self.pipeline.engine_restarted("/health is back")
+                        await self._register_and_catch_up()
+                continue
+            failures += 1
+            if failures == self.settings.health_failures and self.engine_up:
+                self.engine_up = False
+                self.counters.engine_down += 1
+                log.warning("engine /health failed %d times: leaving the index until it is back", failures)
+                async with self._lock:
+                    await self.writer.deregister()
+                    self.pipeline.translator.reset()
+                    self.pipeline.sequencer.reset()
+
+    async def _gc_loop(self) -> None:
+        while not await self._sleep(self.settings.gc_interval_s):
+            if self.writer.registered:
+                with contextlib.suppress(*REDIS_FAILURES):
+                    await self.index.gc(self.writer.model)
+
+    # --- views ----------------------------------------------------------------------------
+
+    def gauges(self) -> Gauges:
+        mirror_blocks = indexed = 0
+        if self.writer.registered:
+            with contextlib.suppress(KVIndexError):
+                mirror = self.index.mirror(self.writer.model, self.writer.worker_id)
+                mirror_blocks, indexed = len(mirror), mirror.indexed_count
+        return Gauges(
+            mirror_blocks=mirror_blocks,
+            mirror_indexed_blocks=indexed,
+            engine_hashes=len(self.pipeline.translator),
+            registered=self.writer.registered,
+            engine_up=self.engine_up,
+            last_seq=self.pipeline.last_seq,
+        )

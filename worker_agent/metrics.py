@@ -1,0 +1,118 @@
+"""The agent's Prometheus metrics. Counters live as plain integers on the agent (cheap on the hot
+path) and are read by a collector at scrape time; each agent gets its own registry."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker_agent.translate import TranslateCounters
+
+PREFIX = "kvroute_agent_"
+
+
+@dataclass
+class AgentCounters:
+    batches_received: int = 0
+    batches_applied: int = 0
+    events_applied: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replays_incomplete: int = 0
+    resyncs: int = 0  # gaps that replay could not repair: the worker was cleared and rebuilt
+    decode_errors: int = 0
+    unknown_events: int = 0
+    unknown_keys: int = 0
+    wrong_topic: int = 0
+    engine_restarts: int = 0
+    engine_down: int = 0
+    redis_errors: int = 0
+    reasserts: Counter[str] = field(default_factory=Counter)  # by reason
+
+
+@dataclass(frozen=True)
+class Gauges:
+    mirror_blocks: int
+    mirror_indexed_blocks: int
+    engine_hashes: int
+    registered: bool
+    engine_up: bool
+    last_seq: int
+
+
+_HELP = {
+    "batches_received": "Engine batches received (live and replayed)",
+    "batches_applied": "Engine batches applied to the index, in order",
+    "events_applied": "KV events applied (stored, removed, cleared)",
+    "duplicates": "Batches received twice (live after replay) and skipped",
+    "gaps": "Sequence gaps detected",
+    "replays": "Replay requests sent to the engine",
+    "replays_incomplete": "Replays that did not return every missing batch",
+    "resyncs": "Unrepairable gaps: the worker's entries were cleared and rebuilt from new events",
+    "decode_errors": "Malformed messages, counted and skipped",
+    "unknown_events": "Events of unknown types, counted and skipped",
+    "unknown_keys": "Events with keys this decoder does not know",
+    "wrong_topic": "Messages on another topic, skipped",
+    "engine_restarts": "Engine restarts detected (seq back to 0, or /health down then up)",
+    "engine_down": "Times the engine's /health failed long enough to take the worker out",
+    "redis_errors": "Redis calls that failed (the mirror keeps the truth; re-assert heals)",
+}
+_TRANSLATE_HELP = {
+    "blocks_stored": "Blocks stored by the engine and translated",
+    "blocks_removed": "Block copies removed by the engine and translated",
+    "clears": "AllBlocksCleared events",
+    "orphan_runs": "Stored runs skipped because their parent block is unknown",
+    "orphan_blocks": "Blocks in stored runs skipped because their parent is unknown",
+    "unknown_removals": "Removed engine hashes never seen stored",
+    "other_tier_events": "Events on offload tiers (CPU, STORAGE), not indexed",
+    "other_group_events": "Events of KV-cache groups other than 0, not indexed",
+    "block_size_mismatches": "Stored runs whose block size differs from the worker's, skipped",
+    "unsupported_extra_keys": "Stored runs with extra keys the router cannot reproduce, skipped",
+    "hash_conflicts": "Engine hashes stored again with different content",
+}
+
+
+class AgentCollector(Collector):
+    def __init__(
+        self,
+        counters: AgentCounters,
+        translate_counters: Callable[[], TranslateCounters],
+        gauges: Callable[[], Gauges],
+    ) -> None:
+        self._counters = counters
+        self._translate = translate_counters
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        for name, help_text in _HELP.items():
+            yield CounterMetricFamily(PREFIX + name, help_text, value=getattr(self._counters, name))
+        reasserts = CounterMetricFamily(PREFIX + "reasserts", "Re-asserts of all blocks", labels=["reason"])
+        for reason, count in sorted(self._counters.reasserts.items()):
+            reasserts.add_metric([reason], count)
+        yield reasserts
+        translate = self._translate()
+        for item in fields(translate):
+            value = getattr(translate, item.name)
+            yield CounterMetricFamily(PREFIX + item.name, _TRANSLATE_HELP[item.name], value=value)
+        gauges = self._gauges()
+        for item in fields(gauges):
+            value = float(getattr(gauges, item.name))
+            yield GaugeMetricFamily(PREFIX + item.name, item.name.replace("_", " "), value=value)
+
+
+def new_registry() -> tuple[CollectorRegistry, Histogram]:
+    """A registry for one agent and its apply-latency histogram (receive -> applied in Redis)."""
+    registry = CollectorRegistry()
+    latency = Histogram(
+        PREFIX + "apply_latency_seconds",
+        "From receiving a batch to its changes being applied in the index",
+        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        registry=registry,
+    )
+    return registry, latency

@@ -1,0 +1,197 @@
+"""Engine batches -> index, in order: decode, sequence, repair gaps by replay, translate, apply.
+
+Consecutive in-order batches that arrive together are applied with one Lua call (one atomic
+step: readers never see part of a batch). A gap is repaired from the engine's replay buffer;
+when the missing batches are gone, the worker is cleared and rebuilt from the batches that are
+still there and from new ones (a "resync"), because an index that might list evicted blocks is
+worse than one that temporarily lists too few.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import xxhash
+from prometheus_client import Histogram
+
+from kvindex.types import BlockChange
+from worker_agent.metrics import AgentCounters
+from worker_agent.replay import ReplayClient
+from worker_agent.sequencer import Action, Sequencer
+from worker_agent.translate import Translator
+from worker_agent.wire import EventBatch, WireError, decode_message
+from worker_agent.writer import WorkerWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Received:
+    frames: list[bytes]
+    at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Pending:
+    """Changes of in-order batches not yet written, with their receive times."""
+
+    changes: list[BlockChange] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)
+
+
+class EventPipeline:
+    def __init__(
+        self,
+        writer: WorkerWriter,
+        translator: Translator,
+        replay: ReplayClient | None,
+        topic: str,
+        counters: AgentCounters,
+        latency: Histogram,
+    ) -> None:
+        self.writer = writer
+        self.translator = translator
+        self.sequencer = Sequencer()
+        self._replay = replay
+        self._topic = topic
+        self._counters = counters
+        self._latency = latency
+        self._last_decode_log = 0.0
+        self.last_seq = -1
+
+    def decode(self, frames: list[bytes]) -> tuple[EventBatch, int] | None:
+        """The batch and its payload digest, or None (counted, logged) when it is not one."""
+        try:
+            batch = decode_message(frames)
+        except WireError as exc:
+            self._bad_message(str(exc))
+            return None
+        except Exception as exc:  # a decoder bug must not stop the agent either
+            self._bad_message(f"{type(exc).__name__}: {exc}")
+            return None
+        if not batch.topic.startswith(self._topic):
+            self._counters.wrong_topic += 1
+            return None
+        self._counters.unknown_events += batch.unknown_events
+        self._counters.unknown_keys += len(batch.unknown_keys)
+        return batch, xxhash.xxh3_64_intdigest(frames[2])
+
+    def _bad_message(self, reason: str) -> None:
+        self._counters.decode_errors += 1
+        now = time.monotonic()
+        if now - self._last_decode_log > 5.0:
+            self._last_decode_log = now
+            log.warning("skipped a malformed KV-event message (%d so far): %s", self._counters.decode_errors, reason)
+
+    async def process(self, messages: list[Received]) -> None:
+        """Apply live messages in order (the caller holds the agent's lock)."""
+        pending = _Pending()
+        for message in messages:
+            self._counters.batches_received += 1
+            decoded = self.decode(message.frames)
+            if decoded is None:
+                continue
+            batch, digest = decoded
+            decision = self.sequencer.classify(batch.seq, digest)
+            if decision.action is Action.DUPLICATE:
+                self._counters.duplicates += 1
+                continue
+            if decision.action is not Action.APPLY:
+                await self._flush(pending)
+                if decision.action is Action.RESTART:
+                    await self.engine_restarted(f"seq went back from {self.sequencer.expected} to {batch.seq}")
+                    decision = self.sequencer.classify(batch.seq, digest)
+                if decision.action is Action.GAP:
+                    self._counters.gaps += 1
+                    log.info("seq gap: expected %d, got %d", decision.missing_from, batch.seq)
+                    await self._repair(decision.missing_from, batch.seq)
+            await self._accept(batch, digest, message.at, pending)
+        await self._flush(pending)
+
+    async def engine_restarted(self, why: str) -> None:
+        """A new engine process: its cache starts empty."""
+        self._counters.engine_restarts += 1
+        log.warning("engine restarted (%s): clearing this worker's entries", why)
+        await self.reset_worker()
+
+    async def reset_worker(self) -> None:
+        self.translator.reset()
+        self.sequencer.reset()
+        if self.writer.registered:
+            await self.writer.clear()
+
+    async def catch_up(self) -> None:
+        """On (re)registration: rebuild from every batch the engine still buffers."""
+        if self._replay is not None:
+            await self._repair(0, None)
+
+    async def _accept(self, batch: EventBatch, digest: int, received_at: float, pending: _Pending) -> None:
+        translated = self.translator.translate(batch.events)
+        if translated.clear:
+            pending.changes.clear()  # the clear wipes them anyway
+            await self._flush(pending)
+            await self.writer.clear()
+        pending.changes.extend(translated.changes)
+        pending.received_at.append(received_at)
+        self.sequencer.applied(batch.seq, digest)
+        self.last_seq = batch.seq
+        self._counters.batches_applied += 1
+        self._counters.events_applied += len(batch.events)
+
+    async def _flush(self, pending: _Pending) -> None:
+        if pending.changes:
+            await self.writer.apply(pending.changes)
+        now = time.perf_counter()
+        for received_at in pending.received_at:
+            self._latency.observe(now - received_at)
+        pending.changes, pending.received_at = [], []
+
+    async def _repair(self, start: int, until: int | None) -> None:
+        """Apply batches [start, until) (until None: all there are) from the replay buffer."""
+        if self._replay is None:
+            await self._resync(f"batches {start}..{until} are missing and there is no replay endpoint")
+            return
+        self._counters.replays += 1
+        result = await self._replay.fetch(start)
+        received_at = time.perf_counter()
+        batches: list[tuple[EventBatch, int]] = []
+        for frames in result.messages:
+            decoded = self.decode(frames)
+            if decoded is not None and decoded[0].seq >= start and (until is None or decoded[0].seq < until):
+                batches.append(decoded)
+        run = _contiguous_tail(batches)
+        run_end = run[-1][0].seq + 1 if run else start
+        if until is not None and run_end != until:
+            run = []  # the batches just before `until` are missing too: applying older ones would skip removals
+        repaired = run[0][0].seq == start if run else until is None
+        if not repaired:
+            self._counters.replays_incomplete += 1
+            first = run[0][0].seq if run else "none"
+            await self._resync(f"needed seq {start}..{until}, the replay returned from {first}")
+        pending = _Pending()
+        for batch, digest in run:
+            await self._accept(batch, digest, received_at, pending)
+        await self._flush(pending)
+
+    async def _resync(self, why: str) -> None:
+        self._counters.resyncs += 1
+        log.warning("cannot repair the event stream (%s): rebuilding this worker's entries from new events", why)
+        had_state = len(self.translator) > 0
+        self.translator.reset()
+        self.sequencer.reset()
+        if had_state and self.writer.registered:
+            await self.writer.clear()
+
+
+def _contiguous_tail(batches: list[tuple[EventBatch, int]]) -> list[tuple[EventBatch, int]]:
+    """The longest run of consecutive seqs that ends with the last batch (duplicates dropped)."""
+    tail: list[tuple[EventBatch, int]] = []
+    for item in batches:
+        if tail and item[0].seq <= tail[-1][0].seq:
+            continue
+        if tail and item[0].seq != tail[-1][0].seq + 1:
+            tail = []
+        tail.append(item)
+    return tail

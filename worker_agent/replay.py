@@ -1,0 +1,65 @@
+"""Fetching missed batches from the engine's replay socket (vLLM's ZMQ ROUTER).
+
+A DEALER, not a REQ: the engine answers one request with many messages (each buffered batch
+from ``start_seq`` on, then an end marker), and a REQ socket only ever receives the first.
+Each fetch uses a fresh socket, so a late answer to an abandoned fetch can never be mistaken
+for the answer to the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from worker_agent.wire import REPLAY_END_SEQ
+
+log = logging.getLogger(__name__)
+END_MARKER_SEQ = REPLAY_END_SEQ.to_bytes(8, "big")
+
+
+@dataclass
+class ReplayResult:
+    """Messages (topic, seq, payload frames) in the order received; ``complete`` once the end
+    marker arrived within the timeout."""
+
+    messages: list[list[bytes]] = field(default_factory=list)
+    complete: bool = False
+
+
+class ReplayClient:
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, timeout_s: float = 2.0) -> None:
+        self._context = context
+        self.endpoint = endpoint
+        self._timeout_s = timeout_s
+
+    async def fetch(self, start_seq: int) -> ReplayResult:
+        result = ReplayResult()
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)  # the answer may be the whole buffer: don't drop any
+        try:
+            socket.connect(self.endpoint)
+            await socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            while True:
+                try:  # an idle timeout: a long answer keeps arriving
+                    frames = await asyncio.wait_for(socket.recv_multipart(), self._timeout_s)
+                except TimeoutError:
+                    break
+                if len(frames) == 4 and frames[0] == b"" and frames[2] == END_MARKER_SEQ:
+                    result.complete = True
+                    break
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                result.messages.append(frames)
+        finally:
+            socket.close(linger=0)
+        if not result.complete:
+            log.warning(
+                "replay from %s (start seq %d) ended without its end marker after %d messages",
+                self.endpoint, start_seq, len(result.messages),
+            )  # fmt: skip
+        return result

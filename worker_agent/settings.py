@@ -1,0 +1,131 @@
+"""The agent's settings: one frozen dataclass, from flags and KVROUTE_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvindex.settings import RedisSettings
+from worker_agent.engine import root_url
+
+# flag dest -> environment variable (flags win over the environment)
+ENV_VARS = {
+    "engine_url": "KVROUTE_ENGINE_URL",
+    "events": "KVROUTE_EVENTS",
+    "replay": "KVROUTE_REPLAY",
+    "topic": "KVROUTE_TOPIC",
+    "model": "KVROUTE_MODEL",
+    "block_size": "KVROUTE_BLOCK_SIZE",
+    "dp_rank": "KVROUTE_DP_RANK",
+    "worker_id": "KVROUTE_WORKER_ID",
+    "metrics_port": "KVROUTE_METRICS_PORT",
+    "metrics_host": "KVROUTE_METRICS_HOST",
+}
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    engine_url: str
+    events: str
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    replay: str | None = None
+    topic: str = ""
+    model: str | None = None  # None: ask the engine's /v1/models
+    block_size: int | None = None  # None: the engine's /metrics, else the first BlockStored
+    dp_rank: int = 0
+    worker_id: str | None = None  # None: "<engine root url>#<dp rank>"
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 0  # 0: no HTTP server
+    heartbeat_interval_s: float = 1.0
+    ttl_ms: int = 5_000
+    load_interval_s: float = 0.25
+    health_interval_s: float = 1.0
+    health_failures: int = 3  # consecutive /health failures that mean the engine is down
+    verify_interval_s: float = 5.0  # compare the index's block count with the mirror
+    reassert_interval_s: float = 300.0  # rewrite everything anyway, so any drift heals
+    gc_interval_s: float = 10.0
+    replay_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if urlsplit(self.engine_url).scheme not in ("http", "https"):
+            raise ValueError(f"--engine-url must be an http(s) URL, got {self.engine_url!r}")
+        for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
+            if endpoint is not None and "://" not in endpoint:
+                raise ValueError(f"{name} must be a ZMQ endpoint like tcp://host:5557, got {endpoint!r}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        if self.dp_rank < 0:
+            raise ValueError(f"--dp-rank must be >= 0, got {self.dp_rank}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be within 0..65535, got {self.metrics_port}")
+        if self.ttl_ms < 2 * 1000 * self.heartbeat_interval_s:
+            raise ValueError("the heartbeat TTL must cover at least two heartbeat intervals")
+        if self.worker_id is not None and not self.worker_id:
+            raise ValueError("--worker-id must not be empty")
+
+    @property
+    def engine_root(self) -> str:
+        return root_url(self.engine_url)
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{self.engine_root}#{self.dp_rank}"
+
+
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--engine-url", str, "the engine's OpenAI base URL, where routers send requests"),
+    ("--events", str, "the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557"),
+    ("--replay", str, "the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558"),
+    ("--topic", str, 'the KV-event topic (default "")'),
+    ("--model", str, "served model name (default: ask the engine's /v1/models)"),
+    ("--block-size", int, "tokens per KV block (default: the engine's /metrics, else the first event)"),
+    ("--dp-rank", int, "data-parallel rank this agent follows (default 0)"),
+    ("--worker-id", str, "worker id in the index (default <engine url>#<rank>)"),
+    ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),
+    ("--metrics-host", str, "address for /health and /metrics (default 0.0.0.0)"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, help_text in _FLAGS:
+        variable = ENV_VARS[flag[2:].replace("-", "_")]
+        parser.add_argument(flag, type=kind, help=f"{help_text}; env {variable}")
+    parser.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
+    parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
+    parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
+    parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 300)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _coerce(name: str, value: str) -> object:
+    if name in ("block_size", "dp_rank", "metrics_port"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_VARS[name]} must be an integer, got {value!r}") from None
+    return value
+
+
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentSettings:
+    """Flags first, then KVROUTE_* variables, then defaults. Raises ValueError with a message
+    naming the flag when something is missing or malformed."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for name, variable in ENV_VARS.items():
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+        elif env.get(variable):
+            values[name] = _coerce(name, env[variable])
+    missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in ("engine_url", "events") if n not in values]
+    if missing:
+        raise ValueError(f"missing required setting(s): {', '.join(missing)} (or their KVROUTE_* variables)")
+    if args.ttl_ms is not None:
+        values["ttl_ms"] = args.ttl_ms
+    if args.reassert_interval is not None:
+        values["reassert_interval_s"] = args.reassert_interval
+    values["redis"] = RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix)
+    return AgentSettings(**values)  # type: ignore[arg-type]

@@ -1,0 +1,182 @@
+"""Engine KV events -> index changes, in the index's own hashing.
+
+The engine's block hashes are never used as routing keys: they depend on its hash algorithm,
+seed and PYTHONHASHSEED, and arrive truncated to 64 bits. The router must compute the same key
+from a prompt alone, so the agent re-hashes each stored block's ``token_ids`` with
+:mod:`kvindex.hashing`, carrying the request's ``cache_salt`` (the first block's extra key) and
+``lora_name`` into the chain's first hash exactly as the router does. It keeps a map from the
+engine's hash to ours, with a reference count per copy, so that BlockRemoved (which names only the
+engine's hash) can be applied.
+
+Choices (see docs/agent.md):
+* Only the GPU tier is indexed. Stores and removals on offload tiers ("CPU", "STORAGE") are
+  counted and skipped: a hit there still needs a transfer, and the router scores GPU prefixes.
+* Only KV-cache group 0 is indexed (hybrid models publish one stream per group).
+* A stored run whose parent the agent does not know is counted and skipped, never guessed.
+* Blocks with extra keys the router cannot reproduce (multimodal inputs) start an unknown chain:
+  they are skipped like orphans, so a text prompt can never match an image's blocks.
+
+Pure: no I/O, so it is tested directly against the reference index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvindex.hashing import extend_sequence_hashes
+from kvindex.types import BlockChange, RemovedBlocks, StoredRun
+from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+
+INDEXED_MEDIUM = "GPU"
+
+
+@dataclass
+class TranslateCounters:
+    """What translation did, for the agent's metrics."""
+
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    orphan_runs: int = 0  # stored runs whose parent is unknown
+    orphan_blocks: int = 0
+    unknown_removals: int = 0  # removed engine hashes the agent never saw stored
+    other_tier_events: int = 0
+    other_group_events: int = 0
+    block_size_mismatches: int = 0
+    unsupported_extra_keys: int = 0
+    hash_conflicts: int = 0  # an engine hash stored again with different content
+
+
+@dataclass
+class TranslatedBatch:
+    """One engine batch as index work: ``clear`` first (when the batch held AllBlocksCleared),
+    then ``changes`` in order. Changes before the last clear are dropped: it wipes them."""
+
+    clear: bool = False
+    changes: list[BlockChange] = field(default_factory=list)
+
+
+def _salt_of(first_block_keys: Any, lora_name: str | None) -> tuple[bool, str | None]:
+    """(representable, cache_salt) from the first block's extra keys.
+
+    vLLM puts ``[lora_name?, *multimodal keys, cache_salt?]`` there; we can reproduce the LoRA
+    name and one salt string, nothing else."""
+    if first_block_keys is None:
+        return True, None
+    if not isinstance(first_block_keys, list | tuple):
+        return False, None
+    keys = list(first_block_keys)
+    if lora_name is not None and keys and keys[0] == lora_name:
+        keys = keys[1:]
+    if not keys:
+        return True, None
+    if len(keys) == 1 and isinstance(keys[0], str):
+        return True, keys[0]
+    return False, None
+
+
+def _later_keys_ok(extra_keys: Sequence[Any], lora_name: str | None) -> bool:
+    """Blocks after the first may only carry the LoRA name (vLLM repeats it per block)."""
+    return all(keys is None or list(keys) in ([], [lora_name]) for keys in extra_keys[1:])
+
+
+class Translator:
+    """Per-worker translation state: the engine-hash map and the learned block size."""
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.block_size = block_size
+        self.counters = TranslateCounters()
+        self._ours: dict[EngineHash, int] = {}
+        self._refs: dict[EngineHash, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ours)
+
+    def our_hash(self, engine_hash: EngineHash) -> int | None:
+        return self._ours.get(engine_hash)
+
+    def reset(self) -> None:
+        """The engine's cache is empty (restart, clear, or a resync)."""
+        self._ours.clear()
+        self._refs.clear()
+
+    def translate(self, events: Iterable[Event]) -> TranslatedBatch:
+        out = TranslatedBatch()
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self.counters.clears += 1
+                self.reset()
+                out = TranslatedBatch(clear=True)
+            elif not self._indexed_tier(event):
+                continue
+            elif isinstance(event, BlockStored):
+                run = self._stored(event)
+                if run is not None:
+                    out.changes.append(run)
+            else:
+                removed = self._removed(event)
+                if removed:
+                    out.changes.append(RemovedBlocks(tuple(removed)))
+        return out
+
+    def _indexed_tier(self, event: BlockStored | BlockRemoved) -> bool:
+        if event.medium not in (None, INDEXED_MEDIUM):
+            self.counters.other_tier_events += 1
+            return False
+        if event.group_idx not in (None, 0):
+            self.counters.other_group_events += 1
+            return False
+        return True
+
+    def _stored(self, event: BlockStored) -> StoredRun | None:
+        if self.block_size is None:
+            self.block_size = event.block_size
+        elif event.block_size != self.block_size:
+            self.counters.block_size_mismatches += 1  # enforced: such blocks could never match
+            return None
+        parent: int | None = None
+        salt: str | None = None
+        if event.parent_block_hash is not None:
+            parent = self._ours.get(event.parent_block_hash)
+            representable = parent is not None
+            if not representable:
+                self.counters.orphan_runs += 1
+                self.counters.orphan_blocks += len(event.block_hashes)
+                return None
+        else:
+            representable, salt = _salt_of(event.extra_keys[0] if event.extra_keys else None, event.lora_name)
+        if not representable or (event.extra_keys and not _later_keys_ok(event.extra_keys, event.lora_name)):
+            self.counters.unsupported_extra_keys += 1
+            return None
+        ours = extend_sequence_hashes(
+            parent, event.token_ids, event.block_size, lora_name=event.lora_name, cache_salt=salt
+        )
+        for position, (engine_hash, our_hash) in enumerate(zip(event.block_hashes, ours, strict=True)):
+            known = self._ours.setdefault(engine_hash, our_hash)
+            if known != our_hash:
+                # Two contents under one 64-bit engine hash: keep the first mapping (removals
+                # carry only the engine hash) and stop the run here rather than mis-chain it.
+                self.counters.hash_conflicts += 1
+                ours = ours[:position]
+                break
+            self._refs[engine_hash] = self._refs.get(engine_hash, 0) + 1
+        self.counters.blocks_stored += len(ours)
+        return StoredRun(parent, tuple(ours)) if ours else None
+
+    def _removed(self, event: BlockRemoved) -> list[int]:
+        removed = []
+        for engine_hash in event.block_hashes:
+            our_hash = self._ours.get(engine_hash)
+            if our_hash is None:
+                self.counters.unknown_removals += 1
+                continue
+            refs = self._refs[engine_hash] - 1
+            if refs:
+                self._refs[engine_hash] = refs
+            else:
+                del self._refs[engine_hash], self._ours[engine_hash]
+            removed.append(our_hash)
+        self.counters.blocks_removed += len(removed)
+        return removed
