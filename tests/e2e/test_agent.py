@@ -1,0 +1,278 @@
+"""The worker agent as a process, between a real ZMQ publisher (+ engine HTTP) and a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from kvindex.hashing import sequence_hashes
+from kvindex.redis_index import RedisIndex
+from kvindex.settings import RedisSettings
+from kvindex.types import WorkerLoad
+from kvroute.embedded_redis import RedisServer, available_servers
+from sim_engine.kv_events import cleared_event, removed_event, stored_event
+from tests.conftest import server_kinds
+from tests.support import AgentProcess, EngineStandIn, wait_until
+
+BS = 4
+TOKENS = list(range(100, 164))  # 16 blocks
+CHAIN = sequence_hashes(TOKENS, BS)
+
+
+def engine_hashes(start: int, stop: int) -> list[int]:
+    """The stand-in engine's own block hashes: deliberately unrelated to ours."""
+    return [7_000_000 + i for i in range(start, stop)]
+
+
+def stored(start: int, stop: int) -> dict:
+    parent = engine_hashes(start - 1, start)[0] if start else None
+    return stored_event(engine_hashes(start, stop), parent, TOKENS[start * BS : stop * BS], BS)
+
+
+def removed(*blocks: int) -> dict:
+    return removed_event([engine_hashes(b, b + 1)[0] for b in blocks])
+
+
+@pytest.fixture
+def server(redis_servers: dict[str, RedisServer]) -> RedisServer:
+    return redis_servers[server_kinds()[0]]
+
+
+@pytest.fixture
+async def index(server: RedisServer) -> AsyncIterator[RedisIndex]:
+    client = Redis.from_url(server.url)
+    yield RedisIndex(client)
+    await client.aclose()
+
+
+@pytest.fixture
+async def engine(unique_name: str) -> AsyncIterator[EngineStandIn]:
+    stand_in = await EngineStandIn(model=unique_name, block_size=BS).start()
+    yield stand_in
+    await stand_in.stop()
+
+
+def agent_args(engine: EngineStandIn, redis_url: str, replay: bool = True) -> list[str]:
+    assert engine.publisher is not None
+    args = ["--engine-url", f"{engine.url}/v1", "--events", engine.publisher.endpoint, "--topic", "kv"]
+    if replay:
+        args += ["--replay", engine.publisher.replay_endpoint or ""]
+    return [*args, "--redis-url", redis_url]
+
+
+@pytest.fixture
+async def agent(engine: EngineStandIn, server: RedisServer) -> AsyncIterator[AgentProcess]:
+    process = AgentProcess(agent_args(engine, server.url)).start()
+    yield process
+    process.kill()
+    if process.process is not None and process.process.returncode not in (0, -9):
+        print(process.log())
+
+
+async def matched(index: RedisIndex, model: str) -> list[int]:
+    return list((await index.match(model, CHAIN)).values())
+
+
+async def wait_for_match(index: RedisIndex, model: str, expected: list[int], within: float = 10.0) -> float:
+    async def check() -> bool:
+        return await matched(index, model) == expected
+
+    return await wait_until(check, within)
+
+
+async def test_stores_and_removals_reach_the_index_in_our_hashing(engine, agent, index, unique_name):
+    pub = engine.publisher
+    await pub.publish([stored(0, 6)])
+    await wait_for_match(index, unique_name, [6])
+    await pub.publish([stored(6, 8), removed(7)])  # one batch: stored then removed
+    await pub.publish([stored(6, 7)])  # a second copy of block 6
+    await wait_for_match(index, unique_name, [7])
+    await pub.publish([removed(6)])
+    await wait_for_match(index, unique_name, [7])  # one copy left
+    await pub.publish([removed(6)])
+    await wait_for_match(index, unique_name, [6])
+    (record,) = await index.workers(unique_name)
+    assert (record.worker_id, record.url, record.block_size) == (f"{engine.url}#0", engine.url, BS)
+    metrics = await agent.metrics()
+    assert metrics["kvroute_agent_batches_applied_total"] == 5
+    assert metrics["kvroute_agent_gaps_total"] == 0
+    assert metrics["kvroute_agent_mirror_indexed_blocks"] == 6
+    status, body = await agent.health()
+    assert status == 200 and body["registered"] is True
+
+
+async def test_the_engine_load_is_scraped_into_the_index(engine, agent, index, unique_name):
+    engine.load = (3, 2, 0.5)
+
+    async def loaded() -> bool:
+        records = await index.workers(unique_name)
+        return bool(records) and records[0].load == WorkerLoad(3, 2, 0.5)
+
+    await wait_until(loaded, 10)
+    engine.load = (1, 0, 0.25)
+
+    async def updated() -> bool:
+        return (await index.workers(unique_name))[0].load == WorkerLoad(1, 0, 0.25)
+
+    assert await wait_until(updated, 5) < 2.0
+
+
+async def test_sigterm_deregisters_at_once(engine, agent, index, unique_name):
+    await engine.publisher.publish([stored(0, 4)])
+    await wait_for_match(index, unique_name, [4])
+    assert agent.terminate() == 0
+    assert await index.match(unique_name, CHAIN) == {}
+
+
+async def test_an_agent_started_late_rebuilds_from_the_replay_buffer(engine, server, index, unique_name):
+    pub = engine.publisher
+    await pub.publish([stored(0, 8)])
+    await pub.publish([removed(7, 6)])
+    await pub.publish([stored(6, 10)])
+    process = AgentProcess(agent_args(engine, server.url)).start()
+    try:
+        await wait_for_match(index, unique_name, [10])
+        assert await process.metric("kvroute_agent_resyncs_total") == 0
+    finally:
+        process.kill()
+
+
+@pytest.mark.faults
+async def test_an_agent_killed_mid_stream_converges_after_restart(engine, server, index, unique_name):
+    pub = engine.publisher
+    first = AgentProcess(agent_args(engine, server.url)).start()
+    await pub.publish([stored(0, 5)])
+    await wait_for_match(index, unique_name, [5])
+    first.kill()
+    await pub.publish([removed(4, 3)])
+    await pub.publish([stored(3, 12)])
+    second = AgentProcess(agent_args(engine, server.url)).start()
+    try:
+        await wait_for_match(index, unique_name, [12])
+        await pub.publish([removed(11)])
+        await wait_for_match(index, unique_name, [11])
+        assert (await index.workers(unique_name))[0].blocks == 11
+    finally:
+        second.kill()
+
+
+@pytest.mark.faults
+async def test_dropped_frames_are_repaired_by_replay(engine, agent, index, unique_name):
+    pub = engine.publisher
+    await pub.publish([stored(0, 8)])
+    await wait_for_match(index, unique_name, [8])
+    await pub.publish([removed(7, 6, 5)], deliver=False)  # lost on the way
+    await pub.publish([stored(5, 6)], deliver=False)
+    await pub.publish([stored(6, 7)])  # the next one arrives: the gap shows
+    await wait_for_match(index, unique_name, [7])
+    metrics = await agent.metrics()
+    assert metrics["kvroute_agent_gaps_total"] == 1
+    assert metrics["kvroute_agent_replays_total"] == 2  # start-up catch-up + the gap
+    assert metrics["kvroute_agent_resyncs_total"] == 0
+
+
+@pytest.mark.faults
+async def test_a_gap_without_replay_clears_and_rebuilds(unique_name, server, index):
+    engine = await EngineStandIn(model=unique_name, block_size=BS).start(replay=False)
+    process = AgentProcess(agent_args(engine, server.url, replay=False)).start()
+    try:
+        pub = engine.publisher
+        await wait_until(lambda: _registered(index, unique_name), 10)
+        await pub.publish([stored(0, 8)])
+        await wait_for_match(index, unique_name, [8])
+        await pub.publish([removed(7, 6, 5, 4)], deliver=False)
+        await pub.publish([stored(0, 2)])  # a duplicate store of the first blocks, after the gap
+        # The removals are lost for good: the agent must not keep claiming blocks 4..7.
+        await wait_for_match(index, unique_name, [2])
+        assert await process.metric("kvroute_agent_resyncs_total") == 1
+    finally:
+        process.kill()
+        await engine.stop()
+
+
+async def _registered(index: RedisIndex, model: str) -> bool:
+    return any(r.alive for r in await index.workers(model))
+
+
+@pytest.mark.faults
+async def test_garbage_frames_are_counted_and_skipped(engine, agent, index, unique_name):
+    pub = engine.publisher
+    await wait_until(lambda: _registered(index, unique_name), 10)
+    garbage = [
+        [b"kv", b"\x00" * 8, b"\xc1\xc1 not msgpack"],
+        [b"kv", b"short", b"\x93\x00\x90\x00"],
+        [b"kv"],
+        [b"kv", (0).to_bytes(8, "big"), b"\x92\x01\x91\x81\xa4type\xabBlockStored"],  # no hashes
+    ]
+    for frames in garbage:
+        await pub.send_raw(frames)
+    await pub.publish([stored(0, 3)])
+    await wait_for_match(index, unique_name, [3])
+    assert await agent.metric("kvroute_agent_decode_errors_total") == len(garbage)
+    assert agent.process.poll() is None
+
+
+@pytest.mark.faults
+async def test_an_engine_restart_empties_the_worker(engine, agent, index, unique_name):
+    pub = engine.publisher
+    await pub.publish([stored(0, 9)])
+    await wait_for_match(index, unique_name, [9])
+    pub.restart()  # seq back to 0: a new process with an empty cache
+    await pub.publish([stored(0, 2)])
+    await wait_for_match(index, unique_name, [2])
+    assert await agent.metric("kvroute_agent_engine_restarts_total") == 1
+
+
+@pytest.mark.faults
+async def test_an_engine_down_leaves_the_index_and_comes_back_empty(engine, agent, index, unique_name):
+    pub = engine.publisher
+    await pub.publish([stored(0, 5)])
+    await wait_for_match(index, unique_name, [5])
+    engine.healthy = False
+    await wait_for_match(index, unique_name, [], within=10)
+    status, body = await agent.health()
+    assert status == 503 and body["engine_up"] is False
+    pub.restart()
+    engine.healthy = True
+    await wait_for_match(index, unique_name, [0], within=10)
+    await pub.publish([stored(0, 3)])
+    await wait_for_match(index, unique_name, [3])
+
+
+@pytest.mark.faults
+async def test_cleared_cache_is_cleared_in_the_index(engine, agent, index, unique_name):
+    pub = engine.publisher
+    await pub.publish([stored(0, 6)])
+    await wait_for_match(index, unique_name, [6])
+    await pub.publish([cleared_event(), stored(0, 1)])
+    await wait_for_match(index, unique_name, [1])
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("kind", server_kinds())
+async def test_a_redis_killed_and_replaced_empty_is_complete_again_within_5s(engine, unique_name, kind):
+    binary = available_servers()[kind]
+    server = RedisServer(binary=binary).start()
+    client = RedisSettings(url=server.url).client()  # reconnects after the restart
+    index = RedisIndex(client)
+    process = AgentProcess(agent_args(engine, server.url)).start()
+    try:
+        pub = engine.publisher
+        await pub.publish([stored(0, 10)])
+        await pub.publish([removed(9)])
+        await wait_for_match(index, unique_name, [9])
+        await engine.publisher.publish([stored(9, 12)])
+        await wait_for_match(index, unique_name, [12])
+        server.stop(kill=True)
+        server = RedisServer(binary=binary, port=server.port).start()  # empty, same port
+        took = await wait_for_match(index, unique_name, [12], within=5.0)  # no new engine event
+        print(f"index complete again {took:.2f} s after the new server started")
+        assert (await index.workers(unique_name))[0].blocks == 12
+        reasserts = await process.metrics()
+        assert sum(v for k, v in reasserts.items() if k.startswith("kvroute_agent_reasserts_total")) >= 1
+    finally:
+        process.kill()
+        await client.aclose()
+        server.stop()

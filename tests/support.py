@@ -1,0 +1,155 @@
+"""Helpers for the end-to-end tests: real processes, real sockets, real HTTP.
+
+``EngineStandIn`` is the part of an engine the agent talks to (the KV-event publisher from
+``sim_engine`` plus /health, /metrics and /v1/models over real HTTP), with knobs to make it
+fail. ``AgentProcess`` runs ``python -m worker_agent`` as a subprocess and reads its /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.embedded_redis import free_port
+from sim_engine.kv_events import KVEventPublisher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.05) -> float:
+    """Poll ``check`` until it returns True; the seconds it took. Fails the test on timeout."""
+    started = time.monotonic()
+    while True:
+        if await check():
+            return time.monotonic() - started
+        if time.monotonic() - started > within:
+            raise AssertionError(f"condition not met within {within} s")
+        await asyncio.sleep(interval)
+
+
+@dataclass
+class EngineStandIn:
+    model: str
+    block_size: int = 4
+    healthy: bool = True
+    load: tuple[int, int, float] = (0, 0, 0.0)
+    port: int = field(default_factory=free_port)
+    publisher: KVEventPublisher | None = None
+    _runner: web.AppRunner | None = None
+    _context: zmq.asyncio.Context | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, replay: bool = True) -> EngineStandIn:
+        self._context = zmq.asyncio.Context()
+        self.publisher = KVEventPublisher(
+            self._context,
+            "tcp://127.0.0.1:*",
+            "tcp://127.0.0.1:*" if replay else None,
+            topic="kv",
+        ).start()
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        running, waiting, usage = self.load
+        labels = f'engine="0",model_name="{self.model}"'
+        text = (
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} {running}\n"
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} {waiting}\n"
+            f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
+            f"# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0"}} 1.0\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def stop(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+
+
+@dataclass
+class AgentProcess:
+    args: list[str]
+    metrics_port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    def start(self) -> AgentProcess:
+        handle, name = tempfile.mkstemp(prefix="kvroute-agent-", suffix=".log")
+        os.close(handle)
+        self.log_path = Path(name)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "worker_agent", *self.args, "--metrics-port", str(self.metrics_port),
+                 "--metrics-host", "127.0.0.1", "--log-level", "DEBUG"],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path else ""
+
+    async def metrics(self) -> dict[str, float]:
+        """The agent's counters and gauges by sample name (labels folded in as name{k=v})."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            text = await response.text()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
+
+    async def health(self) -> tuple[int, dict[str, object]]:
+        url = f"http://127.0.0.1:{self.metrics_port}/health"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return response.status, await response.json()
+
+    async def metric(self, name: str) -> float:
+        try:
+            return (await self.metrics()).get(name, 0.0)
+        except aiohttp.ClientError:
+            return -1.0
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
