@@ -78,7 +78,10 @@ class KVEventPublisher:
         self._pub = context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
+        if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            self._pub.bind(endpoint)  # vLLM's rule: bind wildcards, connect to a named host
+        else:
+            self._pub.connect(endpoint)
         self._router: zmq.asyncio.Socket | None = None
         if replay_endpoint is not None:
             self._router = context.socket(zmq.ROUTER)

@@ -55,11 +55,11 @@ class EngineStandIn:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self, replay: bool = True) -> EngineStandIn:
+    async def start(self, replay: bool = True, events_endpoint: str = "tcp://127.0.0.1:*") -> EngineStandIn:
         self._context = zmq.asyncio.Context()
         self.publisher = KVEventPublisher(
             self._context,
-            "tcp://127.0.0.1:*",
+            events_endpoint,
             "tcp://127.0.0.1:*" if replay else None,
             topic="kv",
         ).start()

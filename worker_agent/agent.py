@@ -42,6 +42,12 @@ MAX_MESSAGES_PER_STEP = 512  # queued messages applied with one Lua call when th
 EXIT_SUPERSEDED = 3
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM binds its PUB to wildcard endpoints (tcp://*:5557) and connects to a specific host;
+    the agent does the opposite: it connects to tcp://engine:5557, and binds tcp://*:5557."""
+    return "*" in endpoint or "::" in endpoint
+
+
 class Agent:
     def __init__(
         self,
@@ -108,7 +114,10 @@ class Agent:
         socket.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's own send HWM: ride out bursts
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
-        socket.connect(self.settings.events)
+        if binds(self.settings.events):
+            socket.bind(self.settings.events)  # the engine was given tcp://<this host>:port: it connects
+        else:
+            socket.connect(self.settings.events)
         return socket
 
     async def _start(self) -> bool:

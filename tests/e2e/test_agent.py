@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,7 +12,7 @@ from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
-from kvroute.embedded_redis import RedisServer, available_servers
+from kvroute.embedded_redis import RedisServer, available_servers, free_port
 from sim_engine.kv_events import cleared_event, removed_event, stored_event
 from tests.conftest import server_kinds
 from tests.support import AgentProcess, EngineStandIn, wait_until
@@ -276,3 +277,21 @@ async def test_a_redis_killed_and_replaced_empty_is_complete_again_within_5s(eng
         process.kill()
         await client.aclose()
         server.stop()
+
+
+async def test_an_agent_binds_for_an_engine_that_connects(unique_name, server, index):
+    """vLLM connects its PUB when given a named host (tcp://router-host:5557): the agent binds."""
+    port = free_port()
+    engine = EngineStandIn(model=unique_name, block_size=BS)
+    await engine.start(replay=True, events_endpoint=f"tcp://127.0.0.1:{port}")
+    args = agent_args(engine, server.url)
+    args[args.index("--events") + 1] = f"tcp://*:{port}"
+    process = AgentProcess(args).start()
+    try:
+        await wait_until(lambda: _registered(index, unique_name), 10)
+        await asyncio.sleep(0.3)  # a connecting PUB drops what it sends before the connection is up
+        await engine.publisher.publish([stored(0, 4)])
+        await wait_for_match(index, unique_name, [4])
+    finally:
+        process.kill()
+        await engine.stop()
