@@ -161,6 +161,10 @@ def _record_json(record: Any) -> dict[str, Any]:
         "blocks": record.blocks, "block_size": record.block_size, "dp_rank": record.dp_rank,
         "gid": record.gid, "epoch": record.epoch, "heartbeat_age_ms": record.heartbeat_age_ms,
         "ttl_ms": record.ttl_ms,
+        "running": record.load.running if record.load else None,
+        "waiting": record.load.waiting if record.load else None,
+        "kv_usage": record.load.kv_usage if record.load else None,
+        "load_age_ms": record.load_age_ms,
     }  # fmt: skip
 
 
@@ -169,7 +173,8 @@ def _run_workers(args: argparse.Namespace) -> int:
         models = [args.model] if args.model else await index.models()
         return [_record_json(r) for model in models for r in await index.workers(model)]
 
-    headers = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch", "heartbeat_age_ms"]
+    headers = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch", "heartbeat_age_ms",
+               "running", "waiting", "kv_usage"]  # fmt: skip
     return _emit(args, _run_with_index(args, body), lambda d: _table(headers, [[w[h] for h in headers] for w in d]))
 
 
