@@ -19,8 +19,22 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(handler=_run_index)
 
+    p = sub.add_parser("agent", help="block events per second one agent process applies")
+    p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    p.add_argument("--batches", type=int, default=20_000, help="engine batches to publish")
+    p.add_argument("--blocks-per-batch", type=int, default=8, help="blocks stored (and, once full, evicted) per batch")
+    p.add_argument("--cache-blocks", type=int, default=20_000, help="the simulated engine's cache size in blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.set_defaults(handler=_run_agent)
+
 
 def _run_index(args: argparse.Namespace) -> int:
     from kvroute.bench_index import run_from_args
+
+    return run_from_args(args)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from kvroute.bench_agent import run_from_args
 
     return run_from_args(args)
