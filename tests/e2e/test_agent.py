@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,7 +17,7 @@ from kvindex.types import WorkerLoad
 from kvroute.embedded_redis import RedisServer, available_servers, free_port
 from sim_engine.kv_events import cleared_event, removed_event, stored_event
 from tests.conftest import server_kinds
-from tests.support import AgentProcess, EngineStandIn, wait_until
+from tests.support import ROOT, AgentProcess, EngineStandIn, wait_until
 
 BS = 4
 TOKENS = list(range(100, 164))  # 16 blocks
@@ -295,3 +297,13 @@ async def test_an_agent_binds_for_an_engine_that_connects(unique_name, server, i
     finally:
         process.kill()
         await engine.stop()
+
+
+@pytest.mark.parametrize("entry", [["-m", "kvroute", "agent"], ["-m", "worker_agent"]])
+def test_bad_arguments_exit_2_with_a_message(entry):
+    result = subprocess.run(
+        [sys.executable, *entry, "--engine-url", "localhost:8000", "--events", "tcp://127.0.0.1:5557"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--engine-url must be an http(s) URL, got 'localhost:8000'" in result.stderr
