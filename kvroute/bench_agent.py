@@ -112,7 +112,7 @@ async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, f
                "--events", f"tcp://127.0.0.1:{port}", "--topic", "kv", "--model", MODEL,
                "--block-size", str(args.block_size), "--redis-url", redis_url, "--metrics-port", str(metrics_port),
                "--metrics-host", "127.0.0.1", "--log-level", "WARNING"]  # fmt: skip
-    agent = subprocess.Popen(command)
+    agent = subprocess.Popen(command)  # noqa: ASYNC220 - starting it does not block
     try:
         async with aiohttp.ClientSession() as session:
             if not await _wait_metric(session, metrics_port, "kvroute_agent_registered", 1.0, 30):

@@ -66,8 +66,8 @@ class VllmServer:
 def vllm_server() -> Iterator[VllmServer]:
     workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
     port, events_port, replay_port = free_port(), free_port(), free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1",
-               VLLM_CACHE_ROOT=f"{workdir}/cache", TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor", TMPDIR=workdir)  # fmt: skip
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TMPDIR=workdir,
+               VLLM_CACHE_ROOT=f"{workdir}/cache", TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor")  # fmt: skip
     kv_events = {
         "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
         "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{replay_port}",
@@ -218,12 +218,13 @@ async def converged(index: RedisIndex, observer: Observer, worker_id: str) -> No
         mismatches.clear()
         for tokens, salt in SENT:
             chain = sequence_hashes(tokens, BS, cache_salt=salt)
-            got = (await index.match(MODEL, chain)).get(worker_id, -1)
-            if got != observer.held_blocks(tokens, salt):
-                mismatches.append(f"{len(tokens)} tokens salt {salt}: index {got}, vLLM {observer.held_blocks(tokens, salt)}")
+            got, held = (await index.match(MODEL, chain)).get(worker_id, -1), observer.held_blocks(tokens, salt)
+            if got != held:
+                mismatches.append(f"{len(tokens)} tokens salt {salt}: index {got}, vLLM {held}")
         records = [r for r in await index.workers(MODEL) if r.worker_id == worker_id]
-        if not records or records[0].blocks != observer.servable_blocks():
-            mismatches.append(f"entries: index {records[0].blocks if records else None}, vLLM {observer.servable_blocks()}")
+        entries, servable = records[0].blocks if records else None, observer.servable_blocks()
+        if entries != servable:
+            mismatches.append(f"entries: index {entries}, vLLM {servable}")
         return not mismatches
 
     try:
@@ -248,22 +249,22 @@ def worker_id(server: VllmServer) -> str:
 
 async def test_shared_prefix_prompts_are_indexed_exactly(vllm_server, observer, agents, index):
     base = [(i * 7) % 1900 + 10 for i in range(96)]  # 3 blocks
-    await complete(vllm_server, base + [5, 6, 7])
+    await complete(vllm_server, [*base, 5, 6, 7])
     await complete(vllm_server, base[:64] + list(range(500, 540)))  # shares 2 blocks
-    await complete(vllm_server, base + [5, 6, 7], salt="tenant-a")  # same tokens, another cache
+    await complete(vllm_server, [*base, 5, 6, 7], salt="tenant-a")  # same tokens, another cache
     await converged(index, observer, worker_id(vllm_server))
     assert observer.held_blocks(base, "tenant-a") == 3 and observer.held_blocks(base) == 3
 
-    lookup = subprocess.run(
+    lookup = subprocess.run(  # noqa: ASYNC221 - a short CLI call; nothing else runs meanwhile
         [sys.executable, "-m", "kvroute", "index", "lookup", "--redis-url", agents[0].args[-3], "--prefix", "vllmtest",
-         "--model", MODEL, "--tokens", json.dumps(base + [5, 6, 7]), "--json"],
+         "--model", MODEL, "--tokens", json.dumps([*base, 5, 6, 7]), "--json"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     workers = {w["id"]: w["matched_blocks"] for w in json.loads(lookup.stdout)["workers"]}
     assert workers == {worker_id(vllm_server): 3}
 
     # vLLM's own report agrees with what the index predicts (whole blocks, capped at len - 1).
-    again = await complete(vllm_server, base + [5, 6, 7])
+    again = await complete(vllm_server, [*base, 5, 6, 7])
     predicted = min(3 * BS, (len(base) + 3 - 1) // BS * BS)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
 

@@ -57,7 +57,9 @@ def test_data_parallel_ranks_are_told_apart_by_the_engine_label():
     text = "\n".join(
         f'vllm:{name}{{engine="{rank}",model_name="m"}} {value}'
         for rank, values in ((0, (1, 2, 0.5)), (1, (7, 8, 0.25)))
-        for name, value in zip(("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"), values)
+        for name, value in zip(
+            ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"), values, strict=True
+        )
     )
     assert parse_metrics(text, dp_rank=1).load == WorkerLoad(7, 8, 0.25)
     assert parse_metrics(text, dp_rank=None).load == WorkerLoad(8, 10, 0.75)
