@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -187,7 +188,12 @@ class Agent:
                     if not self.engine_up or not self._learn_block_size(messages):
                         continue  # the engine is down, or nothing here to index yet
                     await self._register_and_catch_up()
-                await self.pipeline.process(messages)
+                try:
+                    await self.pipeline.process(messages)
+                except Exception:  # a bug must not stop the agent: rebuild from the replay buffer
+                    self.counters.internal_errors += 1
+                    log.exception("failed to apply engine batches; rebuilding this worker's entries")
+                    await self.pipeline.reset_worker()
 
     def _learn_block_size(self, messages: list[Received]) -> bool:
         if self.pipeline.translator.block_size is not None:
@@ -201,7 +207,9 @@ class Agent:
         return False
 
     async def _liveness_loop(self) -> None:
-        last_verify = last_reassert = time.monotonic()
+        last_verify = time.monotonic()
+        # A random phase, so that a fleet started together does not re-assert together.
+        last_reassert = last_verify - random.uniform(0, self.settings.reassert_interval_s)
         while not await self._sleep(self.settings.heartbeat_interval_s):
             async with self._lock:
                 if not self.writer.registered:

@@ -33,6 +33,7 @@ class AgentCounters:
     engine_restarts: int = 0
     engine_down: int = 0
     redis_errors: int = 0
+    internal_errors: int = 0
     reasserts: Counter[str] = field(default_factory=Counter)  # by reason
 
 
@@ -62,6 +63,7 @@ _HELP = {
     "engine_restarts": "Engine restarts detected (seq back to 0, or /health down then up)",
     "engine_down": "Times the engine's /health failed long enough to take the worker out",
     "redis_errors": "Redis calls that failed (the mirror keeps the truth; re-assert heals)",
+    "internal_errors": "Unexpected errors applying batches (the worker was rebuilt from replay)",
 }
 _TRANSLATE_HELP = {
     "blocks_stored": "Blocks stored by the engine and translated",

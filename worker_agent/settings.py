@@ -45,7 +45,7 @@ class AgentSettings:
     health_interval_s: float = 1.0
     health_failures: int = 3  # consecutive /health failures that mean the engine is down
     verify_interval_s: float = 5.0  # compare the index's block count with the mirror
-    reassert_interval_s: float = 300.0  # rewrite everything anyway, so any drift heals
+    reassert_interval_s: float = 3600.0  # rewrite everything anyway, so any drift heals
     gc_interval_s: float = 10.0
     replay_timeout_s: float = 2.0
 
@@ -63,6 +63,8 @@ class AgentSettings:
             raise ValueError(f"--metrics-port must be within 0..65535, got {self.metrics_port}")
         if self.ttl_ms < 2 * 1000 * self.heartbeat_interval_s:
             raise ValueError("the heartbeat TTL must cover at least two heartbeat intervals")
+        if self.reassert_interval_s <= 0 or self.verify_interval_s <= 0:
+            raise ValueError("--reassert-interval and --verify-interval must be positive")
         if self.worker_id is not None and not self.worker_id:
             raise ValueError("--worker-id must not be empty")
 
@@ -96,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
     parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
     parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
-    parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 300)")
+    parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 3600)")
+    parser.add_argument("--verify-interval", type=float, help="seconds between block-count checks (default 5)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -127,5 +130,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         values["ttl_ms"] = args.ttl_ms
     if args.reassert_interval is not None:
         values["reassert_interval_s"] = args.reassert_interval
+    if args.verify_interval is not None:
+        values["verify_interval_s"] = args.verify_interval
     values["redis"] = RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix)
     return AgentSettings(**values)  # type: ignore[arg-type]

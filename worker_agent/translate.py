@@ -79,7 +79,9 @@ def _salt_of(first_block_keys: Any, lora_name: str | None) -> tuple[bool, str | 
 
 def _later_keys_ok(extra_keys: Sequence[Any], lora_name: str | None) -> bool:
     """Blocks after the first may only carry the LoRA name (vLLM repeats it per block)."""
-    return all(keys is None or list(keys) in ([], [lora_name]) for keys in extra_keys[1:])
+    return all(
+        keys is None or (isinstance(keys, list | tuple) and list(keys) in ([], [lora_name])) for keys in extra_keys[1:]
+    )
 
 
 class Translator:

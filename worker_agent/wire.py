@@ -18,6 +18,7 @@ import msgpack
 
 EngineHash = int | bytes
 REPLAY_END_SEQ = 0xFFFFFFFFFFFFFFFF
+MAX_TOKEN_ID = 0xFFFFFFFF  # token ids are hashed as u32
 
 # Field order of each event type after "type" (the positional encoding uses this order).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -109,8 +110,8 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     block_size = fields.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise WireError(f"BlockStored block_size must be a positive integer, got {block_size!r}")
-    if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-        raise WireError("BlockStored token_ids must be an array of non-negative integers")
+    if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+        raise WireError(f"BlockStored token_ids must be an array of integers in 0..{MAX_TOKEN_ID}")
     if len(tokens) != block_size * len(hashes):
         raise WireError(f"BlockStored has {len(tokens)} token ids for {len(hashes)} blocks of {block_size}")
     parent = fields.get("parent_block_hash")

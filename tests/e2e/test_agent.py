@@ -67,7 +67,7 @@ def agent_args(engine: EngineStandIn, redis_url: str, replay: bool = True) -> li
 
 @pytest.fixture
 async def agent(engine: EngineStandIn, server: RedisServer) -> AsyncIterator[AgentProcess]:
-    process = AgentProcess(agent_args(engine, server.url)).start()
+    process = AgentProcess([*agent_args(engine, server.url), "--verify-interval", "0.2"]).start()
     yield process
     process.kill()
     if process.process is not None and process.process.returncode not in (0, -9):
@@ -98,7 +98,9 @@ async def test_stores_and_removals_reach_the_index_in_our_hashing(engine, agent,
     await wait_for_match(index, unique_name, [6])
     (record,) = await index.workers(unique_name)
     assert (record.worker_id, record.url, record.block_size) == (f"{engine.url}#0", engine.url, BS)
+    await asyncio.sleep(1.5)  # several block-count checks (every 0.2 s here) pass without a re-assert
     metrics = await agent.metrics()
+    assert not [k for k in metrics if k.startswith("kvroute_agent_reasserts_total")], metrics
     assert metrics["kvroute_agent_batches_applied_total"] == 5
     assert metrics["kvroute_agent_gaps_total"] == 0
     assert metrics["kvroute_agent_mirror_indexed_blocks"] == 6
@@ -307,3 +309,19 @@ def test_bad_arguments_exit_2_with_a_message(entry):
     )  # fmt: skip
     assert result.returncode == 2
     assert "--engine-url must be an http(s) URL, got 'localhost:8000'" in result.stderr
+
+
+@pytest.mark.faults
+async def test_a_block_key_lost_in_redis_heals_at_the_next_store_below_it(engine, agent, index, unique_name, server):
+    pub = engine.publisher
+    await pub.publish([stored(0, 6)])
+    await wait_for_match(index, unique_name, [6])
+    client = Redis.from_url(server.url)
+    try:
+        await client.delete(index.keys(unique_name).block(CHAIN[5]))  # as an evicting Redis would
+    finally:
+        await client.aclose()
+    await wait_for_match(index, unique_name, [5])
+    await pub.publish([stored(6, 8)])  # Redis refuses block 6 (its parent is gone): re-assert
+    await wait_for_match(index, unique_name, [8])
+    assert await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
