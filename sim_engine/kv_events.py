@@ -109,16 +109,17 @@ class KVEventPublisher:
             self._replay_task = asyncio.create_task(self._serve_replay())
         return self
 
-    async def publish(self, events: Sequence[dict[str, Any]], *, deliver: bool = True) -> int:
-        """Publish one batch; returns its seq. ``deliver=False`` keeps it for replay but does not
-        send it, as when a subscriber's queue overflows (fault injection for tests)."""
+    async def publish(self, events: Sequence[dict[str, Any]], *, deliver: bool = True) -> list[bytes]:
+        """Publish one batch; returns its frames. ``deliver=False`` keeps it for replay but does
+        not send it, as when a subscriber's queue overflows (fault injection for tests)."""
         seq = self._seq
         self._seq += 1
         payload = encode_batch(events, self.dp_rank)
         self._buffer.append((seq, payload))
+        frames = [self.topic, seq.to_bytes(8, "big"), payload]
         if deliver:
-            await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
-        return seq
+            await self._pub.send_multipart(frames)
+        return frames
 
     async def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary frames on the PUB socket (a broken or hostile publisher)."""

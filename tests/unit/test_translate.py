@@ -1,106 +1,32 @@
 """Translation of engine events into index changes, checked against a model of the engine's cache.
 
-A toy engine keeps its own cache (content-addressed blocks with copies, its own hash function,
-as vLLM does) and emits vLLM-shaped events; the translator's output goes into the reference
-index. After every step, for every prompt, the index must match exactly the number of leading
-blocks the engine holds (the engine can serve a prefix only while every block of it is cached).
+A toy engine (tests/toy_engine.py) keeps its own cache and emits vLLM-shaped events; they are
+decoded and translated, and the translator's output goes into the reference index. After every
+step, for every prompt, the index must match exactly the number of leading blocks the engine
+holds (the engine can serve a prefix only while every block of it is cached).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvindex.hashing import sequence_hashes
 from kvindex.reference import ReferenceIndex
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo
+from tests.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
 from worker_agent.translate import Translator
-from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_event
 
-BS = 4
 MODEL = "m"
-# Prompts share prefixes: two "documents" of 4 blocks; prompt = doc blocks [0, n). Few blocks,
-# so that random steps often hit the same block (duplicates, repeated evictions).
-DOCS = [[(d * 7 + i * 3 + j) % 50 for i in range(4) for j in range(BS)] for d in range(2)]
-SALTS = [None, "tenant-a"]
-
-
-def engine_hash(tokens: tuple[int, ...], salt: str | None) -> int:
-    """The engine's own hash of a prefix: unrelated to ours, like vLLM's sha256 truncated."""
-    digest = hashlib.sha256(repr((salt, tokens)).encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-class ToyEngine:
-    def __init__(self) -> None:
-        self.copies: dict[int, int] = {}  # engine hash -> copies
-        self.content: dict[int, tuple[tuple[int, ...], str | None]] = {}
-
-    def chain(self, doc: int, salt: str | None) -> list[int]:
-        tokens = tuple(DOCS[doc])
-        return [engine_hash(tokens[: (i + 1) * BS], salt) for i in range(len(tokens) // BS)]
-
-    def store(self, doc: int, salt: str | None, n: int, duplicate_last: bool) -> list[object]:
-        chain = self.chain(doc, salt)[:n]
-        first = next((i for i, h in enumerate(chain) if h not in self.copies), len(chain))
-        if duplicate_last and first == len(chain):
-            first = len(chain) - 1  # vLLM recomputes a fully cached prompt's last block
-        if first >= len(chain):
-            return []
-        hashes = chain[first:]
-        for h in hashes:
-            self.copies[h] = self.copies.get(h, 0) + 1
-        tokens = tuple(DOCS[doc][first * BS : len(chain) * BS])
-        extra = [[salt] if salt and first == 0 and i == 0 else None for i in range(len(hashes))]
-        parent = chain[first - 1] if first else None
-        return [BlockStored(tuple(hashes), parent, tokens, BS, extra_keys=tuple(extra))]
-
-    def evict(self, pick: int) -> list[object]:
-        if not self.copies:
-            return []
-        victim = sorted(self.copies)[pick % len(self.copies)]
-        self.copies[victim] -= 1
-        if not self.copies[victim]:
-            del self.copies[victim]
-        return [BlockRemoved((victim,))]
-
-    def clear(self) -> list[object]:
-        self.copies.clear()
-        return [AllBlocksCleared()]
-
-    def served_prefix(self, doc: int, salt: str | None) -> int:
-        n = 0
-        for h in self.chain(doc, salt):
-            if h not in self.copies:
-                break
-            n += 1
-        return n
-
-
-STEPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("store"), st.integers(0, 1), st.sampled_from(SALTS), st.integers(1, 4), st.booleans()),
-        st.tuples(st.just("evict"), st.integers(0, 1000), st.none(), st.just(0), st.just(False)),
-        st.tuples(st.just("evict"), st.integers(0, 1000), st.none(), st.just(0), st.just(False)),
-        st.tuples(st.just("clear"), st.just(0), st.none(), st.just(0), st.just(False)),
-    ),
-    max_size=40,
-)
 
 
 async def _run(steps: list[tuple]) -> None:
     engine, translator, index = ToyEngine(), Translator(BS), ReferenceIndex()
     await index.register(WorkerInfo("w", MODEL, "http://w", BS), 60_000)
-    for step, (kind, doc, salt, n, dup) in enumerate(steps):
-        if kind == "store":
-            events = engine.store(doc, salt, n, dup)
-        elif kind == "evict":
-            events = engine.evict(doc)
-        else:
-            events = engine.clear()
+    for step, (kind, *_) in enumerate(steps):
+        events = [decode_event(raw)[0] for raw in engine_step(engine, steps[step])]
         batch = translator.translate(events)  # type: ignore[arg-type]
         if batch.clear:
             await index.clear(MODEL, "w")
