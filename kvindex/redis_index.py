@@ -16,14 +16,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from kvindex.codec import encode_ops, pack_hashes
 from kvindex.errors import (
-    BlockSizeMismatchError,
     NotRegisteredError,
-    ScriptArgumentError,
     StaleGenerationError,
 )
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror, IndexOp
+from kvindex.replies import decode, depths_from_match_reply, raise_script_error, time_ms, worker_record
 from kvindex.scripts import Scripts
 from kvindex.types import (
     BlockChange,
@@ -64,53 +63,6 @@ class _Writer:
         return self.op
 
 
-def _raise_script_error(exc: ResponseError) -> None:
-    message = str(exc)
-    if "kvroute:" not in message:
-        raise exc
-    text = message[message.index("kvroute:") :]
-    if "block size mismatch" in text:
-        raise BlockSizeMismatchError(text) from None
-    if "stale generation" in text:
-        raise StaleGenerationError(text) from None
-    raise ScriptArgumentError(text) from None
-
-
-def _decode(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
-
-
-def _time_ms(server_time: tuple[int, int]) -> int:
-    """Redis TIME (seconds, microseconds) in ms: the clock the scripts use for deadlines."""
-    seconds, micros = server_time
-    return seconds * 1000 + micros // 1000
-
-
-def _load_of(record: dict[str, str]) -> WorkerLoad | None:
-    if "load_ms" not in record:
-        return None
-    return WorkerLoad(int(record["running"]), int(record["waiting"]), float(record["kv_usage"]))
-
-
-def _gid_list(csv: bytes | str) -> list[int]:
-    text = _decode(csv)
-    return [int(g) for g in text.split(",")] if text else []
-
-
-def _depths_from_match_reply(reply: list[bytes | int]) -> dict[int, int]:
-    """match.lua's reply -> {alive gid: matched blocks} (see the script's header)."""
-    depths = dict.fromkeys(_gid_list(reply[0]), 0)  # type: ignore[arg-type]
-    assigned: set[int] = set()
-    for i in range(1, len(reply), 2):
-        depth = int(reply[i])
-        for gid in _gid_list(reply[i + 1]):  # type: ignore[arg-type]
-            if gid not in assigned:
-                assigned.add(gid)
-                if gid in depths:
-                    depths[gid] = depth
-    return depths
-
-
 class RedisIndex:
     """:class:`kvindex.interface.KVIndex` backed by Redis (or Valkey, or Redis Cluster)."""
 
@@ -132,7 +84,7 @@ class RedisIndex:
         try:
             return await self._scripts.call(name, keys, args)
         except ResponseError as exc:
-            _raise_script_error(exc)
+            raise_script_error(exc)
             raise  # pragma: no cover - _raise_script_error always raises
 
     def _writer(self, model: str, worker_id: str) -> _Writer:
@@ -184,7 +136,7 @@ class RedisIndex:
         writer.ttl_ms = ttl_ms
         keys = writer.keys
         status = await self._call("heartbeat", [keys.worker(worker_id), keys.alive], [writer.gid, ttl_ms])
-        return HeartbeatStatus(_decode(status))
+        return HeartbeatStatus(decode(status))
 
     async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus:
         writer = self._writer(model, worker_id)
@@ -192,7 +144,7 @@ class RedisIndex:
         status = await self._call(
             "load", [writer.keys.worker(worker_id)], [writer.gid, load.running, load.waiting, repr(load.kv_usage)]
         )
-        return HeartbeatStatus(_decode(status))
+        return HeartbeatStatus(decode(status))
 
     async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
         return await self.apply(model, worker_id, runs)
@@ -269,8 +221,8 @@ class RedisIndex:
             if not isinstance(exc, ResponseError):
                 writer.dirty = True
             raise
-        if _decode(status) != "ok":  # type: ignore[arg-type]
-            raise StaleGenerationError(f"worker {worker_id!r} is {_decode(status)} in the index")  # type: ignore[arg-type]
+        if decode(status) != "ok":  # type: ignore[arg-type]
+            raise StaleGenerationError(f"worker {worker_id!r} is {decode(status)} in the index")  # type: ignore[arg-type]
         writer.gid, writer.op, writer.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
 
     async def deregister(self, model: str, worker_id: str) -> None:
@@ -282,7 +234,7 @@ class RedisIndex:
         """Operator action: remove a worker whoever registered it. True if it was registered."""
         status, _ = await self._retire(model, worker_id, "leave", "")
         self._writers.pop((model, worker_id), None)
-        return _decode(status) == "ok"  # type: ignore[arg-type]
+        return decode(status) == "ok"  # type: ignore[arg-type]
 
     async def gc(self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS) -> GcResult:
         keys = self.keys(model)
@@ -298,7 +250,7 @@ class RedisIndex:
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
         keys = self.keys(model)
         reply = await self._call("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
-        depths = _depths_from_match_reply(reply)
+        depths = depths_from_match_reply(reply)
         names = await self._worker_names(model, list(depths))
         return {names[gid]: depth for gid, depth in depths.items() if gid in names}
 
@@ -308,7 +260,7 @@ class RedisIndex:
             values = await self._client.hmget(self.keys(model).gids, [str(g) for g in unknown])
             for gid, name in zip(unknown, values, strict=True):
                 if name is not None:
-                    self._gid_names[(model, gid)] = _decode(name)
+                    self._gid_names[(model, gid)] = decode(name)
         return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
 
     async def _alive_gids(self, model: str) -> set[int]:
@@ -317,7 +269,7 @@ class RedisIndex:
             pipe.time()
             pipe.zrange(keys.alive, 0, -1, withscores=True)
             server_time, entries = await pipe.execute()
-        now_ms = _time_ms(server_time)
+        now_ms = time_ms(server_time)
         return {int(gid) for gid, deadline in entries if deadline > now_ms}
 
     async def owners(self, model: str, block: int) -> dict[str, int]:
@@ -360,48 +312,29 @@ class RedisIndex:
         return int(value) if value is not None else None
 
     async def models(self) -> list[str]:
-        return sorted(_decode(m) for m in await self._client.smembers(self._schema.models))
+        return sorted(decode(m) for m in await self._client.smembers(self._schema.models))
 
     async def workers(self, model: str) -> list[WorkerRecord]:
         keys = self.keys(model)
-        worker_ids = sorted(_decode(w) for w in await self._client.hkeys(keys.workers))
+        worker_ids = sorted(decode(w) for w in await self._client.hkeys(keys.workers))
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.time()
             pipe.zrange(keys.alive, 0, -1, withscores=True)
             for worker_id in worker_ids:
                 pipe.hgetall(keys.worker(worker_id))
             server_time, alive, *records = await pipe.execute()
-        now_ms = _time_ms(server_time)
+        now_ms = time_ms(server_time)
         deadlines = {int(gid): deadline for gid, deadline in alive}
         out = []
         for raw in records:
-            if not raw:
-                continue  # deregistered between the two reads
-            rec = {_decode(k): _decode(v) for k, v in raw.items()}
-            gid = int(rec["gid"])
-            out.append(
-                WorkerRecord(
-                    worker_id=rec["id"],
-                    model=rec["model"],
-                    url=rec["url"],
-                    block_size=int(rec["block_size"]),
-                    dp_rank=int(rec["dp_rank"]),
-                    gid=gid,
-                    epoch=int(rec["epoch"]),
-                    alive=deadlines.get(gid, 0) > now_ms,
-                    blocks=int(rec["blocks"]),
-                    heartbeat_age_ms=now_ms - int(rec["heartbeat_ms"]),
-                    ttl_ms=int(rec["ttl_ms"]),
-                    load=_load_of(rec),
-                    load_age_ms=now_ms - int(rec["load_ms"]) if "load_ms" in rec else None,
-                )
-            )
+            if raw:  # empty when deregistered between the two reads
+                out.append(worker_record({decode(k): decode(v) for k, v in raw.items()}, deadlines, now_ms))
         return out
 
     async def stats(self, model: str) -> ModelStats:
         keys = self.keys(model)
         records = await self.workers(model)
-        meta = {_decode(k): _decode(v) for k, v in (await self._client.hgetall(keys.meta)).items()}
+        meta = {decode(k): decode(v) for k, v in (await self._client.hgetall(keys.meta)).items()}
         return ModelStats(
             model=model,
             block_size=int(meta["block_size"]) if "block_size" in meta else None,

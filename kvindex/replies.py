@@ -1,0 +1,75 @@
+"""Turning Redis and script replies into Python values (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+from redis.exceptions import ResponseError
+
+from kvindex.errors import BlockSizeMismatchError, ScriptArgumentError, StaleGenerationError
+from kvindex.types import WorkerLoad, WorkerRecord
+
+
+def raise_script_error(exc: ResponseError) -> None:
+    message = str(exc)
+    if "kvroute:" not in message:
+        raise exc
+    text = message[message.index("kvroute:") :]
+    if "block size mismatch" in text:
+        raise BlockSizeMismatchError(text) from None
+    if "stale generation" in text:
+        raise StaleGenerationError(text) from None
+    raise ScriptArgumentError(text) from None
+
+
+def decode(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+def time_ms(server_time: tuple[int, int]) -> int:
+    """Redis TIME (seconds, microseconds) in ms: the clock the scripts use for deadlines."""
+    seconds, micros = server_time
+    return seconds * 1000 + micros // 1000
+
+
+def load_of(record: dict[str, str]) -> WorkerLoad | None:
+    if "load_ms" not in record:
+        return None
+    return WorkerLoad(int(record["running"]), int(record["waiting"]), float(record["kv_usage"]))
+
+
+def gid_list(csv: bytes | str) -> list[int]:
+    text = decode(csv)
+    return [int(g) for g in text.split(",")] if text else []
+
+
+def depths_from_match_reply(reply: list[bytes | int]) -> dict[int, int]:
+    """match.lua's reply -> {alive gid: matched blocks} (see the script's header)."""
+    depths = dict.fromkeys(gid_list(reply[0]), 0)  # type: ignore[arg-type]
+    assigned: set[int] = set()
+    for i in range(1, len(reply), 2):
+        depth = int(reply[i])
+        for gid in gid_list(reply[i + 1]):  # type: ignore[arg-type]
+            if gid not in assigned:
+                assigned.add(gid)
+                if gid in depths:
+                    depths[gid] = depth
+    return depths
+
+
+def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: int) -> WorkerRecord:
+    """A worker's record HASH (decoded) -> WorkerRecord, alive by the ``alive`` deadlines."""
+    gid = int(record["gid"])
+    return WorkerRecord(
+        worker_id=record["id"],
+        model=record["model"],
+        url=record["url"],
+        block_size=int(record["block_size"]),
+        dp_rank=int(record["dp_rank"]),
+        gid=gid,
+        epoch=int(record["epoch"]),
+        alive=deadlines.get(gid, 0) > now_ms,
+        blocks=int(record["blocks"]),
+        heartbeat_age_ms=now_ms - int(record["heartbeat_ms"]),
+        ttl_ms=int(record["ttl_ms"]),
+        load=load_of(record),
+        load_age_ms=now_ms - int(record["load_ms"]) if "load_ms" in record else None,
+    )
