@@ -271,10 +271,12 @@ async def test_a_redis_killed_and_replaced_empty_is_complete_again_within_5s(eng
         await engine.publisher.publish([stored(9, 12)])
         await wait_for_match(index, unique_name, [12])
         server.stop(kill=True)
+        await pub.publish([stored(12, 15), removed(14)])  # while Redis is down: kept in the mirror
+        await asyncio.sleep(1.5)
         server = RedisServer(binary=binary, port=server.port).start()  # empty, same port
-        took = await wait_for_match(index, unique_name, [12], within=5.0)  # no new engine event
+        took = await wait_for_match(index, unique_name, [14], within=5.0)  # no new engine event
         print(f"index complete again {took:.2f} s after the new server started")
-        assert (await index.workers(unique_name))[0].blocks == 12
+        assert (await index.workers(unique_name))[0].blocks == 14
         reasserts = await process.metrics()
         assert sum(v for k, v in reasserts.items() if k.startswith("kvroute_agent_reasserts_total")) >= 1
     finally:
