@@ -1,0 +1,177 @@
+"""vLLM's OpenAI-compatible request and response shapes (pure: parsing and building JSON).
+
+Requests are validated here; anything malformed raises :class:`ApiError` with the HTTP status
+and an OpenAI-style message, which the server returns as ``{"error": {...}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvindex.prompts import ModelPrompts, PromptError
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLarge"}.get(self.status, "ServerError")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What to run: one or more prompts (a batch for /v1/completions), and how to answer."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+    chat: bool
+
+
+def _int_param(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ApiError(400, f"'{name}' must be a positive integer, got {value!r}", name)
+    return value
+
+
+def _common(body: dict[str, Any], model: str, chat: bool, prompts: list[list[int]]) -> Generation:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(400, "'cache_salt' must be a non-empty string", "cache_salt")
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    return Generation(prompts, _int_param(body, name, DEFAULT_MAX_TOKENS), stream,
+                      bool(options.get("include_usage")), salt, chat)  # fmt: skip
+
+
+def check_model(body: Any, model: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    requested = body.get("model", model)
+    if requested != model:
+        raise ApiError(404, f"The model `{requested}` does not exist.", "model")
+    return body
+
+
+def _token_list(value: Any, vocab_size: int) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = [t for t in value if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is out of vocabulary (0..{vocab_size - 1})", "prompt")
+        return list(value)
+    return None
+
+
+def parse_completion(body: Any, model: str, prompts: ModelPrompts) -> Generation:
+    body = check_model(body, model)
+    raw = body.get("prompt")
+    add_special = body.get("add_special_tokens", True)
+    vocab = prompts.vocab_size
+    single = raw if isinstance(raw, str) else _token_list(raw, vocab)
+    if single is not None:
+        items: list[Any] = [single]
+    elif isinstance(raw, list) and raw:
+        items = raw
+    else:
+        raise ApiError(400, "'prompt' must be a string, an array of token ids, or an array of those", "prompt")
+    out = []
+    for item in items:
+        tokens = prompts.encode(item, add_special_tokens=bool(add_special)) if isinstance(item, str) else item
+        if not isinstance(tokens, list) or (not isinstance(item, str) and _token_list(item, vocab) is None):
+            raise ApiError(400, "each prompt must be a string or a non-empty array of token ids", "prompt")
+        if not tokens:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        out.append(tokens)
+    return _common(body, model, False, out)
+
+
+def parse_chat(body: Any, model: str, prompts: ModelPrompts) -> Generation:
+    body = check_model(body, model)
+    try:
+        tokens = prompts.chat_tokens(body.get("messages"), bool(body.get("add_generation_prompt", True)))
+    except PromptError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+    return _common(body, model, True, [tokens])
+
+
+def tokenize(body: Any, model: str, prompts: ModelPrompts, max_model_len: int) -> dict[str, Any]:
+    body = check_model(body, model)
+    if "messages" in body:
+        try:
+            tokens = prompts.chat_tokens(body["messages"], bool(body.get("add_generation_prompt", True)))
+        except PromptError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+    elif isinstance(body.get("prompt"), str):
+        tokens = prompts.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+    else:
+        raise ApiError(400, "/tokenize needs a string 'prompt' or 'messages'", "prompt")
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def chunk(request_id: str, model: str, chat: bool, index: int, text: str, finish: str | None,
+          first: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One streamed choice delta."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        kind = "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(request_id: str, model: str, chat: bool, usage_body: dict[str, Any]) -> dict[str, Any]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage_body}  # fmt: skip
+
+
+def completion(request_id: str, model: str, chat: bool, texts: list[str], usage_body: dict[str, Any]) -> dict[str, Any]:
+    if chat:
+        choices: list[dict[str, Any]] = [
+            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": "length"}
+            for i, t in enumerate(texts)
+        ]
+        kind = "chat.completion"
+    else:
+        choices = [
+            {"index": i, "text": t, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            for i, t in enumerate(texts)
+        ]
+        kind = "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage_body}  # fmt: skip

@@ -1,0 +1,174 @@
+"""A KV block pool with vLLM v1's prefix-caching semantics, emitting vLLM's KV events.
+
+What is reproduced (vllm/v1/core/block_pool.py, kv_cache_manager.py, as of 0.32/0.33):
+* Block 0 is the null block and is never handed out: N blocks give N - 1 usable ones.
+* Free blocks wait in an LRU queue. A request's blocks are freed in reverse order (its tail
+  enters the queue first, so a chain is evicted from its tail). Touching a cached free block
+  (a prefix hit) takes it out of the queue.
+* Allocation pops the queue's head; a popped block that still holds a cached hash is evicted
+  from the cache first (a BlockRemoved event, one hash per event).
+* Full blocks are cached by their chained hash when they are scheduled (BlockStored with the
+  parent's hash, the blocks' token ids and, on a chain's first block, the request's cache_salt
+  as its extra key). Several physical blocks may hold one hash: a fully cached prompt recomputes
+  its last block, which is stored (and later removed) again.
+* A prefix hit is the longest run of cached blocks, capped at ``prompt length - 1`` tokens.
+* ``reset_prefix_cache`` works only when no block is in use; it forgets every hash and emits one
+  AllBlocksCleared (no per-block removals).
+
+The engine hash is sha256 over (parent, tokens, extra keys), low 64 bits, like vLLM's default
+(the exact bytes differ: consumers must not rely on them, and the agent does not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sim_engine.kv_events import cleared_event, removed_event, stored_event
+
+NONE_HASH = int.from_bytes(hashlib.sha256(b"kvroute-sim-none-hash").digest()[:8], "little")
+
+
+def block_hash(parent: int | None, tokens: Sequence[int], extra: tuple[str, ...] | None) -> int:
+    data = struct.pack(f"<Q{len(tokens)}I", NONE_HASH if parent is None else parent, *tokens)
+    if extra:
+        data += repr(extra).encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, salt: str | None, start: int = 0, parent: int | None = None
+) -> list[int]:
+    """Hashes of the full blocks of ``tokens`` from block ``start`` on (``parent``: block start-1's)."""
+    out = []
+    for i in range(start, len(tokens) // block_size):
+        extra = (salt,) if salt and i == 0 else None
+        parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        out.append(parent)
+    return out
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    hash: int | None = None  # set while the block is in the prefix cache
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (block 0 is vLLM's null block)")
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached: dict[int, dict[int, Block]] = {}
+        self.events: list[dict[str, Any]] = []  # published with the next engine step
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: cached but unused blocks count as free."""
+        return 1.0 - self.num_free / (self.num_blocks - 1)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+    def cached_block(self, hash_: int) -> Block | None:
+        copies = self._cached.get(hash_)
+        return next(iter(copies.values())) if copies else None
+
+    def longest_hit(self, hashes: Sequence[int], num_tokens: int) -> list[Block]:
+        """Cached blocks for the leading hashes, at most (num_tokens - 1) // block_size of them."""
+        hit = []
+        for hash_ in hashes[: (num_tokens - 1) // self.block_size]:
+            block = self.cached_block(hash_)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def evictable(self, blocks: Sequence[Block]) -> int:
+        """How many of ``blocks`` sit in the free queue (touching them uses up free blocks)."""
+        return sum(1 for b in blocks if b.ref_cnt == 0)
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, count: int) -> list[Block]:
+        if count > len(self._free):
+            raise NoFreeBlocksError(f"{count} blocks needed, {len(self._free)} free")
+        out = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        if block.hash is None:
+            return
+        copies = self._cached[block.hash]
+        del copies[block.block_id]
+        if not copies:
+            del self._cached[block.hash]
+        self.events.append(removed_event([block.hash]))
+        block.hash = None
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        """Release a request's blocks, given in the order they should enter the queue."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(
+        self, blocks: Sequence[Block], hashes: Sequence[int], tokens: Sequence[int], start: int, salt: str | None
+    ) -> None:
+        """Cache ``blocks[start:]`` under ``hashes[start:]`` (full blocks only) and announce them."""
+        stop = min(len(blocks), len(hashes))
+        if stop <= start:
+            return
+        for block, hash_ in zip(blocks[start:stop], hashes[start:stop], strict=True):
+            block.hash = hash_
+            self._cached.setdefault(hash_, {})[block.block_id] = block
+        size = self.block_size
+        extra = [[salt] if salt and i == 0 else None for i in range(start, stop)]
+        self.events.append(
+            stored_event(
+                hashes[start:stop],
+                hashes[start - 1] if start else None,
+                tokens[start * size : stop * size],
+                size,
+                extra_keys=extra,
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free < self.num_blocks - 1:
+            return False  # vLLM refuses while requests hold blocks
+        self._cached.clear()
+        for block in self.blocks:
+            block.hash = None
+        self.events.append(cleared_event())
+        return True
