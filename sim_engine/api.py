@@ -38,6 +38,7 @@ class Generation:
     include_usage: bool
     cache_salt: str | None
     chat: bool
+    return_token_ids: bool = False
 
 
 def _int_param(body: dict[str, Any], name: str, default: int) -> int:
@@ -61,7 +62,7 @@ def _common(body: dict[str, Any], model: str, chat: bool, prompts: list[list[int
         raise ApiError(400, "'cache_salt' must be a non-empty string", "cache_salt")
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     return Generation(prompts, _int_param(body, name, DEFAULT_MAX_TOKENS), stream,
-                      bool(options.get("include_usage")), salt, chat)  # fmt: skip
+                      bool(options.get("include_usage")), salt, chat, bool(body.get("return_token_ids")))  # fmt: skip
 
 
 def check_model(body: Any, model: str) -> dict[str, Any]:
@@ -160,7 +161,16 @@ def usage_chunk(request_id: str, model: str, chat: bool, usage_body: dict[str, A
             "usage": usage_body}  # fmt: skip
 
 
-def completion(request_id: str, model: str, chat: bool, texts: list[str], usage_body: dict[str, Any]) -> dict[str, Any]:
+def completion(
+    request_id: str,
+    model: str,
+    chat: bool,
+    texts: list[str],
+    usage_body: dict[str, Any],
+    token_ids: list[tuple[list[int], list[int]]] | None = None,
+) -> dict[str, Any]:
+    """A whole (non-streamed) response; ``token_ids``: (prompt, output) per choice, returned as
+    vLLM does when the request sets ``return_token_ids``."""
     if chat:
         choices: list[dict[str, Any]] = [
             {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": "length"}
@@ -173,5 +183,7 @@ def completion(request_id: str, model: str, chat: bool, texts: list[str], usage_
             for i, t in enumerate(texts)
         ]
         kind = "text_completion"
+    for choice, (prompt, output) in zip(choices, token_ids or [], strict=False):
+        choice["prompt_token_ids"], choice["token_ids"] = prompt, output
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage_body}  # fmt: skip

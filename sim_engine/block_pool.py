@@ -2,9 +2,10 @@
 
 What is reproduced (vllm/v1/core/block_pool.py, kv_cache_manager.py, as of 0.32/0.33):
 * Block 0 is the null block and is never handed out: N blocks give N - 1 usable ones.
-* Free blocks wait in an LRU queue. A request's blocks are freed in reverse order (its tail
-  enters the queue first, so a chain is evicted from its tail). Touching a cached free block
-  (a prefix hit) takes it out of the queue.
+* Free blocks wait in a queue. A request's blocks are freed in reverse order; the cached ones
+  join the end of the queue (LRU: a chain is evicted from its tail), the ones without a hash go
+  to its front, to be reused first. Touching a cached free block (a prefix hit) takes it out of
+  the queue.
 * Allocation pops the queue's head; a popped block that still holds a cached hash is evicted
   from the cache first (a BlockRemoved event, one hash per event).
 * Full blocks are cached by their chained hash when they are scheduled (BlockStored with the
@@ -136,11 +137,20 @@ class BlockPool:
         block.hash = None
 
     def free(self, blocks: Sequence[Block]) -> None:
-        """Release a request's blocks, given in the order they should enter the queue."""
+        """Release a request's blocks, given in eviction order (its tail first). Cached blocks go
+        to the end of the queue (LRU); blocks without a hash go to the front, in that order, to be
+        reused first (vLLM's LIFO reuse of blocks that can never be a prefix hit)."""
+        reuse_first = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                if block.hash is None:
+                    reuse_first.append(block.block_id)
+                else:
+                    self._free[block.block_id] = None
+        for block_id in reversed(reuse_first):
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
 
     def cache(
         self, blocks: Sequence[Block], hashes: Sequence[int], tokens: Sequence[int], start: int, salt: str | None

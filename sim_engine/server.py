@@ -115,7 +115,9 @@ async def _generate(request: web.Request, state: _State, chat: bool) -> web.Stre
         if generation.stream:
             return await _stream(request, state, generation, request_id, submitted)
         texts = await asyncio.gather(*(_collect(state, r) for r in submitted))
-        return web.json_response(api.completion(request_id, state.settings.model, chat, list(texts), _usage(submitted)))
+        ids = [(r.prompt, r.output) for r in submitted] if generation.return_token_ids else None
+        body = api.completion(request_id, state.settings.model, chat, list(texts), _usage(submitted), ids)
+        return web.json_response(body)
     finally:
         for sim_request in submitted:
             if not sim_request.finished.is_set():

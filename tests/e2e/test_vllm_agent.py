@@ -10,16 +10,11 @@ See ../shared/docs/vllm-on-cpu.md; `.ci/vllm-env` builds the vLLM environment.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -28,87 +23,19 @@ from redis.asyncio import Redis
 
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
-from kvroute.embedded_redis import RedisServer, free_port
-from tests.conftest import SHARED, server_kinds
+from kvroute.embedded_redis import RedisServer
+from tests.conftest import server_kinds
 from tests.support import ROOT, AgentProcess, wait_until
+from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
 from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "tiny"
-BS = 32
-TINY_MODEL = Path(SHARED) / "fixtures" / "vllm-0.32-cpu" / "tiny-model"
-DEFAULT_VENV = Path.home() / ".cache" / "kvroute" / "vllm-cpu-venv"
-
-
-def vllm_python() -> Path:
-    venv = Path(os.environ.get("KVROUTE_VLLM_VENV", DEFAULT_VENV))
-    python = venv / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"no vLLM environment at {venv}: run .ci/vllm-env (or set KVROUTE_VLLM_VENV)")
-    return python
-
-
-@dataclass
-class VllmServer:
-    process: subprocess.Popen[bytes]
-    port: int
-    events_port: int
-    replay_port: int
-    workdir: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
 
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[VllmServer]:
-    workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
-    port, events_port, replay_port = free_port(), free_port(), free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TMPDIR=workdir,
-               VLLM_CACHE_ROOT=f"{workdir}/cache", TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor")  # fmt: skip
-    kv_events = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-        "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{replay_port}",
-    }  # fmt: skip
-    command = [
-        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(TINY_MODEL),
-        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-        "--block-size", str(BS), "--max-model-len", "256", "--num-gpu-blocks-override", "12", "--enforce-eager",
-        "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
-    ]  # fmt: skip
-    with open(f"{workdir}/server.log", "wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-    server = VllmServer(process, port, events_port, replay_port, workdir)
-    try:
-        _wait_healthy(server)
+def vllm() -> Iterator[VllmServer]:
+    with vllm_server(num_blocks=12) as server:
         yield server
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_healthy(server: VllmServer, within: float = 300.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            log = Path(server.workdir, "server.log").read_text()[-4000:]
-            pytest.fail(f"vLLM exited with {server.process.returncode}:\n{log}")
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"vLLM was not healthy within {within} s")
 
 
 @dataclass
@@ -167,11 +94,11 @@ class Observer:
 
 
 @pytest.fixture(scope="module")
-def observer(vllm_server: VllmServer) -> Iterator[Observer]:
+def observer(vllm: VllmServer) -> Iterator[Observer]:
     context = zmq.Context()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"kv")
-    socket.connect(f"tcp://127.0.0.1:{vllm_server.events_port}")
+    socket.connect(f"tcp://127.0.0.1:{vllm.events_port}")
     time.sleep(0.5)  # the subscription must reach the PUB before the first request
     yield Observer(socket)
     socket.close(linger=0)
@@ -190,8 +117,8 @@ def agent_args(server: VllmServer, redis: RedisServer) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def agents(vllm_server: VllmServer, redis: RedisServer, observer: Observer) -> Iterator[list[AgentProcess]]:
-    running = [AgentProcess(agent_args(vllm_server, redis)).start()]
+def agents(vllm: VllmServer, redis: RedisServer, observer: Observer) -> Iterator[list[AgentProcess]]:
+    running = [AgentProcess(agent_args(vllm, redis)).start()]
     yield running
     for agent in running:
         agent.kill()
@@ -247,12 +174,12 @@ def worker_id(server: VllmServer) -> str:
     return f"{server.url}#0"
 
 
-async def test_shared_prefix_prompts_are_indexed_exactly(vllm_server, observer, agents, index):
+async def test_shared_prefix_prompts_are_indexed_exactly(vllm, observer, agents, index):
     base = [(i * 7) % 1900 + 10 for i in range(96)]  # 3 blocks
-    await complete(vllm_server, [*base, 5, 6, 7])
-    await complete(vllm_server, base[:64] + list(range(500, 540)))  # shares 2 blocks
-    await complete(vllm_server, [*base, 5, 6, 7], salt="tenant-a")  # same tokens, another cache
-    await converged(index, observer, worker_id(vllm_server))
+    await complete(vllm, [*base, 5, 6, 7])
+    await complete(vllm, base[:64] + list(range(500, 540)))  # shares 2 blocks
+    await complete(vllm, [*base, 5, 6, 7], salt="tenant-a")  # same tokens, another cache
+    await converged(index, observer, worker_id(vllm))
     assert observer.held_blocks(base, "tenant-a") == 3 and observer.held_blocks(base) == 3
 
     lookup = subprocess.run(  # noqa: ASYNC221 - a short CLI call; nothing else runs meanwhile
@@ -261,44 +188,44 @@ async def test_shared_prefix_prompts_are_indexed_exactly(vllm_server, observer, 
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     workers = {w["id"]: w["matched_blocks"] for w in json.loads(lookup.stdout)["workers"]}
-    assert workers == {worker_id(vllm_server): 3}
+    assert workers == {worker_id(vllm): 3}
 
     # vLLM's own report agrees with what the index predicts (whole blocks, capped at len - 1).
-    again = await complete(vllm_server, [*base, 5, 6, 7])
+    again = await complete(vllm, [*base, 5, 6, 7])
     predicted = min(3 * BS, (len(base) + 3 - 1) // BS * BS)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
 
 
-async def test_chat_prompts_are_indexed_with_their_template(vllm_server, observer, agents, index):
+async def test_chat_prompts_are_indexed_with_their_template(vllm, observer, agents, index):
     messages = [{"role": "system", "content": "You are a tiny test model. " * 6}, {"role": "user", "content": "Hi!"}]
     async with aiohttp.ClientSession() as session:
         body = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
-        async with session.post(f"{vllm_server.url}/tokenize", json=body) as r:
+        async with session.post(f"{vllm.url}/tokenize", json=body) as r:
             tokens = (await r.json())["tokens"]
         async with session.post(
-            f"{vllm_server.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}
+            f"{vllm.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}
         ) as r:
             assert r.status == 200
     SENT.append((tokens, None))
-    await converged(index, observer, worker_id(vllm_server))
+    await converged(index, observer, worker_id(vllm))
     assert observer.held_blocks(tokens) >= 1
 
 
-async def test_evictions_in_a_tiny_cache_are_removed_from_the_index(vllm_server, observer, agents, index):
+async def test_evictions_in_a_tiny_cache_are_removed_from_the_index(vllm, observer, agents, index):
     removals_before = observer.removals
     for n in range(6):  # 6 prompts x 3 blocks > 12 blocks: vLLM must evict
-        await complete(vllm_server, [(n * 131 + i * 11) % 1900 + 20 for i in range(100)])
-    await converged(index, observer, worker_id(vllm_server))
+        await complete(vllm, [(n * 131 + i * 11) % 1900 + 20 for i in range(100)])
+    await converged(index, observer, worker_id(vllm))
     assert observer.removals > removals_before
 
 
-async def test_an_agent_killed_mid_stream_converges_after_restart(vllm_server, observer, agents, index, redis):
+async def test_an_agent_killed_mid_stream_converges_after_restart(vllm, observer, agents, index, redis):
     agents[0].kill()
     for n in range(3):
-        await complete(vllm_server, [(n * 17 + i * 5) % 1900 + 30 for i in range(70)])
-    agents.append(AgentProcess(agent_args(vllm_server, redis)).start())
-    await converged(index, observer, worker_id(vllm_server))
-    await complete(vllm_server, [(i * 3) % 1900 + 40 for i in range(80)])
-    await converged(index, observer, worker_id(vllm_server))
+        await complete(vllm, [(n * 17 + i * 5) % 1900 + 30 for i in range(70)])
+    agents.append(AgentProcess(agent_args(vllm, redis)).start())
+    await converged(index, observer, worker_id(vllm))
+    await complete(vllm, [(i * 3) % 1900 + 40 for i in range(80)])
+    await converged(index, observer, worker_id(vllm))
     assert agents[-1].terminate() == 0
     assert await index.match(MODEL, sequence_hashes(SENT[-1][0], BS)) == {}
