@@ -156,13 +156,13 @@ class SimEngine:
         decoding = self._schedule_running()
         prefill_tokens = 0
         while self.waiting and len(self.running) < self.timing.max_running:
-            admitted = self._admit(self.waiting[0])
-            if admitted is None:
+            to_compute = self._admit(self.waiting[0])
+            if to_compute is None:
                 break
-            self.waiting.popleft()
+            admitted = self.waiting.popleft()
             admitted.prefilling = True
             self.running.append(admitted)
-            prefill_tokens += len(admitted.all_tokens) - admitted.num_cached_blocks * self.pool.block_size
+            prefill_tokens += to_compute
         return prefill_tokens, decoding
 
     def _schedule_running(self) -> bool:
@@ -187,7 +187,8 @@ class SimEngine:
                 return False
         return True
 
-    def _admit(self, request: SimRequest) -> SimRequest | None:
+    def _admit(self, request: SimRequest) -> int | None:
+        """Admit ``request`` if its blocks fit: the prompt tokens left to compute, else None."""
         tokens = request.all_tokens
         request.hashes = chain_hashes(tokens, self.pool.block_size, request.salt)
         hit = self.pool.longest_hit(request.hashes, len(tokens))
@@ -203,7 +204,7 @@ class SimEngine:
         self.stats.prefix_queries += len(tokens)
         self.stats.prefix_hits += len(hit) * self.pool.block_size
         self._cache(request, len(tokens))
-        return request
+        return len(tokens) - len(hit) * self.pool.block_size
 
     def _cache(self, request: SimRequest, num_tokens: int) -> None:
         full = num_tokens // self.pool.block_size

@@ -1,0 +1,243 @@
+"""The simulated engine over real HTTP and real ZMQ (in-process server, or `kvroute sim-engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.embedded_redis import free_port
+from sim_engine.engine import TimingModel
+from sim_engine.server import RunningEngine, running_engine
+from sim_engine.settings import SimEngineSettings
+from tests.support import ROOT, wait_until
+from worker_agent.wire import BlockStored, decode_message
+
+BS = 16
+PROMPT = list(range(100, 164))  # 4 blocks
+
+
+def settings(**overrides) -> SimEngineSettings:
+    base = {"port": 0, "events_endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv",
+            "num_blocks": 64, "block_size": BS, "max_model_len": 512, "timing": TimingModel(speedup=100)}  # fmt: skip
+    return SimEngineSettings(**{**base, **overrides})
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[RunningEngine]:
+    async with running_engine(settings()) as running:
+        yield running
+
+
+async def post(url: str, body: object, path: str = "/v1/completions") -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_completions_report_cached_tokens_like_vllm(sim):
+    status, first = await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 3})
+    assert status == 200 and first["object"] == "text_completion"
+    assert first["usage"] == {"prompt_tokens": 64, "total_tokens": 67, "completion_tokens": 3,
+                              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    _, again = await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 3})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # 4 blocks, capped at len - 1
+    _, longer = await post(sim.url, {"model": "tiny", "prompt": [*PROMPT, 7, 8], "max_tokens": 1})
+    assert longer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+async def test_text_batch_and_chat_prompts(sim):
+    status, body = await post(sim.url, {"model": "tiny", "prompt": ["Hello there", [5, 6, 7]], "max_tokens": 2})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    _, tokenized = await post(sim.url, {"model": "tiny", "prompt": "Hello there"}, "/tokenize")
+    assert body["usage"]["prompt_tokens"] == tokenized["count"] + 3
+    status, chat = await post(
+        sim.url, {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        "/v1/chat/completions",
+    )  # fmt: skip
+    assert status == 200 and chat["choices"][0]["message"]["role"] == "assistant"
+    hi = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    _, tokenized = await post(sim.url, hi, "/tokenize")
+    assert chat["usage"]["prompt_tokens"] == tokenized["count"]
+
+
+async def test_streaming_ends_with_usage_and_done(sim):
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with aiohttp.ClientSession() as session, session.post(sim.url + "/v1/completions", json=body) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode().strip() for line in [line async for line in response.content] if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    _, whole = await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "return_token_ids": True})
+    assert "token_ids" in whole["choices"][0]
+
+
+async def test_chat_streaming_opens_with_the_role(sim):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(sim.url + "/v1/chat/completions", json=body) as response,
+    ):
+        lines = [line.decode().strip() for line in [line async for line in response.content] if line.strip()]
+    first = json.loads(lines[0][len("data: ") :])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"model": "other", "prompt": "x"}, 404, "does not exist"),
+        ({"model": "tiny"}, 400, "'prompt' must be"),
+        ({"model": "tiny", "prompt": [1, 99999]}, 400, "out of vocabulary"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be a positive integer"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 600}, 400, "maximum context length is 512"),
+        ({"model": "tiny", "prompt": "x", "cache_salt": 3}, 400, "cache_salt"),
+        ([1, 2], 400, "JSON object"),
+    ],
+)
+async def test_bad_requests_get_openai_errors_and_the_engine_keeps_serving(sim, body, status, message):
+    got, error = await post(sim.url, body)
+    assert got == status and message in error["error"]["message"] and error["error"]["code"] == status
+    ok, _ = await post(sim.url, {"model": "tiny", "prompt": "fine", "max_tokens": 1})
+    assert ok == 200
+
+
+async def test_malformed_json_is_a_400(sim):
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(sim.url + "/v1/completions", data=b"{nope", headers={"Content-Type": "application/json"}) as r,
+    ):
+        assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+
+
+async def test_models_health_metrics_and_reset(sim):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(sim.url + "/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+        async with session.get(sim.url + "/health") as r:
+            assert r.status == 200
+        await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+        async with session.get(sim.url + "/metrics") as r:
+            families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+        async with session.post(sim.url + "/reset_prefix_cache") as r:
+            assert r.status == 200
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:cache_config_info",
+                 "vllm:time_to_first_token_seconds"):  # fmt: skip
+        assert name in families, name
+    info = families["vllm:cache_config_info"].samples[0].labels
+    assert (info["block_size"], info["num_gpu_blocks"]) == (str(BS), "64")
+    _, after = await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the reset forgot the blocks
+
+
+async def test_events_and_replay_are_vllms_wire(sim):
+    context = zmq.asyncio.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(sim.events_endpoint)
+    await asyncio.sleep(0.3)
+    try:
+        await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "cache_salt": "s1"})
+        batch = decode_message(await asyncio.wait_for(sub.recv_multipart(), 5))
+        (stored,) = batch.events
+        assert isinstance(stored, BlockStored) and stored.token_ids == tuple(PROMPT) and stored.block_size == BS
+        assert stored.extra_keys == (["s1"], None, None, None) and stored.parent_block_hash is None
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(sim.replay_endpoint)
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        end = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        assert replayed[1:] == [b"kv", (0).to_bytes(8, "big"), replayed[3]] and decode_message(replayed[1:]).seq == 0
+        assert end == [b"", b"", b"\xff" * 8, b""]
+        dealer.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        context.destroy(linger=0)
+
+
+async def test_cache_hits_cut_time_to_first_token_and_overload_queues():
+    slow = TimingModel(prefill_ms_per_1k_tokens=4000, decode_ms_per_step=5, step_overhead_ms=0, max_running=1)
+    async with running_engine(settings(timing=slow, num_blocks=256, max_model_len=2048)) as sim:
+        prompt = [(i * 13) % 1900 + 10 for i in range(800)]
+
+        async def ttft(body: dict) -> float:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            body = {"model": "tiny", "max_tokens": 1, **body}
+            status, _ = await post(sim.url, body)
+            assert status == 200
+            return loop.time() - started
+
+        miss = await ttft({"prompt": prompt})
+        hit = await ttft({"prompt": prompt})
+        assert hit < miss / 4, (hit, miss)  # ~3.2 s of prefill against none
+        first = asyncio.create_task(post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 50}))
+
+        async def queued() -> bool:
+            return len(sim.engine.running) == 1
+
+        await wait_until(queued, 5)
+        second = asyncio.create_task(post(sim.url, {"model": "tiny", "prompt": [*PROMPT, 1], "max_tokens": 1}))
+
+        async def waiting() -> bool:
+            return len(sim.engine.waiting) == 1
+
+        await wait_until(waiting, 5)  # the batch limit is 1: the second request waits
+        await asyncio.gather(first, second)
+
+
+async def test_a_client_that_goes_away_frees_its_blocks(sim):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(sim.url + "/v1/completions", json=body)
+        await response.content.readline()
+        response.close()
+
+    async def freed() -> bool:
+        return not sim.engine.running and sim.engine.pool.num_free == 63
+
+    await wait_until(freed, 5)
+
+
+def test_the_command_line_engine_serves_and_rejects_bad_flags():
+    bad = subprocess.run([sys.executable, "-m", "kvroute", "sim-engine", "--num-blocks", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--num-blocks must be >= 2" in bad.stderr
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port),
+                                "--events-endpoint", "none"], cwd=ROOT)  # fmt: skip
+    try:
+
+        async def check() -> None:
+            async def up() -> bool:
+                try:
+                    status, body = await post(f"http://127.0.0.1:{port}", {"prompt": "hello", "max_tokens": 2})
+                except aiohttp.ClientError:
+                    return False
+                return status == 200 and body["usage"]["completion_tokens"] == 2
+
+            await wait_until(up, 30)
+
+        asyncio.run(check())
+    finally:
+        process.terminate()
+        assert process.wait(10) == 0
