@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from redis.asyncio import Redis
 
@@ -327,3 +328,30 @@ async def test_a_block_key_lost_in_redis_heals_at_the_next_store_below_it(engine
     await pub.publish([stored(6, 8)])  # Redis refuses block 6 (its parent is gone): re-assert
     await wait_for_match(index, unique_name, [8])
     assert await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
+
+
+async def test_an_agent_follows_a_simulated_engine_process(unique_name, server, index):
+    """`kvroute sim-engine` + `kvroute agent`, both real processes: what the demo runs."""
+    port, events, replay = free_port(), free_port(), free_port()
+    engine = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
+        [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", unique_name,
+         "--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}", "--topic", "kv",
+         "--block-size", str(BS), "--num-blocks", "64", "--speedup", "50"],
+        cwd=ROOT,
+    )  # fmt: skip
+    args = ["--engine-url", f"http://127.0.0.1:{port}/v1", "--events", f"tcp://127.0.0.1:{events}",
+            "--replay", f"tcp://127.0.0.1:{replay}", "--topic", "kv", "--redis-url", server.url]  # fmt: skip
+    process = AgentProcess(args).start()  # learns the model and the block size from the engine
+    try:
+        await wait_until(lambda: _registered(index, unique_name), 30)
+        body = {"model": unique_name, "prompt": TOKENS[: 10 * BS + 2], "max_tokens": 2}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+            assert response.status == 200
+        await wait_for_match(index, unique_name, [10])
+        (record,) = await index.workers(unique_name)
+        assert record.block_size == BS and record.url == f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        engine.terminate()
+        engine.wait(10)
