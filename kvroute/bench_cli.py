@@ -27,6 +27,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block")
     p.set_defaults(handler=_run_agent)
 
+    p = sub.add_parser("sim", help="memory, idle CPU and throughput of N simulated engines")
+    p.add_argument("--engines", type=int, default=16, help="simulated engine processes")
+    p.add_argument("--idle-seconds", type=float, default=10.0, help="how long idle CPU is measured")
+    p.add_argument("--load-seconds", type=float, default=10.0, help="how long the load runs")
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent clients during the load")
+    p.add_argument("--speedup", type=float, default=20.0, help="the engines' --speedup")
+    p.set_defaults(handler=_run_sim)
+
 
 def _run_index(args: argparse.Namespace) -> int:
     from kvroute.bench_index import run_from_args
@@ -36,5 +44,11 @@ def _run_index(args: argparse.Namespace) -> int:
 
 def _run_agent(args: argparse.Namespace) -> int:
     from kvroute.bench_agent import run_from_args
+
+    return run_from_args(args)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from kvroute.bench_sim import run_from_args
 
     return run_from_args(args)
