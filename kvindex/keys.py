@@ -121,3 +121,29 @@ class ModelKeys:
     def block(self, block_hash: int) -> str:
         """ZSET: member gid, score = copies of the block that gid holds."""
         return self.block_prefix + block_hex(block_hash)
+
+    # --- shared routing state (router replicas) ---------------------------------------------
+
+    @property
+    def replicas(self) -> str:
+        """ZSET: router replica id -> lease deadline in ms; a replica's load counts until then."""
+        return self.base + "replicas"
+
+    @property
+    def inflight_prefix(self) -> str:
+        return self.base + "inflight:"
+
+    def inflight(self, replica_id: str) -> str:
+        """HASH: one replica's in-flight load per worker, fields ``<kind>:<worker id>`` with kind
+        r (requests), t (prompt tokens) or u (predicted uncached prompt tokens)."""
+        return self.inflight_prefix + _check_name("replica id", replica_id)
+
+    @property
+    def expected(self) -> str:
+        """HASH: block hash (hex) -> worker id it was just routed to (not yet announced)."""
+        return self.base + "expected"
+
+    @property
+    def expected_deadlines(self) -> str:
+        """ZSET: block hash (hex) -> when its ``expected`` entry lapses (ms)."""
+        return self.base + "expected_at"

@@ -15,7 +15,20 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-SCRIPT_NAMES = ("register", "heartbeat", "apply", "load", "clear", "relog", "gc", "match")
+SCRIPT_NAMES = (
+    "register",
+    "heartbeat",
+    "apply",
+    "load",
+    "clear",
+    "relog",
+    "gc",
+    "match",
+    "lease",
+    "inflight",
+    "expect",
+    "expected",
+)
 
 KeyOrArg = str | bytes | int
 

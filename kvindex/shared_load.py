@@ -1,0 +1,128 @@
+"""Routing state that router replicas share through Redis, next to the index.
+
+* In-flight load: each replica counts the requests, prompt tokens and predicted uncached prompt
+  tokens it has in flight per worker, in its own HASH, under a lease it renews every second
+  (``lease.lua`` also rewrites the HASH from the replica's local truth, so a lost update heals
+  within a lease period). Readers sum over replicas whose lease is alive (``inflight.lua``): a
+  killed replica's load stops counting when its lease runs out and is deleted soon after.
+* Expected prefixes: right after a routing decision, the prompt's blocks are remembered for a
+  moment as "expected" on the chosen worker (``expect.lua``), so a burst of identical prompts
+  sees the first one's choice before the engine's KV events reach the index.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from kvindex.keys import KeySchema, ModelKeys, block_hex
+from kvindex.scripts import Scripts
+
+LOAD_KINDS = ("r", "t", "u")
+
+
+@dataclass(frozen=True)
+class InflightLoad:
+    """One worker's in-flight load, summed over the live router replicas."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    uncached_tokens: int = 0
+
+    def __add__(self, other: InflightLoad) -> InflightLoad:
+        return InflightLoad(
+            self.requests + other.requests,
+            self.prompt_tokens + other.prompt_tokens,
+            self.uncached_tokens + other.uncached_tokens,
+        )
+
+    def __neg__(self) -> InflightLoad:
+        return InflightLoad(-self.requests, -self.prompt_tokens, -self.uncached_tokens)
+
+    def fields(self, worker_id: str) -> dict[str, int]:
+        return {"r:" + worker_id: self.requests, "t:" + worker_id: self.prompt_tokens,
+                "u:" + worker_id: self.uncached_tokens}  # fmt: skip
+
+
+def parse_totals(reply: Sequence[bytes | str]) -> dict[str, InflightLoad]:
+    """inflight.lua's flat reply -> {worker id: load}."""
+    parts: dict[str, dict[str, int]] = defaultdict(dict)
+    for i in range(0, len(reply) - 1, 2):
+        name = reply[i]
+        field = name.decode() if isinstance(name, bytes) else str(name)
+        kind, _, worker = field.partition(":")
+        raw = reply[i + 1]
+        value = raw.decode() if isinstance(raw, bytes) else str(raw)
+        parts[worker][kind] = int(float(value))
+    totals = {w: InflightLoad(p.get("r", 0), p.get("t", 0), p.get("u", 0)) for w, p in parts.items()}
+    return {w: load for w, load in totals.items() if load != InflightLoad()}
+
+
+class SharedLoad:
+    """One router replica's view of, and contribution to, the shared routing state."""
+
+    def __init__(self, client: Redis, schema: KeySchema, replica_id: str, scripts: Scripts | None = None) -> None:
+        self._client = client
+        self._schema = schema
+        self.replica_id = replica_id
+        self._scripts = scripts or Scripts(client)
+
+    def keys(self, model: str) -> ModelKeys:
+        return self._schema.for_model(model)
+
+    async def renew(self, model: str, ttl_ms: int, snapshot: Mapping[str, InflightLoad]) -> int:
+        """Renew this replica's lease for ``model`` and rewrite its load from ``snapshot``."""
+        keys = self.keys(model)
+        pairs: list[str | int] = []
+        for worker_id, load in snapshot.items():
+            for field, value in load.fields(worker_id).items():
+                if value > 0:
+                    pairs += [field, value]
+        removed = await self._scripts.call(
+            "lease",
+            [keys.replicas, keys.inflight(self.replica_id)],
+            [self.replica_id, ttl_ms, keys.inflight_prefix, *pairs],
+        )
+        return int(removed)
+
+    async def add(self, model: str, worker_id: str, delta: InflightLoad) -> None:
+        key = self.keys(model).inflight(self.replica_id)
+        async with self._client.pipeline(transaction=False) as pipe:
+            for field, value in delta.fields(worker_id).items():
+                if value:
+                    pipe.hincrby(key, field, value)
+            await pipe.execute()
+
+    async def totals(self, model: str) -> dict[str, InflightLoad]:
+        keys = self.keys(model)
+        reply = await self._scripts.call("inflight", [keys.replicas], [keys.inflight_prefix])
+        return parse_totals(reply)
+
+    async def leave(self, model: str) -> None:
+        """Graceful shutdown: this replica's load stops counting at once."""
+        keys = self.keys(model)
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys.replicas, self.replica_id)
+            pipe.delete(keys.inflight(self.replica_id))
+            await pipe.execute()
+
+    async def expect(self, model: str, worker_id: str, blocks: Sequence[int], ttl_ms: int) -> None:
+        if not blocks:
+            return
+        keys = self.keys(model)
+        await self._scripts.call(
+            "expect", [keys.expected, keys.expected_deadlines], [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]
+        )
+
+    async def expected(self, model: str, blocks: Sequence[int]) -> list[str | None]:
+        """For each block, the worker it was just routed to (None: none, or lapsed)."""
+        if not blocks:
+            return []
+        keys = self.keys(model)
+        reply = await self._scripts.call(
+            "expected", [keys.expected, keys.expected_deadlines], [block_hex(b) for b in blocks]
+        )
+        return [v.decode() if isinstance(v, bytes) else v for v in reply]

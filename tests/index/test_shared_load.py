@@ -1,0 +1,49 @@
+"""Shared routing state across router replicas (Redis only: it lives beside the index)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvindex.hashing import sequence_hashes
+from kvindex.keys import KeySchema
+from kvindex.shared_load import InflightLoad, SharedLoad
+
+
+async def test_replicas_see_each_others_load_and_a_dead_replica_stops_counting(redis_client, unique_name):
+    a = SharedLoad(redis_client, KeySchema(), "replica-a")
+    b = SharedLoad(redis_client, KeySchema(), "replica-b")
+    await a.renew(unique_name, 60_000, {})
+    await b.renew(unique_name, 300, {})
+    await a.add(unique_name, "w1", InflightLoad(1, 100, 40))
+    await b.add(unique_name, "w1", InflightLoad(2, 50, 10))
+    await b.add(unique_name, "w2", InflightLoad(1, 7, 7))
+    totals = await a.totals(unique_name)
+    assert totals == {"w1": InflightLoad(3, 150, 50), "w2": InflightLoad(1, 7, 7)}
+    await a.add(unique_name, "w1", -InflightLoad(1, 100, 40))
+    assert (await b.totals(unique_name))["w1"] == InflightLoad(2, 50, 10)
+    await asyncio.sleep(0.4)  # b's lease runs out: as if it was killed
+    assert await a.totals(unique_name) == {}
+    assert await a.renew(unique_name, 60_000, {}) == 1  # and its hash is deleted
+    assert not await redis_client.exists(KeySchema().for_model(unique_name).inflight("replica-b"))
+
+
+async def test_a_renewal_replaces_drifted_counts_with_the_local_truth(redis_client, unique_name):
+    load = SharedLoad(redis_client, KeySchema(), "r")
+    await load.renew(unique_name, 60_000, {})
+    await load.add(unique_name, "w", InflightLoad(5, 500, 5))  # say the decrements were lost
+    await load.renew(unique_name, 60_000, {"w": InflightLoad(1, 10, 0)})
+    assert await load.totals(unique_name) == {"w": InflightLoad(1, 10, 0)}
+    await load.leave(unique_name)
+    assert await load.totals(unique_name) == {}
+
+
+async def test_expected_prefixes_lapse(redis_client, unique_name):
+    load = SharedLoad(redis_client, KeySchema(), "r")
+    chain = sequence_hashes(list(range(64)), 16)
+    await load.expect(unique_name, "w7", chain[:2], ttl_ms=300)
+    assert await load.expected(unique_name, chain) == ["w7", "w7", None, None]
+    await asyncio.sleep(0.4)
+    assert await load.expected(unique_name, chain) == [None] * 4
+    await load.expect(unique_name, "w8", chain[3:], ttl_ms=60_000)  # also sweeps the lapsed ones
+    keys = KeySchema().for_model(unique_name)
+    assert await redis_client.hlen(keys.expected) == 1
