@@ -1,0 +1,104 @@
+"""The router's settings: one frozen dataclass, from flags and KVROUTE_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvindex.settings import RedisSettings
+from router.scoring import Policy, ScoringWeights
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: Policy = Policy.KV
+    tokenizers: tuple[tuple[str, Path], ...] = ()  # (model, model directory)
+    weights: ScoringWeights = field(default_factory=ScoringWeights)
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    max_body_bytes: int = 32 * 1024 * 1024
+    replica_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+    redis_timeout_s: float = 0.05  # a routing decision waits this long for Redis, then degrades
+    lease_ttl_ms: int = 3_000
+    expected_ttl_ms: int = 2_000
+    workers_refresh_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be within 0..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.redis_timeout_s <= 0 or self.lease_ttl_ms < 1000:
+            raise ValueError("the Redis timeout must be positive and the lease TTL at least 1000 ms")
+        for model, directory in self.tokenizers:
+            if not (Path(directory) / "tokenizer.json").is_file():
+                raise ValueError(f"--tokenizer {model}={directory}: no tokenizer.json there")
+
+    @property
+    def tokenizer_dirs(self) -> dict[str, Path]:
+        return {model: Path(directory) for model, directory in self.tokenizers}
+
+
+def _tokenizer_pair(text: str) -> tuple[str, Path]:
+    model, sep, directory = text.partition("=")
+    if not sep or not model or not directory:
+        raise argparse.ArgumentTypeError(f"--tokenizer takes MODEL=DIR, got {text!r}")
+    return model, Path(directory)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d, w = RouterSettings(), ScoringWeights()
+    parser.add_argument(
+        "--redis-url", help="the index's Redis (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)"
+    )
+    parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
+    parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
+    parser.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
+    parser.add_argument("--policy", type=Policy, choices=list(Policy), default=Policy.KV, help="default kv")
+    parser.add_argument("--tokenizer", type=_tokenizer_pair, action="append", default=[], metavar="MODEL=DIR",
+                        help="a model's directory with tokenizer.json + chat template (repeatable); without one, "
+                        "the router asks a worker's /tokenize")  # fmt: skip
+    parser.add_argument("--weight-prefill", type=float, default=w.prefill, help=f"per block to prefill ({w.prefill})")
+    parser.add_argument("--weight-active", type=float, default=w.active, help=f"per in-flight KV block ({w.active})")
+    parser.add_argument("--weight-queue", type=float, default=w.queue, help=f"per queued engine request ({w.queue})")
+    parser.add_argument("--busy-kv-usage", type=float, default=w.busy_kv_usage, help=f"busy above ({w.busy_kv_usage})")
+    parser.add_argument(
+        "--busy-waiting", type=int, default=w.busy_waiting, help=f"busy at this queue ({w.busy_waiting})"
+    )
+    parser.add_argument("--temperature", type=float, default=w.temperature, help="softmax temperature (0: argmin)")
+    parser.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable; env "
+                        "KVROUTE_API_KEYS, comma-separated); none: no auth")  # fmt: skip
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
+    parser.add_argument("--replica-id", help="this replica's id in the shared load (default host-pid-random)")
+    parser.add_argument("--redis-timeout-ms", type=float, default=d.redis_timeout_s * 1000,
+                        help="decision budget for Redis before routing by local load (default 50)")  # fmt: skip
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterSettings:
+    env = os.environ if env is None else env
+    keys = set(args.api_key) | {k.strip() for k in env.get("KVROUTE_API_KEYS", "").split(",") if k.strip()}
+    weights = ScoringWeights(args.weight_prefill, args.weight_active, args.weight_queue, args.busy_kv_usage,
+                             args.busy_waiting, args.temperature)  # fmt: skip
+    extra = {"replica_id": args.replica_id} if args.replica_id else {}
+    return RouterSettings(
+        redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix),
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        tokenizers=tuple(args.tokenizer),
+        weights=weights,
+        api_keys=frozenset(keys),
+        max_body_bytes=args.max_body_bytes,
+        redis_timeout_s=args.redis_timeout_ms / 1000,
+        **extra,  # type: ignore[arg-type]
+    )
