@@ -1,0 +1,146 @@
+"""Routing decisions: the index, the shared load and the scoring, with a degraded fallback.
+
+One decision reads, concurrently, the prompt's match in the index, every replica's in-flight
+load, and the "expected" prefixes of recent decisions; it must finish within the Redis budget
+(default 50 ms), else the router routes by its own load (round robin over the last workers it
+saw alive) and counts it. The index makes routing better, never a request fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from kvindex.errors import KVIndexError
+from kvindex.hashing import sequence_hashes
+from kvindex.redis_index import RedisIndex
+from kvindex.shared_load import InflightLoad, SharedLoad
+from kvindex.types import WorkerRecord
+from router.fleet import Fleet
+from router.scoring import Candidate, Choice, Policy, ScoringWeights, choose, predicted_cached_tokens
+
+log = logging.getLogger(__name__)
+REDIS_FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
+
+
+class NoWorkers(Exception):
+    """No alive worker serves the model (503)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    model: str
+    prompt_tokens: int
+    block_size: int
+    chain: list[int]
+    choice: Choice
+    degraded: bool
+    seconds: float
+
+    @property
+    def prompt_blocks(self) -> int:
+        return len(self.chain)
+
+    def predicted_cached_tokens(self, candidate: Candidate | None = None) -> int:
+        chosen = candidate or self.choice.chosen
+        return predicted_cached_tokens(chosen.matched_blocks, self.prompt_tokens, self.block_size)
+
+
+def _checkpoints(length: int) -> list[int]:
+    """Depths checked against expected prefixes: powers of two and the full length."""
+    depths = {length} | {1 << k for k in range(length.bit_length()) if 1 << k <= length}
+    return sorted(d for d in depths if d > 0)
+
+
+class Decider:
+    def __init__(
+        self,
+        index: RedisIndex,
+        load: SharedLoad,
+        fleet: Fleet,
+        weights: ScoringWeights,
+        policy: Policy,
+        redis_timeout_s: float,
+        expected_ttl_ms: int,
+    ) -> None:
+        self._index = index
+        self._load = load
+        self._fleet = fleet
+        self._weights = weights
+        self._policy = policy
+        self._timeout = redis_timeout_s
+        self._expected_ttl_ms = expected_ttl_ms
+        self._turns = itertools.count()
+        self._rng = random.Random()
+        self.degraded_count = 0
+
+    async def decide(self, model: str, tokens: list[int]) -> Decision:
+        started = time.perf_counter()
+        workers = self._fleet.alive(model)
+        if not workers:
+            raise NoWorkers(f"no alive worker serves model {model!r}")
+        block_size = workers[0].block_size
+        chain = sequence_hashes(tokens, block_size)
+        degraded = False
+        try:
+            async with asyncio.timeout(self._timeout):
+                candidates = await self._candidates(model, chain, workers)
+            choice = choose(
+                candidates, len(chain), block_size, self._weights, self._policy, self._rng, next(self._turns)
+            )
+        except REDIS_FAILURES as exc:
+            degraded = True
+            self.degraded_count += 1
+            log.debug("routing %s without Redis (%s): round robin over %d workers", model, exc, len(workers))
+            candidates = [Candidate(w.worker_id, w.url, engine=w.load) for w in workers]
+            choice = choose(candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, self._rng,
+                            next(self._turns))  # fmt: skip
+        return Decision(model, len(tokens), block_size, chain, choice, degraded, time.perf_counter() - started)
+
+    async def _candidates(self, model: str, chain: list[int], workers: list[WorkerRecord]) -> list[Candidate]:
+        depths = _checkpoints(len(chain))
+        matches, totals, expected = await asyncio.gather(
+            self._index.match(model, chain),
+            self._load.totals(model),
+            self._load.expected(model, [chain[d - 1] for d in depths]),
+        )
+        expected_depth: dict[str, int] = defaultdict(int)
+        for depth, worker_id in zip(depths, expected, strict=True):
+            if worker_id is not None:
+                expected_depth[worker_id] = max(expected_depth[worker_id], depth)
+        return [
+            Candidate(
+                w.worker_id,
+                w.url,
+                max(matches.get(w.worker_id, 0), expected_depth[w.worker_id]),
+                totals.get(w.worker_id, InflightLoad()),
+                w.load,
+            )
+            for w in workers
+        ]
+
+    async def routed(self, decision: Decision, candidate: Candidate) -> InflightLoad:
+        """Book the request on ``candidate`` (shared load, expected prefix); returns the load to
+        release when it finishes. Failures only degrade routing quality, so they are logged."""
+        uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
+        load = InflightLoad(1, decision.prompt_tokens, uncached)
+        with contextlib.suppress(*REDIS_FAILURES):
+            async with asyncio.timeout(self._timeout * 4):
+                await asyncio.gather(
+                    self._load.add(decision.model, candidate.worker_id, load),
+                    self._load.expect(
+                        decision.model,
+                        candidate.worker_id,
+                        [decision.chain[d - 1] for d in _checkpoints(len(decision.chain))],
+                        self._expected_ttl_ms,
+                    ),
+                )
+        return load
