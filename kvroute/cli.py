@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvroute import __version__, agent_cli, bench_cli, index_cli, sim_cli
+from kvroute import __version__, agent_cli, bench_cli, index_cli, router_cli, sim_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     index_cli.add_parser(commands)
     agent_cli.add_parser(commands)
     sim_cli.add_parser(commands)
+    router_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     return parser
 

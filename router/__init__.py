@@ -1,1 +1,3 @@
-"""The kvroute router (issue 4/6): stateless aiohttp replicas that read the shared index."""
+"""The stateless router: OpenAI-compatible replicas that share one index and one view of load.
+
+Imports the core index (``kvindex``), never ``worker_agent``."""

@@ -1,0 +1,79 @@
+"""The router's Prometheus metrics (one registry per app) and the usage it reads from replies."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "kvroute_router_"
+
+
+@dataclass
+class RouterMetrics:
+    registry: CollectorRegistry
+    requests: Counter
+    decisions: Counter
+    decision_seconds: Histogram
+    degraded: Counter
+    retries: Counter
+    upstream_errors: Counter
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    predicted_cached_tokens: Counter
+    predictions: Counter
+    prediction_error_tokens: Histogram
+    inflight: Gauge
+
+
+def new_metrics() -> RouterMetrics:
+    r = CollectorRegistry()
+    return RouterMetrics(
+        registry=r,
+        requests=Counter(PREFIX + "requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r),
+        decisions=Counter(PREFIX + "decisions", "Decisions per worker", ["model", "worker", "policy"], registry=r),
+        decision_seconds=Histogram(PREFIX + "decision_seconds", "Time to decide (tokenization excluded)",
+                                   buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=r),
+        degraded=Counter(PREFIX + "degraded_decisions", "Decisions made without Redis (local round robin)", registry=r),
+        retries=Counter(PREFIX + "upstream_retries", "Requests retried on the next best worker", registry=r),
+        upstream_errors=Counter(PREFIX + "upstream_errors", "Failures before the first byte", ["worker"], registry=r),
+        prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens the engines reported", ["model"], registry=r),
+        cached_tokens=Counter(PREFIX + "cached_tokens", "Cached prompt tokens the engines reported (hit rate = "
+                              "cached_tokens / prompt_tokens)", ["model"], registry=r),
+        predicted_cached_tokens=Counter(PREFIX + "predicted_cached_tokens", "Cached tokens the router predicted, for "
+                                        "requests whose reply reported cached tokens", ["model"], registry=r),
+        predictions=Counter(PREFIX + "predictions", "Predicted vs reported", ["model", "outcome"], registry=r),
+        prediction_error_tokens=Histogram(PREFIX + "prediction_error_tokens", "|predicted - reported| cached tokens",
+                                          buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r),
+        inflight=Gauge(PREFIX + "inflight_requests", "Requests this replica is proxying", registry=r),
+    )  # fmt: skip
+
+
+def usage_from_json(body: bytes) -> dict | None:
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class SseUsage:
+    """Finds the usage object in a server-sent event stream as it passes through."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.usage: dict | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        *events, self._tail = data.split(b"\n\n")
+        for event in events:
+            if b'"usage"' in event:
+                for line in event.splitlines():
+                    if line.startswith(b"data:"):
+                        found = usage_from_json(line[5:].strip())
+                        if found:
+                            self.usage = found
+        if len(self._tail) > 1 << 20:
+            self._tail = b""

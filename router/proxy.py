@@ -1,0 +1,101 @@
+"""Forwarding a request to the chosen worker, bytes in and bytes out.
+
+The request body goes upstream unchanged; the reply streams back unchanged (SSE or JSON), while
+a small reader looks for the usage object to compare predicted and reported cached tokens. If the
+chosen worker fails before its first byte (connection refused, reset, timeout, a 5xx), the
+request goes once to the next best worker. When the client goes away, the upstream connection is
+closed, which makes the engine abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from router.metrics import SseUsage, usage_from_json
+from router.scoring import Candidate
+
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host",
+              "upgrade", "te", "trailer", "proxy-authorization", "proxy-authenticate"}  # fmt: skip
+MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this is not read
+
+
+class UpstreamFailed(Exception):
+    """Every worker tried failed before sending a byte (502)."""
+
+
+@dataclass
+class Forwarded:
+    response: web.StreamResponse
+    candidate: Candidate
+    usage: dict | None
+    retried: bool
+
+
+def _request_headers(request: web.Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"authorization"}}
+    headers["X-Request-Id"] = request["request_id"]
+    return headers
+
+
+async def forward(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    path: str,
+    body: bytes,
+    candidates: list[Candidate],
+    reply_headers: Callable[[Candidate], dict[str, str]],
+    on_attempt: Callable[[Candidate], Awaitable[None]],
+    on_failure: Callable[[Candidate, BaseException | int], Awaitable[None]],
+) -> Forwarded:
+    """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying;
+    ``on_attempt`` runs before each try, ``on_failure`` after a failed one."""
+    headers = _request_headers(request)
+    last: BaseException | int | None = None
+    for attempt, candidate in enumerate(candidates[:2]):
+        await on_attempt(candidate)
+        try:
+            upstream = await session.post(candidate.url + path, data=body, headers=headers)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            last = exc
+            await on_failure(candidate, exc)
+            continue
+        if upstream.status >= 500 and attempt == 0 and len(candidates) > 1:
+            last = upstream.status
+            upstream.release()
+            await on_failure(candidate, upstream.status)
+            continue
+        try:
+            response, usage = await _relay(request, upstream, reply_headers(candidate))
+        finally:
+            upstream.close()  # not release(): an unfinished stream must abort the engine's request
+        return Forwarded(response, candidate, usage, retried=attempt > 0)
+    raise UpstreamFailed(f"upstream failed: {last!r}")
+
+
+async def _relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str]
+) -> tuple[web.StreamResponse, dict | None]:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers.update(extra_headers)
+    response = web.StreamResponse(status=upstream.status, headers=headers)
+    await response.prepare(request)
+    streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    sse = SseUsage()
+    kept = bytearray()
+    try:
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+            if streamed:
+                sse.feed(chunk)
+            elif len(kept) < MAX_JSON_SNIFF:
+                kept += chunk
+        await response.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away: the caller's finally closes the upstream
+    usage = sse.usage if streamed else usage_from_json(bytes(kept))
+    return response, usage
