@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
 
@@ -81,6 +81,9 @@ class Decider:
         self._turns = itertools.count()
         self._rng = random.Random()
         self.degraded_count = 0
+        # (model, block hash) -> (worker id, deadline): this replica's own recent choices, seen
+        # by its next decisions at once (the shared "expected" entries take a round trip).
+        self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
     async def decide(self, model: str, tokens: list[int]) -> Decision:
         started = time.perf_counter()
@@ -93,9 +96,10 @@ class Decider:
         try:
             async with asyncio.timeout(self._timeout):
                 candidates = await self._candidates(model, chain, workers)
-            choice = choose(
-                candidates, len(chain), block_size, self._weights, self._policy, self._rng, next(self._turns)
-            )
+            candidates = self._with_recent(model, chain, candidates)
+            turn = next(self._turns)
+            choice = choose(candidates, len(chain), block_size, self._weights, self._policy, self._rng, turn)
+            self._remember(model, chain, choice.chosen.worker_id)
         except REDIS_FAILURES as exc:
             degraded = True
             self.degraded_count += 1
@@ -104,6 +108,25 @@ class Decider:
             choice = choose(candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, self._rng,
                             next(self._turns))  # fmt: skip
         return Decision(model, len(tokens), block_size, chain, choice, degraded, time.perf_counter() - started)
+
+    def _with_recent(self, model: str, chain: list[int], candidates: list[Candidate]) -> list[Candidate]:
+        now = time.monotonic()
+        depth: dict[str, int] = defaultdict(int)
+        for d in _checkpoints(len(chain)):
+            entry = self._recent.get((model, chain[d - 1]))
+            if entry is not None and entry[1] > now:
+                depth[entry[0]] = max(depth[entry[0]], d)
+        if not depth:
+            return candidates
+        return [replace(c, matched_blocks=max(c.matched_blocks, depth[c.worker_id])) for c in candidates]
+
+    def _remember(self, model: str, chain: list[int], worker_id: str) -> None:
+        now = time.monotonic()
+        deadline = now + self._expected_ttl_ms / 1000
+        for d in _checkpoints(len(chain)):
+            self._recent[(model, chain[d - 1])] = (worker_id, deadline)
+        if len(self._recent) > 100_000:
+            self._recent = {k: v for k, v in self._recent.items() if v[1] > now}
 
     async def _candidates(self, model: str, chain: list[int], workers: list[WorkerRecord]) -> list[Candidate]:
         depths = _checkpoints(len(chain))

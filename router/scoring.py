@@ -2,9 +2,11 @@
 
 Cost of sending a prompt of ``P`` blocks to a worker (lower wins), in the spirit of Dynamo's:
 
-    prefill * (P - matched_blocks + queued_prefill_blocks)   blocks this worker still has to prefill
-  + active  * inflight_prompt_blocks                          KV held by requests in flight there
-  + queue   * engine_waiting                                  requests its engine already queues
+    prefill * (P - matched_blocks)           blocks this request would prefill there
+  + queued  * queued_prefill_blocks          prefill already booked there (it delays the first token
+                                             but is not new work: a burst of one prompt shares it)
+  + active  * inflight_prompt_blocks         KV held by requests in flight there
+  + queue   * engine_waiting                 requests its engine already queues
 
 ``matched_blocks`` comes from the index (or a fresh "expected" entry); the in-flight figures are
 summed over every router replica; ``engine_waiting`` is the engine's own gauge. A worker whose
@@ -36,6 +38,7 @@ class Policy(StrEnum):
 @dataclass(frozen=True)
 class ScoringWeights:
     prefill: float = 1.0
+    queued: float = 0.5
     active: float = 0.1
     queue: float = 4.0
     busy_kv_usage: float = 0.97
@@ -43,7 +46,7 @@ class ScoringWeights:
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.active, self.queue, self.temperature) < 0:
+        if min(self.prefill, self.queued, self.active, self.queue, self.temperature) < 0:
             raise ValueError("scoring weights and the temperature must be >= 0")
         if not 0 < self.busy_kv_usage <= 1 or self.busy_waiting < 1:
             raise ValueError("busy_kv_usage must be in (0, 1] and busy_waiting >= 1")
@@ -86,7 +89,8 @@ def cost(candidate: Candidate, prompt_blocks: int, block_size: int, weights: Sco
     queued_prefill = candidate.inflight.uncached_tokens / block_size
     active = candidate.inflight.prompt_tokens / block_size
     waiting = candidate.engine.waiting if candidate.engine else 0
-    return weights.prefill * (new_prefill + queued_prefill) + weights.active * active + weights.queue * waiting
+    return (weights.prefill * new_prefill + weights.queued * queued_prefill + weights.active * active
+            + weights.queue * waiting)  # fmt: skip
 
 
 def is_busy(candidate: Candidate, weights: ScoringWeights) -> bool:

@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a model's directory with tokenizer.json + chat template (repeatable); without one, "
                         "the router asks a worker's /tokenize")  # fmt: skip
     parser.add_argument("--weight-prefill", type=float, default=w.prefill, help=f"per block to prefill ({w.prefill})")
+    parser.add_argument("--weight-queued", type=float, default=w.queued, help=f"per queued prefill block ({w.queued})")
     parser.add_argument("--weight-active", type=float, default=w.active, help=f"per in-flight KV block ({w.active})")
     parser.add_argument("--weight-queue", type=float, default=w.queue, help=f"per queued engine request ({w.queue})")
     parser.add_argument("--busy-kv-usage", type=float, default=w.busy_kv_usage, help=f"busy above ({w.busy_kv_usage})")
@@ -87,8 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterSettings:
     env = os.environ if env is None else env
     keys = set(args.api_key) | {k.strip() for k in env.get("KVROUTE_API_KEYS", "").split(",") if k.strip()}
-    weights = ScoringWeights(args.weight_prefill, args.weight_active, args.weight_queue, args.busy_kv_usage,
-                             args.busy_waiting, args.temperature)  # fmt: skip
+    weights = ScoringWeights(args.weight_prefill, args.weight_queued, args.weight_active, args.weight_queue,
+                             args.busy_kv_usage, args.busy_waiting, args.temperature)  # fmt: skip
     extra = {"replica_id": args.replica_id} if args.replica_id else {}
     return RouterSettings(
         redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix),

@@ -153,3 +153,53 @@ class AgentProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+@dataclass
+class SimFleet:
+    """N simulated engines (in this process: real HTTP and ZMQ) with an agent process each."""
+
+    redis_url: str
+    count: int = 3
+    model: str = "tiny"
+    block_size: int = 16
+    num_blocks: int = 256
+    speedup: float = 20.0
+    engines: list = field(default_factory=list)
+    agents: list[AgentProcess] = field(default_factory=list)
+    _contexts: list = field(default_factory=list)
+
+    async def start(self) -> SimFleet:
+        from sim_engine.engine import TimingModel
+        from sim_engine.server import running_engine
+        from sim_engine.settings import SimEngineSettings
+
+        for _ in range(self.count):
+            settings = SimEngineSettings(port=0, events_endpoint="tcp://127.0.0.1:*",
+                                         replay_endpoint="tcp://127.0.0.1:*", topic="kv", model=self.model,
+                                         num_blocks=self.num_blocks, block_size=self.block_size,
+                                         timing=TimingModel(speedup=self.speedup))  # fmt: skip
+            context = running_engine(settings)
+            self.engines.append(await context.__aenter__())
+            self._contexts.append(context)
+        for engine in self.engines:
+            self.agents.append(self.agent_for(engine).start())
+        return self
+
+    def agent_for(self, engine) -> AgentProcess:
+        return AgentProcess(["--engine-url", engine.url, "--events", engine.events_endpoint, "--replay",
+                             engine.replay_endpoint, "--topic", "kv", "--redis-url", self.redis_url,
+                             "--ttl-ms", "3000"])  # fmt: skip
+
+    def worker_id(self, index: int) -> str:
+        return f"{self.engines[index].url}#0"
+
+    def engine_of(self, worker_id: str):
+        return next(e for e in self.engines if f"{e.url}#0" == worker_id)
+
+    async def stop(self) -> None:
+        for agent in self.agents:
+            agent.kill()
+        for context in reversed(self._contexts):
+            if context is not None:
+                await context.__aexit__(None, None, None)

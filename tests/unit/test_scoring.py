@@ -67,7 +67,7 @@ def test_other_policies():
 
 def test_cost_counts_blocks_to_prefill_inflight_kv_and_queue():
     c = cand("a", 3, InflightLoad(requests=1, prompt_tokens=160, uncached_tokens=32), WorkerLoad(1, 2, 0.5))
-    assert cost(c, 10, 16, ScoringWeights(prefill=1, active=0.5, queue=4)) == (7 + 2) + 0.5 * 10 + 4 * 2
+    assert cost(c, 10, 16, ScoringWeights(prefill=1, queued=0.5, active=0.5, queue=4)) == 7 + 0.5 * 2 + 0.5 * 10 + 4 * 2
 
 
 @pytest.mark.parametrize(

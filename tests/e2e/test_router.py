@@ -1,0 +1,278 @@
+"""The router against real Redis, simulated engines (real HTTP/ZMQ) and agent processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from redis.asyncio import Redis
+
+from kvindex.keys import KeySchema
+from kvindex.redis_index import RedisIndex
+from kvindex.settings import RedisSettings
+from kvindex.shared_load import SharedLoad
+from kvindex.types import WorkerInfo
+from kvroute.embedded_redis import RedisServer, available_servers, free_port
+from router.main import RunningRouter, running_router
+from router.settings import RouterSettings
+from tests.support import ROOT, SimFleet, wait_until
+
+PREFIX = [(i * 7) % 1900 + 10 for i in range(160)]  # 10 blocks of 16
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    server = RedisServer(binary=available_servers()["redis"]).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def fleet(redis_server: RedisServer) -> AsyncIterator[SimFleet]:
+    fleet = await SimFleet(redis_server.url).start()
+    yield fleet
+    await fleet.stop()
+
+
+async def start_router(redis_url: str, **settings) -> tuple[object, RunningRouter]:
+    context = running_router(RouterSettings(redis=RedisSettings(url=redis_url), port=0, **settings))
+    return context, await context.__aenter__()
+
+
+@pytest.fixture
+async def router(fleet: SimFleet, redis_server: RedisServer) -> AsyncIterator[RunningRouter]:
+    context, running = await start_router(redis_server.url)
+    await wait_for_workers(running, fleet.count)
+    yield running
+    await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+async def wait_for_workers(router: RunningRouter, count: int) -> None:
+    async def ready() -> bool:
+        await router.state.fleet.refresh()
+        return len(router.state.fleet.alive("tiny")) == count
+
+    await wait_until(ready, 20)
+
+
+async def complete(url: str, prompt, **extra) -> tuple[int, dict, dict]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **extra}
+    async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+async def test_shared_prefixes_land_on_the_worker_that_holds_them(router, fleet):
+    status, headers, body = await complete(router.url, [*PREFIX, 1])
+    assert status == 200
+    owner = headers["x-kvroute-worker"]
+    await asyncio.sleep(0.3)  # the engine's events reach the index
+    for tail in range(2, 8):
+        status, headers, body = await complete(router.url, [*PREFIX, tail, tail])
+        assert status == 200 and headers["x-kvroute-worker"] == owner
+        assert int(headers["x-kvroute-cached-tokens"]) == 160
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+    other = [(i * 11) % 1900 + 5 for i in range(64)]
+    assert (await complete(router.url, other))[0] == 200
+
+
+async def test_a_burst_of_identical_prompts_is_not_scattered(router, fleet):
+    prompt = [(i * 3) % 1900 + 20 for i in range(320)]
+    results = await asyncio.gather(*(complete(router.url, prompt) for _ in range(6)))
+    workers = {headers["x-kvroute-worker"] for _, headers, _ in results}
+    assert len(workers) == 1, workers  # the first decision is "expected" for the rest
+
+
+async def test_debug_route_explains_without_proxying(router, fleet):
+    await complete(router.url, [*PREFIX, 1])
+    await asyncio.sleep(0.3)
+    url, body = router.url + "/debug/route", {"model": "tiny", "prompt": PREFIX}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        explained = await response.json()
+    assert explained["prompt_blocks"] == 10 and len(explained["workers"]) == 3
+    best = explained["workers"][0]
+    assert best["id"] == explained["chosen"] and best["matched_blocks"] == 10
+    assert {"id", "url", "matched_blocks", "load", "cost"} <= set(best)
+
+
+async def test_chat_and_streaming_pass_through(router, fleet):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello " * 50}], "max_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with aiohttp.ClientSession() as session, session.post(router.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        text = (await r.read()).decode()
+    assert text.rstrip().endswith("data: [DONE]") and '"usage"' in text
+    async with aiohttp.ClientSession() as session, session.get(router.url + "/metrics") as r:
+        assert "kvroute_router_prompt_tokens_total" in await r.text()
+
+
+async def test_a_client_that_goes_away_cancels_the_upstream_request(router, fleet):
+    body = {"model": "tiny", "prompt": PREFIX, "max_tokens": 200, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(router.url + "/v1/completions", json=body)
+        worker = response.headers["x-kvroute-worker"]
+        await response.content.readline()
+        response.close()
+    engine = fleet.engine_of(worker).engine
+
+    async def aborted() -> bool:
+        return not engine.running and not engine.waiting
+
+    await wait_until(aborted, 5)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"model": "tiny"}).encode(), 400, "'prompt' must be"),
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "does not exist"),
+        (json.dumps({"prompt": "x"}).encode(), 400, "'model'"),
+        (json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode(), 413, "exceeds"),
+    ],
+)
+async def test_bad_requests_get_openai_errors(fleet, redis_server, body, status, message):
+    context, router = await start_router(redis_server.url, max_body_bytes=4096)
+    try:
+        await wait_for_workers(router, fleet.count)
+        headers = {"Content-Type": "application/json"}
+        url = router.url + "/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=headers) as response:
+            assert response.status == status
+            error = (await response.json())["error"]
+        assert message in error["message"] and error["code"] == status
+        assert (await complete(router.url, "still serving"))[0] == 200
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+async def test_api_keys(fleet, redis_server):
+    context, router = await start_router(redis_server.url, api_keys=frozenset({"k1"}))
+    try:
+        await wait_for_workers(router, fleet.count)
+        assert (await complete(router.url, "hi"))[0] == 401
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer k1"}) as session:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+            async with session.post(router.url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+            async with session.get(router.url + "/health") as response:
+                assert response.status == 200
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+async def test_no_alive_worker_is_503_and_dead_upstreams_502(redis_server):
+    client = Redis.from_url(redis_server.url)
+    index = RedisIndex(client)
+    try:
+        await index.register(WorkerInfo("gone", "ghost", f"http://127.0.0.1:{free_port()}", 16), ttl_ms=60_000)
+        await index.register(WorkerInfo("down", "dead", f"http://127.0.0.1:{free_port()}", 16), ttl_ms=60_000)
+        await index.register(WorkerInfo("x", "ghost", "http://127.0.0.1:1", 16), ttl_ms=60_000)
+        await index.heartbeat("ghost", "gone", ttl_ms=0)
+        await index.heartbeat("ghost", "x", ttl_ms=0)
+        context, router = await start_router(redis_server.url)
+        try:
+            status, _, body = await complete(router.url, [1, 2, 3], model="ghost")
+            assert status == 503 and "no alive worker" in body["error"]["message"]
+            status, _, body = await complete(router.url, [1, 2, 3], model="dead")
+            assert status == 502 and body["error"]["code"] == 502
+        finally:
+            await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.faults
+async def test_redis_killed_mid_traffic_fails_no_request(fleet, redis_server):
+    context, router = await start_router(redis_server.url)
+    try:
+        await wait_for_workers(router, fleet.count)
+        statuses: list[int] = []
+
+        async def traffic() -> None:
+            for i in range(60):
+                statuses.append((await complete(router.url, [*PREFIX[: 16 * (1 + i % 5)], i]))[0])
+                await asyncio.sleep(0.02)
+
+        task = asyncio.create_task(traffic())
+        await asyncio.sleep(0.3)
+        redis_server.stop(kill=True)
+        await task
+        assert statuses.count(200) == 60, statuses
+        assert router.state.decider.degraded_count > 0
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+@pytest.mark.faults
+async def test_a_killed_replica_leaves_no_load_behind(fleet, redis_server):
+    port = free_port()
+    replica = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "--redis-url",
+            redis_server.url,
+            "--port",
+            str(port),
+            "--replica-id",
+            "doomed",
+        ],
+        cwd=ROOT,
+    )
+    client = Redis.from_url(redis_server.url)
+    load = SharedLoad(client, KeySchema(), "observer")
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        async def up() -> bool:
+            try:
+                async with aiohttp.ClientSession() as session, session.get(url + "/ready") as response:
+                    return response.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await wait_until(up, 30)
+        body = {"model": "tiny", "prompt": PREFIX, "max_tokens": 2000, "stream": True}
+        session = aiohttp.ClientSession()
+        responses = [await session.post(url + "/v1/completions", json=body) for _ in range(3)]
+
+        async def booked() -> bool:
+            return sum(x.requests for x in (await load.totals("tiny")).values()) == 3
+
+        await wait_until(booked, 5)
+        replica.kill()
+        took = await wait_until(lambda: _no_load(load), 10)
+        assert took < 4.5  # the lease TTL is 3 s
+        for response in responses:
+            response.close()
+        await session.close()
+    finally:
+        replica.kill()
+        await client.aclose()
+
+
+async def _no_load(load: SharedLoad) -> bool:
+    return await load.totals("tiny") == {}
+
+
+@pytest.mark.faults
+async def test_a_killed_engine_stops_receiving_traffic(fleet, router):
+    victim = fleet.worker_id(0)
+    fleet.agents[0].kill()  # engine and agent gone together: its HTTP port stays, answers nothing useful
+    engine_context = fleet._contexts[0]
+    await engine_context.__aexit__(None, None, None)
+    fleet._contexts[0] = None
+    statuses, workers = [], []
+    for i in range(40):
+        status, headers, _ = await complete(router.url, [*PREFIX, i])
+        statuses.append(status)
+        workers.append(headers.get("x-kvroute-worker"))
+        await asyncio.sleep(0.1)
+    assert statuses.count(200) == 40  # a failure before the first byte is retried on the next worker
+    assert victim not in workers[-10:]
