@@ -21,12 +21,13 @@ from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.metrics import RouterMetrics
 from router.prompts import BadPrompt, Tokenization
-from router.proxy import UpstreamFailed, forward
+from router.proxy import REQUEST_ID, UpstreamFailed, forward
 from router.scoring import Candidate
 from router.settings import RouterSettings
 
 access_log = logging.getLogger("router.access")
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
+LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_fields", dict)
 
 
 @dataclass
@@ -57,7 +58,7 @@ async def errors_and_auth(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     state = request.app[APP_KEY]
-    request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     started = time.perf_counter()
     status = 500
     try:
@@ -78,9 +79,9 @@ async def errors_and_auth(
         )
     finally:
         state.metrics.requests.labels(request.path, str(status)).inc()
-        access_log.info(json.dumps({"request_id": request["request_id"], "method": request.method, "path": request.path,
+        access_log.info(json.dumps({"request_id": request[REQUEST_ID], "method": request.method, "path": request.path,
                                     "status": status, "ms": round(1000 * (time.perf_counter() - started), 2),
-                                    **request.get("log", {})}))  # fmt: skip
+                                    **request.get(LOG_FIELDS, {})}))  # fmt: skip
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -176,7 +177,7 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     def headers(candidate: Candidate) -> dict[str, str]:
         return {"x-kvroute-worker": candidate.worker_id,
                 "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(candidate)),
-                "x-request-id": request["request_id"]}  # fmt: skip
+                "x-request-id": request[REQUEST_ID]}  # fmt: skip
 
     booked: dict[str, Any] = {}
 
@@ -208,7 +209,7 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
         state.metrics.retries.inc()
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
     _record_usage(state, decision, forwarded.candidate, forwarded.usage)
-    request["log"] = {"model": decision.model, "worker": forwarded.candidate.worker_id,
+    request[LOG_FIELDS] = {"model": decision.model, "worker": forwarded.candidate.worker_id,
                       "prompt_tokens": decision.prompt_tokens, "degraded": decision.degraded,
                       "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
                       "cached_tokens": _reported_cached(forwarded.usage),

@@ -24,6 +24,9 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this is not read
 
 
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+
+
 class UpstreamFailed(Exception):
     """Every worker tried failed before sending a byte (502)."""
 
@@ -38,7 +41,7 @@ class Forwarded:
 
 def _request_headers(request: web.Request) -> dict[str, str]:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"authorization"}}
-    headers["X-Request-Id"] = request["request_id"]
+    headers["X-Request-Id"] = request[REQUEST_ID]
     return headers
 
 
