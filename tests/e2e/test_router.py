@@ -276,3 +276,44 @@ async def test_a_killed_engine_stops_receiving_traffic(fleet, router):
         await asyncio.sleep(0.1)
     assert statuses.count(200) == 40  # a failure before the first byte is retried on the next worker
     assert victim not in workers[-10:]
+
+
+async def _hit_rate(urls: list[str], seed: int) -> float:
+    """Multi-turn conversations (each turn extends the last prompt), spread over ``urls``."""
+    rng = __import__("random").Random(seed)
+    conversations = [[rng.randrange(10, 1900) for _ in range(48)] for _ in range(9)]
+    prompt_tokens = cached_tokens = 0
+    sent = 0
+    for _turn in range(4):
+        for conversation in conversations:
+            conversation += [rng.randrange(10, 1900) for _ in range(40)]
+            status, _, body = await complete(urls[sent % len(urls)], list(conversation))
+            sent += 1
+            assert status == 200
+            prompt_tokens += body["usage"]["prompt_tokens"]
+            cached_tokens += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        await asyncio.sleep(0.2)  # let the turn's events reach the index
+    return cached_tokens / prompt_tokens
+
+
+async def test_four_replicas_route_as_well_as_one(fleet, redis_server):
+    contexts, routers = [], []
+    try:
+        for _ in range(4):
+            context, router = await start_router(redis_server.url)
+            await wait_for_workers(router, fleet.count)
+            contexts.append(context)
+            routers.append(router)
+        one = await _hit_rate([routers[0].url], seed=1)
+        four = await _hit_rate([r.url for r in routers], seed=2)
+        print(f"hit rate: 1 replica {one:.3f}, 4 replicas {four:.3f}")
+        assert one > 0.5 and four >= 0.9 * one
+    finally:
+        for context in contexts:
+            await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+def test_bad_router_flags_exit_2_with_a_message():
+    result = subprocess.run([sys.executable, "-m", "kvroute", "router", "--tokenizer", "tiny"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "--tokenizer takes MODEL=DIR" in result.stderr
