@@ -35,6 +35,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--speedup", type=float, default=20.0, help="the engines' --speedup")
     p.set_defaults(handler=_run_sim)
 
+    p = sub.add_parser("router", help="latency the router adds, and requests/s of one router process")
+    p.add_argument("--rate", type=float, default=200.0, help="open-loop requests/s for the latency runs")
+    p.add_argument("--requests", type=int, default=1000, help="requests per latency run")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of the max-throughput run")
+    p.add_argument("--concurrency", type=int, default=64, help="clients in the max-throughput run")
+    p.add_argument("--sglang", action="store_true", help="also measure the SGLang router (pip install sglang-router)")
+    p.set_defaults(handler=_run_router)
+
 
 def _run_index(args: argparse.Namespace) -> int:
     from kvroute.bench_index import run_from_args
@@ -50,5 +58,11 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 def _run_sim(args: argparse.Namespace) -> int:
     from kvroute.bench_sim import run_from_args
+
+    return run_from_args(args)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvroute.bench_router import run_from_args
 
     return run_from_args(args)

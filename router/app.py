@@ -182,7 +182,7 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     booked: dict[str, Any] = {}
 
     async def attempt(candidate: Candidate) -> None:
-        load = await state.decider.routed(decision, candidate)
+        load = state.decider.routed(decision, candidate)
         state.load.book(decision.model, candidate.worker_id, load)
         booked[candidate.worker_id] = load
 

@@ -84,6 +84,7 @@ class Decider:
         # (model, block hash) -> (worker id, deadline): this replica's own recent choices, seen
         # by its next decisions at once (the shared "expected" entries take a round trip).
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     async def decide(self, model: str, tokens: list[int]) -> Decision:
         started = time.perf_counter()
@@ -150,20 +151,22 @@ class Decider:
             for w in workers
         ]
 
-    async def routed(self, decision: Decision, candidate: Candidate) -> InflightLoad:
-        """Book the request on ``candidate`` (shared load, expected prefix); returns the load to
-        release when it finishes. Failures only degrade routing quality, so they are logged."""
+    def routed(self, decision: Decision, candidate: Candidate) -> InflightLoad:
+        """Book the request on ``candidate``: its load goes to the shared counters and its prefix
+        becomes "expected" there, in the background (the request does not wait for Redis; a
+        failure only degrades routing quality). Returns the load to release when it finishes."""
         uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
         load = InflightLoad(1, decision.prompt_tokens, uncached)
+        task = asyncio.create_task(self._publish(decision, candidate.worker_id, load))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return load
+
+    async def _publish(self, decision: Decision, worker_id: str, load: InflightLoad) -> None:
+        blocks = [decision.chain[d - 1] for d in _checkpoints(len(decision.chain))]
         with contextlib.suppress(*REDIS_FAILURES):
             async with asyncio.timeout(self._timeout * 4):
                 await asyncio.gather(
-                    self._load.add(decision.model, candidate.worker_id, load),
-                    self._load.expect(
-                        decision.model,
-                        candidate.worker_id,
-                        [decision.chain[d - 1] for d in _checkpoints(len(decision.chain))],
-                        self._expected_ttl_ms,
-                    ),
+                    self._load.add(decision.model, worker_id, load),
+                    self._load.expect(decision.model, worker_id, blocks, self._expected_ttl_ms),
                 )
-        return load

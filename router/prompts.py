@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,13 @@ class Tokenization:
     async def completion(self, model: str, body: dict[str, Any], worker_url: str) -> list[int]:
         """Tokens of a completion's prompt (for a batch: its first prompt, which routes it)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-            prompt = prompt[0]  # a batch of prompts
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise BadPrompt("token ids must be non-negative")
-            return list(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of prompts: the first one routes it
+        if isinstance(prompt, list) and prompt:
+            try:  # array('I') checks every id in C: a Python loop would cost ms on long prompts
+                return array("I", prompt).tolist()
+            except (TypeError, OverflowError):
+                raise BadPrompt("token ids must be integers in 0..4294967295") from None
         if not isinstance(prompt, str) or not prompt:
             raise BadPrompt("'prompt' must be a string, an array of token ids, or an array of those")
         add_special = bool(body.get("add_special_tokens", True))
