@@ -23,7 +23,7 @@ from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TT
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror, IndexOp
 from kvindex.replies import decode, depths_from_match_reply, raise_script_error, time_ms, worker_record
-from kvindex.scripts import Scripts
+from kvindex.scripts import ScriptCall, Scripts
 from kvindex.types import (
     BlockChange,
     GcResult,
@@ -80,7 +80,7 @@ class RedisIndex:
     def keys(self, model: str) -> ModelKeys:
         return self._schema.for_model(model)
 
-    async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
+    async def _call(self, name: str, keys: Sequence[str | bytes | int], args: Sequence[str | bytes | int]) -> Any:
         try:
             return await self._scripts.call(name, keys, args)
         except ResponseError as exc:
@@ -248,8 +248,19 @@ class RedisIndex:
     # --- reads ------------------------------------------------------------------------------
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
+        name, keys, args = self.match_call(model, chain)
+        return await self.match_result(model, await self._call(name, keys, args))
+
+    def match_call(self, model: str, chain: Sequence[int]) -> ScriptCall:
+        """:meth:`match` as a script call, for callers that batch it with others."""
         keys = self.keys(model)
-        reply = await self._call("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
+        return ("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
+
+    async def match_result(self, model: str, reply: Any) -> dict[str, int]:
+        if isinstance(reply, ResponseError):
+            raise_script_error(reply)
+        if isinstance(reply, Exception):
+            raise reply
         depths = depths_from_match_reply(reply)
         names = await self._worker_names(model, list(depths))
         return {names[gid]: depth for gid, depth in depths.items() if gid in names}

@@ -31,6 +31,7 @@ SCRIPT_NAMES = (
 )
 
 KeyOrArg = str | bytes | int
+ScriptCall = tuple[str, Sequence[KeyOrArg], Sequence[KeyOrArg]]  # (script name, keys, args)
 
 
 def lua_dir() -> Path:
@@ -71,6 +72,21 @@ class Scripts:
             sha = await self._client.script_load(script.source)
             if sha != script.sha:  # pragma: no cover - would mean a broken Redis
                 raise RuntimeError(f"Redis hashed {script.name}.lua as {sha}, expected {script.sha}")
+
+    async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Several script calls in one round trip (a pipeline, not a transaction). Errors come
+        back in the list as exception objects; a missing script is loaded and the batch rerun."""
+        for attempt in range(2):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for name, keys, args in calls:
+                    pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                self.reloads += 1
+                await self.load_all()
+                continue
+            return list(results)
+        return list(results)  # pragma: no cover - the loop always returns
 
     async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         script = self._scripts[name]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from kvindex.keys import KeySchema, ModelKeys, block_hex
-from kvindex.scripts import Scripts
+from kvindex.scripts import ScriptCall, Scripts
 
 LOAD_KINDS = ("r", "t", "u")
 
@@ -89,17 +89,25 @@ class SharedLoad:
         return int(removed)
 
     async def add(self, model: str, worker_id: str, delta: InflightLoad) -> None:
-        key = self.keys(model).inflight(self.replica_id)
-        async with self._client.pipeline(transaction=False) as pipe:
-            for field, value in delta.fields(worker_id).items():
-                if value:
-                    pipe.hincrby(key, field, value)
-            await pipe.execute()
+        await self.add_many({(model, worker_id): delta})
 
     async def totals(self, model: str) -> dict[str, InflightLoad]:
+        name, keys, args = self.totals_call(model)
+        return parse_totals(await self._scripts.call(name, keys, args))
+
+    def totals_call(self, model: str) -> ScriptCall:
         keys = self.keys(model)
-        reply = await self._scripts.call("inflight", [keys.replicas], [keys.inflight_prefix])
-        return parse_totals(reply)
+        return ("inflight", [keys.replicas], [keys.inflight_prefix])
+
+    async def add_many(self, deltas: Mapping[tuple[str, str], InflightLoad]) -> None:
+        """Several (model, worker) load changes in one round trip."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            for (model, worker_id), delta in deltas.items():
+                key = self.keys(model).inflight(self.replica_id)
+                for field, value in delta.fields(worker_id).items():
+                    if value:
+                        pipe.hincrby(key, field, value)
+            await pipe.execute()
 
     async def leave(self, model: str) -> None:
         """Graceful shutdown: this replica's load stops counting at once."""
@@ -110,19 +118,33 @@ class SharedLoad:
             await pipe.execute()
 
     async def expect(self, model: str, worker_id: str, blocks: Sequence[int], ttl_ms: int) -> None:
-        if not blocks:
-            return
-        keys = self.keys(model)
-        await self._scripts.call(
-            "expect", [keys.expected, keys.expected_deadlines], [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]
-        )
+        if blocks:
+            await self.expect_many([(model, worker_id, blocks)], ttl_ms)
+
+    async def expect_many(self, entries: Sequence[tuple[str, str, Sequence[int]]], ttl_ms: int) -> None:
+        """Remember several (model, worker, blocks) decisions in one round trip."""
+        calls: list[ScriptCall] = []
+        for model, worker_id, blocks in entries:
+            if blocks:
+                keys = self.keys(model)
+                calls.append(("expect", [keys.expected, keys.expected_deadlines],
+                              [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]))  # fmt: skip
+        if calls:
+            for result in await self._scripts.call_many(calls):
+                if isinstance(result, Exception):
+                    raise result
 
     async def expected(self, model: str, blocks: Sequence[int]) -> list[str | None]:
         """For each block, the worker it was just routed to (None: none, or lapsed)."""
         if not blocks:
             return []
+        name, keys, args = self.expected_call(model, blocks)
+        return parse_expected(await self._scripts.call(name, keys, args))
+
+    def expected_call(self, model: str, blocks: Sequence[int]) -> ScriptCall:
         keys = self.keys(model)
-        reply = await self._scripts.call(
-            "expected", [keys.expected, keys.expected_deadlines], [block_hex(b) for b in blocks]
-        )
-        return [v.decode() if isinstance(v, bytes) else v for v in reply]
+        return ("expected", [keys.expected, keys.expected_deadlines], [block_hex(b) for b in blocks])
+
+
+def parse_expected(reply: Sequence[bytes | str | None]) -> list[str | None]:
+    return [v.decode() if isinstance(v, bytes) else v for v in reply]

@@ -182,14 +182,14 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     booked: dict[str, Any] = {}
 
     async def attempt(candidate: Candidate) -> None:
-        load = state.decider.routed(decision, candidate)
-        state.load.book(decision.model, candidate.worker_id, load)
+        load, expected = state.decider.booking(decision, candidate)
+        state.load.book(decision.model, candidate.worker_id, load, expected)
         booked[candidate.worker_id] = load
 
     async def release(candidate: Candidate) -> None:
         load = booked.pop(candidate.worker_id, None)
         if load is not None:
-            await state.load.release(decision.model, candidate.worker_id, load)
+            state.load.release(decision.model, candidate.worker_id, load)
 
     async def failed(candidate: Candidate, why: BaseException | int) -> None:
         state.metrics.upstream_errors.labels(candidate.worker_id).inc()

@@ -9,7 +9,6 @@ saw alive) and counts it. The index makes routing better, never a request fail.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
@@ -22,7 +21,7 @@ from redis.exceptions import RedisError
 from kvindex.errors import KVIndexError
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
-from kvindex.shared_load import InflightLoad, SharedLoad
+from kvindex.shared_load import InflightLoad, SharedLoad, parse_expected, parse_totals
 from kvindex.types import WorkerRecord
 from router.fleet import Fleet
 from router.scoring import Candidate, Choice, Policy, ScoringWeights, choose, predicted_cached_tokens
@@ -84,7 +83,6 @@ class Decider:
         # (model, block hash) -> (worker id, deadline): this replica's own recent choices, seen
         # by its next decisions at once (the shared "expected" entries take a round trip).
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
-        self._background: set[asyncio.Task[None]] = set()
 
     async def decide(self, model: str, tokens: list[int]) -> Decision:
         started = time.perf_counter()
@@ -131,13 +129,18 @@ class Decider:
 
     async def _candidates(self, model: str, chain: list[int], workers: list[WorkerRecord]) -> list[Candidate]:
         depths = _checkpoints(len(chain))
-        matches, totals, expected = await asyncio.gather(
-            self._index.match(model, chain),
-            self._load.totals(model),
-            self._load.expected(model, [chain[d - 1] for d in depths]),
-        )
+        match_reply, totals_reply, expected_reply = await self._index.scripts.call_many([
+            self._index.match_call(model, chain),
+            self._load.totals_call(model),
+            self._load.expected_call(model, [chain[d - 1] for d in depths]),
+        ])  # fmt: skip
+        for reply in (totals_reply, expected_reply):
+            if isinstance(reply, Exception):
+                raise reply
+        matches = await self._index.match_result(model, match_reply)
+        totals = parse_totals(totals_reply)
         expected_depth: dict[str, int] = defaultdict(int)
-        for depth, worker_id in zip(depths, expected, strict=True):
+        for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
             if worker_id is not None:
                 expected_depth[worker_id] = max(expected_depth[worker_id], depth)
         return [
@@ -151,22 +154,10 @@ class Decider:
             for w in workers
         ]
 
-    def routed(self, decision: Decision, candidate: Candidate) -> InflightLoad:
-        """Book the request on ``candidate``: its load goes to the shared counters and its prefix
-        becomes "expected" there, in the background (the request does not wait for Redis; a
-        failure only degrades routing quality). Returns the load to release when it finishes."""
+    @staticmethod
+    def booking(decision: Decision, candidate: Candidate) -> tuple[InflightLoad, list[int]]:
+        """What routing ``decision`` to ``candidate`` books: its in-flight load, and the blocks to
+        mark "expected" on it (the checkpoints other decisions look up)."""
         uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
-        load = InflightLoad(1, decision.prompt_tokens, uncached)
-        task = asyncio.create_task(self._publish(decision, candidate.worker_id, load))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return load
-
-    async def _publish(self, decision: Decision, worker_id: str, load: InflightLoad) -> None:
         blocks = [decision.chain[d - 1] for d in _checkpoints(len(decision.chain))]
-        with contextlib.suppress(*REDIS_FAILURES):
-            async with asyncio.timeout(self._timeout * 4):
-                await asyncio.gather(
-                    self._load.add(decision.model, worker_id, load),
-                    self._load.expect(decision.model, worker_id, blocks, self._expected_ttl_ms),
-                )
+        return InflightLoad(1, decision.prompt_tokens, uncached), blocks

@@ -23,21 +23,47 @@ FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
 
 
 class ReplicaLoad:
-    def __init__(self, shared: SharedLoad, lease_ttl_ms: int) -> None:
+    def __init__(self, shared: SharedLoad, lease_ttl_ms: int, expected_ttl_ms: int = 2_000) -> None:
         self.shared = shared
         self._ttl_ms = lease_ttl_ms
+        self._expected_ttl_ms = expected_ttl_ms
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
+        # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
+        # pipeline per burst instead of several commands per request.
+        self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
+        self._expects: list[tuple[str, str, list[int]]] = []
+        self._dirty = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
 
-    def book(self, model: str, worker_id: str, load: InflightLoad) -> None:
+    def book(self, model: str, worker_id: str, load: InflightLoad, expected: list[int] | None = None) -> None:
         self._local[model][worker_id] = self._local[model][worker_id] + load
+        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + load
+        if expected:
+            self._expects.append((model, worker_id, expected))
+        self._dirty.set()
 
-    async def release(self, model: str, worker_id: str, load: InflightLoad) -> None:
+    def release(self, model: str, worker_id: str, load: InflightLoad) -> None:
         self._local[model][worker_id] = self._local[model][worker_id] + (-load)
         if self._local[model][worker_id] == InflightLoad():
             del self._local[model][worker_id]
-        with contextlib.suppress(*FAILURES):
-            await asyncio.wait_for(self.shared.add(model, worker_id, -load), 0.5)
+        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + (-load)
+        self._dirty.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(0.002)  # gather what arrives meanwhile
+            self._dirty.clear()
+            deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
+            expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
+            try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
+                updates = asyncio.gather(
+                    self.shared.add_many(deltas), self.shared.expect_many(expects, self._expected_ttl_ms)
+                )
+                await asyncio.wait_for(updates, 1.0)
+            except FAILURES as exc:
+                log.debug("shared load update failed: %s", exc)
 
     def inflight(self, model: str) -> dict[str, InflightLoad]:
         return dict(self._local.get(model, {}))
@@ -56,13 +82,15 @@ class ReplicaLoad:
                 await asyncio.sleep(self._ttl_ms / 3000)
 
         self._task = asyncio.create_task(loop())
+        self._flusher = asyncio.create_task(self._flush_loop())
         return self
 
     async def stop(self, models: list[str]) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._flusher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for model in sorted(set(models) | set(self._local)):
             with contextlib.suppress(*FAILURES):
                 await self.shared.leave(model)

@@ -49,7 +49,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         log.warning("could not list workers at start (%s); retrying in the background", exc)
     fleet.start()
     shared = SharedLoad(client, schema, settings.replica_id, index.scripts)
-    load = ReplicaLoad(shared, settings.lease_ttl_ms).start(fleet.models_with_workers)
+    load = ReplicaLoad(shared, settings.lease_ttl_ms, settings.expected_ttl_ms).start(fleet.models_with_workers)
     timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
     session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
                                     auto_decompress=False)  # fmt: skip
