@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
@@ -27,6 +28,7 @@ from router.settings import RouterSettings
 
 access_log = logging.getLogger("router.access")
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
+_DECODER = msgspec.json.Decoder()
 LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_fields", dict)
 
 
@@ -87,8 +89,8 @@ async def errors_and_auth(
 async def _json(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
+        body = _DECODER.decode(raw)  # msgspec: 2-3x json's speed on long token-id arrays
+    except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
