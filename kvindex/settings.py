@@ -60,12 +60,15 @@ class RedisSettings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
-    def client(self) -> Redis:
+    def client(self, command_timeouts: bool = True) -> Redis:
         """A client that reconnects once a dropped connection is noticed (a restarted server
-        closes every pooled connection; the first command on each would fail otherwise)."""
+        closes every pooled connection; the first command on each would fail otherwise).
+
+        ``command_timeouts=False`` leaves per-command socket timeouts to the caller (the router
+        bounds each decision itself; redis-py's own timeout costs a task per command)."""
         return Redis.from_url(
             self.url,
-            socket_timeout=self.socket_timeout_s,
+            socket_timeout=self.socket_timeout_s if command_timeouts else None,
             socket_connect_timeout=self.socket_timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.01), retries=3),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -81,9 +82,11 @@ async def errors_and_auth(
         )
     finally:
         state.metrics.requests.labels(request.path, str(status)).inc()
-        access_log.info(json.dumps({"request_id": request[REQUEST_ID], "method": request.method, "path": request.path,
-                                    "status": status, "ms": round(1000 * (time.perf_counter() - started), 2),
-                                    **request.get(LOG_FIELDS, {})}))  # fmt: skip
+        if access_log.isEnabledFor(logging.INFO):
+            fields = {"request_id": request[REQUEST_ID], "method": request.method, "path": request.path,
+                      "status": status, "ms": round(1000 * (time.perf_counter() - started), 2),
+                      **request.get(LOG_FIELDS, {})}  # fmt: skip
+            access_log.info(json.dumps(fields))
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -240,9 +243,10 @@ def create_app(state: RouterState) -> web.Application:
 
     async def ready(_: web.Request) -> web.Response:
         try:
-            await state.index.models()
+            async with asyncio.timeout(1.0):
+                await state.index.models()
             redis_ok = True
-        except (RedisError, OSError):
+        except (RedisError, OSError, TimeoutError):
             redis_ok = False
         has_workers = bool(state.fleet.models_with_workers())
         body = {"redis": redis_ok, "workers": has_workers}

@@ -49,8 +49,9 @@ class Fleet:
     async def _loop(self) -> None:
         while True:
             try:
-                await self.refresh()
-            except (RedisError, OSError) as exc:
+                async with asyncio.timeout(max(2.0, self._refresh_s)):
+                    await self.refresh()
+            except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("worker refresh failed (%s); keeping the last known workers", exc)
             await asyncio.sleep(self._refresh_s)
 

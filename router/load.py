@@ -58,10 +58,9 @@ class ReplicaLoad:
             deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
             expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
             try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
-                updates = asyncio.gather(
-                    self.shared.add_many(deltas), self.shared.expect_many(expects, self._expected_ttl_ms)
-                )
-                await asyncio.wait_for(updates, 1.0)
+                async with asyncio.timeout(1.0):
+                    await self.shared.add_many(deltas)
+                    await self.shared.expect_many(expects, self._expected_ttl_ms)
             except FAILURES as exc:
                 log.debug("shared load update failed: %s", exc)
 
@@ -76,7 +75,8 @@ class ReplicaLoad:
         async def loop() -> None:
             while True:
                 try:
-                    await self.renew_all(models())
+                    async with asyncio.timeout(self._ttl_ms / 3000):
+                        await self.renew_all(models())
                 except FAILURES as exc:
                     log.debug("lease renewal failed: %s", exc)
                 await asyncio.sleep(self._ttl_ms / 3000)

@@ -39,7 +39,7 @@ class RunningRouter:
 @asynccontextmanager
 async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRouter]:
     """Run a router replica in this event loop until the block exits (tests, the demo)."""
-    client = settings.redis.client()
+    client = settings.redis.client(command_timeouts=False)
     schema = KeySchema(settings.redis.prefix)
     index = RedisIndex(client, schema)
     fleet = Fleet(index, settings.workers_refresh_s)

@@ -40,7 +40,8 @@ class Tokenization:
             prompt = prompt[0]  # a batch of prompts: the first one routes it
         if isinstance(prompt, list) and prompt:
             try:  # array('I') checks every id in C: a Python loop would cost ms on long prompts
-                return array("I", prompt).tolist()
+                array("I", prompt)
+                return prompt
             except (TypeError, OverflowError):
                 raise BadPrompt("token ids must be integers in 0..4294967295") from None
         if not isinstance(prompt, str) or not prompt:
