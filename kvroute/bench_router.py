@@ -84,7 +84,9 @@ async def _open_loop(session: aiohttp.ClientSession, url: str, bodies: list[byte
     return latencies
 
 
-async def _closed_loop(session: aiohttp.ClientSession, url: str, seconds: float, concurrency: int) -> float:
+async def _closed_loop(
+    session: aiohttp.ClientSession, url: str, seconds: float, concurrency: int, text: bool = False
+) -> float:
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -92,7 +94,8 @@ async def _closed_loop(session: aiohttp.ClientSession, url: str, seconds: float,
         nonlocal done
         n = 0
         while time.perf_counter() < deadline:
-            body = {"model": MODEL, "prompt": [i, n % 97, 5, 6, 7, 8, 9, 10], "max_tokens": 1}
+            prompt: Any = f"short prompt {i} {n % 97}" if text else [i, n % 97, 5, 6, 7, 8, 9, 10]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
             async with session.post(url, json=body) as response:
                 await response.read()
                 done += response.status == 200
@@ -130,8 +133,9 @@ async def _wait_up(session: aiohttp.ClientSession, url: str) -> None:
 
 
 async def _measure(session: aiohttp.ClientSession, name: str, url: str, direct: str, args: argparse.Namespace,
-                   results: dict[str, Any]) -> None:  # fmt: skip
-    for kind in ("ids8k", "text2k"):
+                   results: dict[str, Any], token_ids: bool = True) -> None:  # fmt: skip
+    """``token_ids=False`` for routers that accept only text prompts (SGLang's)."""
+    for kind in ("ids8k", "text2k") if token_ids else ("text2k",):
         bodies = _bodies(kind, args.requests)
         await _open_loop(session, url + "/v1/completions", bodies[:50], args.rate)  # warm up
         routed = await _open_loop(session, url + "/v1/completions", bodies, args.rate)
@@ -142,8 +146,9 @@ async def _measure(session: aiohttp.ClientSession, name: str, url: str, direct: 
             "added_p50_ms": round(1000 * (statistics.median(routed) - statistics.median(plain)), 3),
             "added_p99_ms": round(1000 * (_percentile(routed, 0.99) - _percentile(plain, 0.99)), 3),
         }
-    results[f"{name}:max_rps"] = round(await _closed_loop(session, url + "/v1/completions", args.seconds,
-                                                          args.concurrency), 1)  # fmt: skip
+    for text in (False, True) if token_ids else (True,):
+        rps = await _closed_loop(session, url + "/v1/completions", args.seconds, args.concurrency, text)
+        results[f"{name}:max_rps_{'text' if text else 'ids'}"] = round(rps, 1)
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,7 +174,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if args.sglang:
                 sglang, sglang_url = _start_sglang(upstream_ports)
                 await _wait_up(session, sglang_url + "/health")
-                await _measure(session, "sglang", sglang_url, direct, args, results)
+                await _measure(session, "sglang", sglang_url, direct, args, results, token_ids=False)
     finally:
         router.terminate()
         router.wait(10)
