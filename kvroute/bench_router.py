@@ -160,7 +160,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for i, port in enumerate(upstream_ports):
         await index.register(WorkerInfo(f"w{i}", MODEL, f"http://127.0.0.1:{port}", 16), ttl_ms=3_600_000)
     router_port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "router", "--redis-url", server.url, "--port", str(router_port),
+    router = subprocess.Popen([sys.executable, "-m", "router",  # noqa: ASYNC220 "--redis-url", server.url, "--port", str(router_port),
                                "--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"],
                               stderr=subprocess.DEVNULL)  # fmt: skip
     sglang = None
