@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvroute import __version__, agent_cli, bench_cli, index_cli, router_cli, sim_cli
+from kvroute import __version__, agent_cli, bench_cli, demo_cli, index_cli, router_cli, sim_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo_cli.add_parser(commands)
     index_cli.add_parser(commands)
     agent_cli.add_parser(commands)
     sim_cli.add_parser(commands)

@@ -39,7 +39,7 @@ class Policy(StrEnum):
 class ScoringWeights:
     prefill: float = 1.0
     queued: float = 0.5
-    active: float = 0.1
+    active: float = 0.3
     queue: float = 4.0
     busy_kv_usage: float = 0.97
     busy_waiting: int = 16

@@ -90,6 +90,9 @@ class BlockPool:
         events, self.events = self.events, []
         return events
 
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
     def cached_block(self, hash_: int) -> Block | None:
         copies = self._cached.get(hash_)
         return next(iter(copies.values())) if copies else None
