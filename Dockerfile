@@ -1,0 +1,12 @@
+# The kvroute image: routers, agents and simulated engines all run from it (compose.yaml).
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY kvindex kvindex
+COPY kvroute kvroute
+COPY router router
+COPY worker_agent worker_agent
+COPY sim_engine sim_engine
+COPY lua lua
+RUN pip install --no-cache-dir .
+ENTRYPOINT []
