@@ -43,6 +43,22 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--sglang", action="store_true", help="also measure the SGLang router (pip install sglang-router)")
     p.set_defaults(handler=_run_router)
 
+    p = sub.add_parser("replay", help="routing quality on a Mooncake-format trace, policies side by side")
+    p.add_argument("trace", help="a Mooncake-format trace (JSON lines with timestamp, input_length, hash_ids)")
+    p.add_argument("--limit", type=int, default=1000, help="replay the first N requests (default 1000)")
+    p.add_argument("--max-input", type=int, default=32_768, help="skip requests longer than this (tokens)")
+    p.add_argument("--max-output", type=int, default=8, help="cap output tokens (default 8)")
+    p.add_argument("--engines", type=int, default=8, help="simulated engines (default 8)")
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="fleet cache / distinct blocks (default 0.1)")
+    p.add_argument("--block-size", type=int, default=16, help="engine block size (default 16)")
+    p.add_argument("--time-scale", type=float, default=20.0, help="replay this many times faster (default 20)")
+    p.add_argument("--prefill-ms-per-1k", type=float, default=50.0, help="engines' prefill cost (default 50)")
+    p.add_argument("--max-running", type=int, default=32, help="engines' batch limit (default 32)")
+    p.add_argument("--policies", default="kv,round_robin", help="comma-separated policies")
+    p.add_argument("--replicas", default="1,4", help="comma-separated router replica counts")
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(handler=_run_replay)
+
 
 def _run_index(args: argparse.Namespace) -> int:
     from kvroute.bench_index import run_from_args
@@ -64,5 +80,11 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 def _run_router(args: argparse.Namespace) -> int:
     from kvroute.bench_router import run_from_args
+
+    return run_from_args(args)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from kvroute.bench_replay import run_from_args
 
     return run_from_args(args)

@@ -32,11 +32,12 @@ MODEL = "tiny"
 
 class Stack:
     def __init__(self, redis: RedisSettings, engines: int = 4, num_blocks: int = 512, block_size: int = 16,
-                 timing: TimingModel | None = None) -> None:  # fmt: skip
+                 timing: TimingModel | None = None, max_model_len: int = 4096) -> None:  # fmt: skip
         self.redis = redis
         self.engines = engines
         self._num_blocks = num_blocks
         self._block_size = block_size
+        self._max_model_len = max_model_len
         self._timing = timing or TimingModel(prefill_ms_per_1k_tokens=200, decode_ms_per_step=5, step_overhead_ms=1)
         self.running: list[RunningEngine] = []
         self._engine_contexts: list[AbstractAsyncContextManager[RunningEngine]] = []
@@ -49,7 +50,7 @@ class Stack:
                 settings = SimEngineSettings(port=0, events_endpoint="tcp://127.0.0.1:*",
                                              replay_endpoint="tcp://127.0.0.1:*", topic="kv", model=MODEL,
                                              num_blocks=self._num_blocks, block_size=self._block_size,
-                                             timing=self._timing)  # fmt: skip
+                                             timing=self._timing, max_model_len=self._max_model_len)  # fmt: skip
                 context = running_engine(settings)
                 self.running.append(await context.__aenter__())
                 self._engine_contexts.append(context)
