@@ -44,7 +44,9 @@ def add_parser(commands: Any) -> None:
     p.set_defaults(handler=_run_router)
 
     p = sub.add_parser("replay", help="routing quality on a Mooncake-format trace, policies side by side")
-    p.add_argument("trace", help="a Mooncake-format trace (JSON lines with timestamp, input_length, hash_ids)")
+    p.add_argument("trace", nargs="?", help="a Mooncake-format trace (JSON lines: timestamp, input_length, hash_ids)")
+    p.add_argument("--synthetic", choices=["shared-prefix", "multi-turn", "documents"],
+                   help="a built-in workload instead of a trace")  # fmt: skip
     p.add_argument("--limit", type=int, default=1000, help="replay the first N requests (default 1000)")
     p.add_argument("--max-input", type=int, default=32_768, help="skip requests longer than this (tokens)")
     p.add_argument("--max-output", type=int, default=8, help="cap output tokens (default 8)")
@@ -57,6 +59,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--policies", default="kv,round_robin", help="comma-separated policies")
     p.add_argument("--replicas", default="1,4", help="comma-separated router replica counts")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--chart", default="kvroute-replay.png", help="where to write the PNG chart")
     p.set_defaults(handler=_run_replay)
 
 
@@ -87,4 +90,6 @@ def _run_router(args: argparse.Namespace) -> int:
 def _run_replay(args: argparse.Namespace) -> int:
     from kvroute.bench_replay import run_from_args
 
+    if (args.trace is None) == (args.synthetic is None):
+        raise SystemExit("kvroute bench replay: give a TRACE file or --synthetic KIND (one of them)")
     return run_from_args(args)

@@ -56,6 +56,7 @@ class RunResult:
     ttft_mean_ms: float
     ttft_p99_ms: float
     busiest_worker_vs_mean: float
+    ttft_ms: list[float]
 
 
 def load_trace(path: Path, limit: int, max_input: int) -> list[TraceRequest]:
@@ -69,6 +70,36 @@ def load_trace(path: Path, limit: int, max_input: int) -> list[TraceRequest]:
                 continue
             out.append(TraceRequest(row["timestamp"] / 1000, row["input_length"], row["output_length"],
                                     tuple(row["hash_ids"])))  # fmt: skip
+    return out
+
+
+SYNTHETIC = ("shared-prefix", "multi-turn", "documents")
+
+
+def synthetic_trace(kind: str, count: int, seed: int = 11, rate: float = 4.0) -> list[TraceRequest]:
+    """Built-in workloads in the trace's terms (512-token blocks as ids), Poisson arrivals at
+    ``rate`` per second: SGLang-style shared-prefix groups, multi-turn chats, long documents."""
+    rng = random.Random(seed)
+    next_id = iter(range(1_000_000, 10**9))
+    at, out = 0.0, []
+    groups = [[next(next_id) for _ in range(8)] for _ in range(16)]  # 16 prefixes of 4k tokens
+    documents = [[next(next_id) for _ in range(24)] for _ in range(12)]  # 12 documents of 12k tokens
+    chats: list[list[int]] = [[] for _ in range(48)]
+    for _ in range(count):
+        at += rng.expovariate(rate)
+        if kind == "shared-prefix":
+            ids = [*rng.choice(groups), next(next_id)]
+        elif kind == "documents":
+            ids = [*rng.choice(documents), next(next_id)]
+        elif kind == "multi-turn":
+            chat = rng.choice(chats)
+            if len(chat) > 24:
+                chat.clear()  # the conversation ends; a new one starts in its slot
+            chat += [next(next_id) for _ in range(rng.randint(1, 2))]
+            ids = list(chat)
+        else:
+            raise ValueError(f"unknown synthetic workload {kind!r}; choose from {', '.join(SYNTHETIC)}")
+        out.append(TraceRequest(at, len(ids) * TRACE_BLOCK - rng.randint(0, 200), 8, tuple(ids)))
     return out
 
 
@@ -157,11 +188,15 @@ async def replay(stack: Stack, requests: list[TraceRequest], policy: Policy, rep
         ttft_mean_ms=statistics.mean(ttfts),
         ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         busiest_worker_vs_mean=max(shares.values()) / (len(done) / stack.engines),
+        ttft_ms=[round(t, 2) for t in ttfts],
     )
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    requests = load_trace(Path(args.trace), args.limit, args.max_input)
+    if args.synthetic:
+        requests = synthetic_trace(args.synthetic, args.limit)
+    else:
+        requests = load_trace(Path(args.trace), args.limit, args.max_input)
     distinct = len({h for r in requests for h in r.hash_ids})
     capacity_trace_blocks = max(1, int(distinct * args.cache_fraction))
     per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // args.block_size) // args.engines + 1
@@ -203,9 +238,38 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def chart(results: dict[str, Any], path: Path) -> None:
+    """Hit rate per run against the two references, and each run's TTFT distribution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['policy']}\n{r['replicas']} replica(s)" for r in runs]
+    left.bar(labels, [100 * r["hit_rate"] for r in runs], color="#2a7")
+    left.axhline(100 * results["lru_reference_hit_rate"], color="#555", linestyle="--", label="one shared LRU cache")
+    left.axhline(100 * results["infinite_cache_hit_rate"], color="#c55", linestyle=":", label="infinite cache")
+    left.set_title("cache hit rate (%)", fontsize=10)
+    left.legend(fontsize=8)
+    for r, label in zip(runs, labels, strict=True):
+        ttfts = sorted(r["ttft_ms"])
+        right.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=label.replace("\n", ", "))
+    right.set_xscale("log")
+    right.set_title("time to first token (ms), CDF", fontsize=10)
+    right.legend(fontsize=8)
+    fig.suptitle(f"kvroute bench replay: {results['requests']} requests, {results['engines']} engines")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     results = asyncio.run(run_benchmark(args))
     print(render(results))
+    chart(results, Path(args.chart))
+    print(f"chart written to {Path(args.chart).resolve()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -65,7 +65,7 @@ def test_bench_replay_runs_a_trace_slice(tmp_path):
     out = tmp_path / "replay.json"
     result = subprocess.run(
         [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), "--engines", "2", "--cache-fraction", "1.0",
-         "--replicas", "1", "--json", str(out)],
+         "--replicas", "1", "--json", str(out), "--chart", str(tmp_path / "replay.png")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -75,3 +75,4 @@ def test_bench_replay_runs_a_trace_slice(tmp_path):
     assert 0 < report["lru_reference_hit_rate"] <= report["infinite_cache_hit_rate"]
     kv, rr = report["runs"]
     assert kv["hit_rate"] >= rr["hit_rate"]
+    assert (tmp_path / "replay.png").stat().st_size > 1000

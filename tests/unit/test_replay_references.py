@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvroute.bench_replay import TRACE_BLOCK, TraceRequest, reference_hit_rates, tokens_of
+import itertools
+
+import pytest
+
+from kvroute.bench_replay import SYNTHETIC, TRACE_BLOCK, TraceRequest, reference_hit_rates, synthetic_trace, tokens_of
 
 
 def req(*ids: int, length: int | None = None) -> TraceRequest:
@@ -24,3 +28,11 @@ def test_tokens_are_deterministic_per_hash_id_and_cut_to_the_input_length():
     b = tokens_of(req(7, 9, length=600), {})
     assert len(a) == 700 and len(b) == 600
     assert a[:TRACE_BLOCK] == b[:TRACE_BLOCK] and a[TRACE_BLOCK:600] != b[TRACE_BLOCK:600]
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC)
+def test_synthetic_workloads_share_prefixes(kind):
+    requests = synthetic_trace(kind, 300)
+    assert len(requests) == 300 and all(b.at_s >= a.at_s for a, b in itertools.pairwise(requests))
+    lru, infinite = reference_hit_rates(requests, capacity_blocks=10**6)
+    assert 0.3 < infinite <= 1 and lru == infinite
