@@ -96,7 +96,7 @@ async def run_policy(stack: Stack, policy: Policy, conversations: int, turns: in
         await asyncio.gather(*tasks)
         progress.cancel()
     elapsed = time.perf_counter() - started
-    duplication = stack.duplication()
+    duplication = await stack.duplication()
     await stack.stop_routers()
     prompt = sum(r["usage"].get("prompt_tokens", 0) for r in results)
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)

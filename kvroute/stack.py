@@ -1,5 +1,5 @@
-"""A whole kvroute stack on one machine: simulated engines (in this process), an agent process per
-engine, and router replicas (in this process). Used by ``kvroute demo`` and the benchmarks.
+"""A whole kvroute stack on one machine: simulated engines and an agent per engine as processes,
+router replicas in this process. Used by ``kvroute demo`` and ``kvroute bench replay``.
 
 Everything started is stopped when the ``async with`` block exits, whatever the reason.
 """
@@ -12,6 +12,7 @@ import itertools
 import subprocess
 import sys
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -20,14 +21,21 @@ import aiohttp
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
+from kvroute.embedded_redis import free_port
 from router.main import RunningRouter, running_router
 from router.scoring import Policy
 from router.settings import RouterSettings
 from sim_engine.engine import TimingModel
-from sim_engine.server import RunningEngine, running_engine
-from sim_engine.settings import SimEngineSettings
 
 MODEL = "tiny"
+
+
+@dataclass
+class EngineProcess:
+    url: str
+    events_port: int
+    replay_port: int
+    process: subprocess.Popen[bytes]
 
 
 class Stack:
@@ -39,32 +47,50 @@ class Stack:
         self._block_size = block_size
         self._max_model_len = max_model_len
         self._timing = timing or TimingModel(prefill_ms_per_1k_tokens=200, decode_ms_per_step=5, step_overhead_ms=1)
-        self.running: list[RunningEngine] = []
-        self._engine_contexts: list[AbstractAsyncContextManager[RunningEngine]] = []
+        self.running: list[EngineProcess] = []
         self._agents: list[subprocess.Popen[bytes]] = []
         self._routers: list[tuple[AbstractAsyncContextManager[RunningRouter], RunningRouter]] = []
 
     async def __aenter__(self) -> Stack:
         try:
-            for _ in range(self.engines):
-                settings = SimEngineSettings(port=0, events_endpoint="tcp://127.0.0.1:*",
-                                             replay_endpoint="tcp://127.0.0.1:*", topic="kv", model=MODEL,
-                                             num_blocks=self._num_blocks, block_size=self._block_size,
-                                             timing=self._timing, max_model_len=self._max_model_len)  # fmt: skip
-                context = running_engine(settings)
-                self.running.append(await context.__aenter__())
-                self._engine_contexts.append(context)
-            for engine in self.running:
-                self._agents.append(self._start_agent(engine))
+            self.running = [self._start_engine() for _ in range(self.engines)]
+            await self._wait_engines()
+            self._agents = [self._start_agent(engine) for engine in self.running]
             await self._wait_registered()
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
         return self
 
-    def _start_agent(self, engine: RunningEngine) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "worker_agent", "--engine-url", engine.url, "--events",
-                   str(engine.events_endpoint), "--replay", str(engine.replay_endpoint), "--topic", "kv",
+    def _start_engine(self) -> EngineProcess:
+        port, events, replay = free_port(), free_port(), free_port()
+        t = self._timing
+        command = [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", MODEL,
+                   "--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}", "--topic", "kv",
+                   "--num-blocks", str(self._num_blocks), "--block-size", str(self._block_size),
+                   "--max-model-len", str(self._max_model_len), "--max-running", str(t.max_running),
+                   "--prefill-ms-per-1k-tokens", str(t.prefill_ms_per_1k_tokens),
+                   "--decode-ms-per-step", str(t.decode_ms_per_step), "--step-overhead-ms", str(t.step_overhead_ms),
+                   "--speedup", str(t.speedup)]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return EngineProcess(f"http://127.0.0.1:{port}", events, replay, process)
+
+    async def _wait_engines(self, within: float = 60.0) -> None:
+        async with aiohttp.ClientSession() as session, asyncio.timeout(within):
+            for engine in self.running:
+                for _ in itertools.count():  # poll: the engine starts in another process
+                    if engine.process.poll() is not None:
+                        raise RuntimeError(f"a simulated engine exited with {engine.process.returncode}")
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(engine.url + "/health") as response:
+                            if response.status == 200:
+                                break
+                    await asyncio.sleep(0.1)
+
+    def _start_agent(self, engine: EngineProcess) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "worker_agent", "--engine-url", engine.url,
+                   "--events", f"tcp://127.0.0.1:{engine.events_port}",
+                   "--replay", f"tcp://127.0.0.1:{engine.replay_port}", "--topic", "kv",
                    "--redis-url", self.redis.url, "--prefix", self.redis.prefix, "--log-level", "WARNING"]  # fmt: skip
         return subprocess.Popen(command)
 
@@ -107,26 +133,26 @@ class Stack:
                     response.raise_for_status()
         await asyncio.sleep(0.5)  # the agents apply the clears
 
-    def duplication(self) -> float:
+    async def duplication(self) -> float:
         """Distinct cached blocks held by more than one engine, as a fraction of all distinct ones."""
-        holders: dict[int, int] = {}
-        for engine in self.running:
-            for block_hash in engine.engine.pool.cached_hashes():
-                holders[block_hash] = holders.get(block_hash, 0) + 1
+        holders: dict[str, int] = {}
+        async with aiohttp.ClientSession() as session:
+            for engine in self.running:
+                async with session.get(engine.url + "/debug/cache") as response:
+                    for block in (await response.json())["cached_blocks"]:
+                        holders[block] = holders.get(block, 0) + 1
         return sum(1 for n in holders.values() if n > 1) / max(len(holders), 1)
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> Any:  # fmt: skip
         with contextlib.suppress(Exception):
             await self.stop_routers()
-        for agent in self._agents:
-            agent.terminate()
-        for agent in self._agents:
+        children = [*self._agents, *(engine.process for engine in self.running)]
+        for child in children:
+            child.terminate()
+        for child in children:
             try:
-                agent.wait(10)
+                child.wait(10)
             except subprocess.TimeoutExpired:
-                agent.kill()
-        for context in reversed(self._engine_contexts):
-            with contextlib.suppress(Exception):
-                await context.__aexit__(None, None, None)
+                child.kill()
         return None

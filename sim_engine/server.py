@@ -75,6 +75,10 @@ def create_app(state: _State) -> web.Application:
             api.ApiError(400, "requests are running: cannot reset the prefix cache").body(), status=400
         )
 
+    async def cached_blocks(_: web.Request) -> web.Response:
+        """The engine hashes in the prefix cache (for duplication measurements across engines)."""
+        return web.json_response({"cached_blocks": [f"{h:016x}" for h in state.engine.pool.cached_hashes()]})
+
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(state.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
@@ -92,6 +96,7 @@ def create_app(state: _State) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/reset_prefix_cache", reset)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/cache", cached_blocks)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     return app
