@@ -38,7 +38,7 @@ class Policy(StrEnum):
 @dataclass(frozen=True)
 class ScoringWeights:
     prefill: float = 1.0
-    queued: float = 0.5
+    queued: float = 0.75
     active: float = 0.3
     queue: float = 4.0
     busy_kv_usage: float = 0.97
