@@ -11,8 +11,10 @@ import contextlib
 import itertools
 import subprocess
 import sys
+import tempfile
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +38,7 @@ class EngineProcess:
     events_port: int
     replay_port: int
     process: subprocess.Popen[bytes]
+    log: str
 
 
 class Stack:
@@ -50,6 +53,7 @@ class Stack:
         self.running: list[EngineProcess] = []
         self._agents: list[subprocess.Popen[bytes]] = []
         self._routers: list[tuple[AbstractAsyncContextManager[RunningRouter], RunningRouter]] = []
+        self._ports: set[int] = set()
 
     async def __aenter__(self) -> Stack:
         try:
@@ -62,8 +66,15 @@ class Stack:
             raise
         return self
 
+    def _port(self) -> int:
+        """A free port not handed to another process of this stack yet (free_port() may repeat)."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
     def _start_engine(self) -> EngineProcess:
-        port, events, replay = free_port(), free_port(), free_port()
+        port, events, replay = self._port(), self._port(), self._port()
         t = self._timing
         command = [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", MODEL,
                    "--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}", "--topic", "kv",
@@ -72,15 +83,18 @@ class Stack:
                    "--prefill-ms-per-1k-tokens", str(t.prefill_ms_per_1k_tokens),
                    "--decode-ms-per-step", str(t.decode_ms_per_step), "--step-overhead-ms", str(t.step_overhead_ms),
                    "--speedup", str(t.speedup)]  # fmt: skip
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return EngineProcess(f"http://127.0.0.1:{port}", events, replay, process)
+        log = tempfile.NamedTemporaryFile(prefix="kvroute-sim-", suffix=".log", delete=False)  # noqa: SIM115
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        return EngineProcess(f"http://127.0.0.1:{port}", events, replay, process, log.name)
 
     async def _wait_engines(self, within: float = 60.0) -> None:
         async with aiohttp.ClientSession() as session, asyncio.timeout(within):
             for engine in self.running:
                 for _ in itertools.count():  # poll: the engine starts in another process
                     if engine.process.poll() is not None:
-                        raise RuntimeError(f"a simulated engine exited with {engine.process.returncode}")
+                        tail = _tail(engine.log)
+                        raise RuntimeError(f"a simulated engine exited with {engine.process.returncode}:\n{tail}")
                     with contextlib.suppress(aiohttp.ClientError):
                         async with session.get(engine.url + "/health") as response:
                             if response.status == 200:
@@ -155,4 +169,14 @@ class Stack:
                 child.wait(10)
             except subprocess.TimeoutExpired:
                 child.kill()
+        _remove([engine.log for engine in self.running])
         return None
+
+
+def _tail(path: str) -> str:
+    return Path(path).read_text(errors="replace")[-2000:]
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
