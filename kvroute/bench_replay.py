@@ -202,10 +202,12 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // args.block_size) // args.engines + 1
     needed = max(r.input_length + args.max_output for r in requests) // args.block_size + 2
     if per_engine_blocks < needed:
-        raise SystemExit(
-            f"each engine's cache ({per_engine_blocks} blocks) is smaller than the largest request "
-            f"({needed} blocks): raise --cache-fraction, lower --max-input or use fewer --engines"
-        )
+        # An engine must fit the largest request: grow the caches and say so (the references use
+        # the same, effective capacity).
+        print(f"note: {args.cache_fraction:.0%} of the distinct blocks gives each engine {per_engine_blocks} blocks, "
+              f"less than the largest request's {needed}: using {needed}", file=sys.stderr)  # fmt: skip
+        per_engine_blocks = needed
+        capacity_trace_blocks = per_engine_blocks * args.engines * args.block_size // TRACE_BLOCK
     lru, infinite = reference_hit_rates(requests, capacity_trace_blocks)
     timing = TimingModel(prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, decode_ms_per_step=5,
                          max_running=args.max_running, speedup=args.time_scale)  # fmt: skip
@@ -221,7 +223,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append(await replay(stack, requests, policy, replicas, args, lru))
     finally:
         server.stop()
-    return {"requests": len(requests), "distinct_trace_blocks": distinct, "cache_fraction": args.cache_fraction,
+    return {"requests": len(requests), "distinct_trace_blocks": distinct,
+            "cache_fraction": capacity_trace_blocks / max(distinct, 1),
             "engines": args.engines, "lru_reference_hit_rate": lru, "infinite_cache_hit_rate": infinite,
             "runs": [asdict(r) for r in runs]}  # fmt: skip
 
