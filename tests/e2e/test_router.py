@@ -204,6 +204,17 @@ async def test_redis_killed_mid_traffic_fails_no_request(fleet, redis_server):
         await task
         assert statuses.count(200) == 60, statuses
         assert router.state.decider.degraded_count > 0
+        # Redis comes back (empty): the agents re-assert, and the router leaves degraded mode.
+        redis_server.start()
+
+        async def recovered() -> bool:
+            before = router.state.decider.degraded_count
+            url, body = router.url + "/debug/route", {"model": "tiny", "prompt": PREFIX}
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+                explained = await response.json()
+            return not explained["degraded"] and router.state.decider.degraded_count == before
+
+        await wait_until(recovered, 10)
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
