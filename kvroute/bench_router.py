@@ -121,15 +121,17 @@ def _bodies(kind: str, count: int, seed: int = 5) -> list[bytes]:
 
 
 async def _wait_up(session: aiohttp.ClientSession, url: str) -> None:
+    last = "no answer"
     for _ in range(300):
         try:
             async with session.get(url) as response:
                 if response.status == 200:
                     return
-        except aiohttp.ClientError:
-            pass
+                last = f"{response.status} {await response.text()}"
+        except aiohttp.ClientError as exc:
+            last = repr(exc)
         await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+    raise RuntimeError(f"{url} did not come up: {last}")
 
 
 async def _measure(session: aiohttp.ClientSession, name: str, url: str, direct: str, args: argparse.Namespace,
@@ -160,9 +162,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for i, port in enumerate(upstream_ports):
         await index.register(WorkerInfo(f"w{i}", MODEL, f"http://127.0.0.1:{port}", 16), ttl_ms=3_600_000)
     router_port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "router",  # noqa: ASYNC220 "--redis-url", server.url, "--port", str(router_port),
-                               "--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"],
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+    command = [sys.executable, "-m", "router", "--redis-url", server.url, "--port", str(router_port),
+               "--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]  # fmt: skip
+    router = subprocess.Popen(command, stderr=subprocess.DEVNULL)  # noqa: ASYNC220 - starting it does not block
     sglang = None
     results: dict[str, Any] = {}
     try:

@@ -9,7 +9,6 @@ closed, which makes the engine abort the request.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -85,20 +84,22 @@ async def _relay(
 ) -> tuple[web.StreamResponse, dict | None]:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
     headers.update(extra_headers)
+    streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    length = upstream.content_length
+    if not streamed and length is not None and length <= MAX_JSON_SNIFF:
+        # A whole reply of known size: one write instead of a chunked stream.
+        body = await upstream.read()
+        return web.Response(status=upstream.status, body=body, headers=headers), usage_from_json(body)
     response = web.StreamResponse(status=upstream.status, headers=headers)
     await response.prepare(request)
-    streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     sse = SseUsage()
     kept = bytearray()
-    try:
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-            if streamed:
-                sse.feed(chunk)
-            elif len(kept) < MAX_JSON_SNIFF:
-                kept += chunk
-        await response.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise  # the client went away: the caller's finally closes the upstream
+    async for chunk in upstream.content.iter_any():  # the client going away raises here
+        await response.write(chunk)
+        if streamed:
+            sse.feed(chunk)
+        elif len(kept) < MAX_JSON_SNIFF:
+            kept += chunk
+    await response.write_eof()
     usage = sse.usage if streamed else usage_from_json(bytes(kept))
     return response, usage
