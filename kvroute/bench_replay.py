@@ -30,7 +30,7 @@ import aiohttp
 
 from kvindex.settings import RedisSettings
 from kvroute.embedded_redis import RedisServer
-from kvroute.stack import MODEL, Stack
+from kvroute.stack import MODEL, Stack, stream_completion
 from router.scoring import Policy
 from sim_engine.engine import TimingModel
 
@@ -136,21 +136,11 @@ def reference_hit_rates(requests: list[TraceRequest], capacity_blocks: int) -> t
 
 
 async def _one(session: aiohttp.ClientSession, url: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    started = time.perf_counter()
-    first = None
-    usage: dict[str, Any] = {}
-    async with session.post(url + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            return {"failed": True}
-        worker = response.headers["x-kvroute-worker"]
-        async for line in response.content:
-            if first is None and line.startswith(b"data:"):
-                first = time.perf_counter() - started
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                usage = json.loads(line[6:]).get("usage") or usage
-    return {"failed": False, "ttft": first or 0.0, "usage": usage, "worker": worker}
+    reply = await stream_completion(session, url, "/v1/completions",
+                                    {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens})  # fmt: skip
+    if reply.status != 200:
+        return {"failed": True}
+    return {"failed": False, "ttft": reply.ttft_s, "usage": reply.usage or {}, "worker": reply.worker}
 
 
 async def replay(stack: Stack, requests: list[TraceRequest], policy: Policy, replicas: int,

@@ -27,7 +27,7 @@ import aiohttp
 
 from kvindex.settings import RedisSettings
 from kvroute.embedded_redis import RedisServer
-from kvroute.stack import Stack
+from kvroute.stack import MODEL, Stack, stream_completion
 from router.scoring import Policy
 
 SYSTEM_PROMPTS = [
@@ -56,21 +56,12 @@ class PolicyResult:
 
 async def _chat(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     """One streamed chat completion: time to first token, usage, the routing headers."""
-    body = {"model": "tiny", "messages": messages, "max_tokens": 24, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    started = time.perf_counter()
-    first = None
-    usage: dict[str, Any] = {}
-    async with session.post(url + "/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"the router answered {response.status}: {(await response.text())[:300]}")
-        worker, predicted = response.headers["x-kvroute-worker"], int(response.headers["x-kvroute-cached-tokens"])
-        async for line in response.content:
-            if first is None and line.startswith(b"data:"):
-                first = time.perf_counter() - started
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                usage = json.loads(line[6:]).get("usage") or usage
-    return {"ttft": first or 0.0, "usage": usage, "worker": worker, "predicted": predicted}
+    reply = await stream_completion(session, url, "/v1/chat/completions",
+                                    {"model": MODEL, "messages": messages, "max_tokens": 24})  # fmt: skip
+    if reply.status != 200:
+        raise RuntimeError(f"the router answered {reply.status}: {reply.text}")
+    return {"ttft": reply.ttft_s, "usage": reply.usage or {}, "worker": reply.worker,
+            "predicted": reply.predicted_cached_tokens}  # fmt: skip
 
 
 async def _conversation(session: aiohttp.ClientSession, urls: list[str], index: int, turns: int,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,35 @@ from router.settings import RouterSettings
 from sim_engine.engine import TimingModel
 
 MODEL = "tiny"
+
+
+@dataclass
+class StreamedReply:
+    """What a streamed completion through a router told us."""
+
+    status: int
+    text: str = ""  # the body, when the status is not 200
+    ttft_s: float = 0.0  # time to the first streamed event
+    usage: dict[str, Any] | None = None
+    worker: str = ""  # x-kvroute-worker
+    predicted_cached_tokens: int = 0  # x-kvroute-cached-tokens
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> StreamedReply:
+    """POST ``body`` with streaming and usage on; time the first event and keep the usage."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    async with session.post(url + path, json=body) as response:
+        if response.status != 200:
+            return StreamedReply(response.status, text=(await response.text())[:300])
+        reply = StreamedReply(200, worker=response.headers["x-kvroute-worker"],
+                              predicted_cached_tokens=int(response.headers["x-kvroute-cached-tokens"]))  # fmt: skip
+        async for line in response.content:
+            if not reply.ttft_s and line.startswith(b"data:"):
+                reply.ttft_s = time.perf_counter() - started
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                reply.usage = json.loads(line[6:]).get("usage") or reply.usage
+    return reply
 
 
 @dataclass
