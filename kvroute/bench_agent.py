@@ -24,7 +24,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.embedded_redis import RedisServer, free_port
+from kvroute.embedded_redis import free_port, redis_url_or_private
 from sim_engine.kv_events import encode_batch, removed_event, stored_event
 
 MODEL = "bench-agent"
@@ -147,13 +147,8 @@ async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, f
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    server = None if args.redis_url else RedisServer().start()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
-    try:
+    with redis_url_or_private(args.redis_url) as url:
         results = asyncio.run(run_benchmark(url, args))
-    finally:
-        if server:
-            server.stop()
     width = max(len(k) for k in results)
     for key, value in results.items():
         print(f"{key.ljust(width)}  {value}")

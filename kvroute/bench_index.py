@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from kvindex.redis_index import RedisIndex
 from kvindex.types import StoredRun, WorkerInfo
-from kvroute.embedded_redis import RedisServer
+from kvroute.embedded_redis import redis_url_or_private
 
 SYSTEM_PROMPTS = 8
 SYSTEM_BLOCKS = 32
@@ -181,13 +181,8 @@ def render(results: dict[str, object]) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    server = None if args.redis_url else RedisServer().start()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
-    try:
+    with redis_url_or_private(args.redis_url) as url:
         results = asyncio.run(run_benchmark(url, args))
-    finally:
-        if server:
-            server.stop()
     print()
     print(render(results))
     if args.json:

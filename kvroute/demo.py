@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from kvindex.settings import RedisSettings
-from kvroute.embedded_redis import RedisServer
+from kvroute.embedded_redis import redis_url_or_private
 from kvroute.stack import MODEL, Stack, stream_completion
 from router.scoring import Policy
 
@@ -149,27 +147,16 @@ def chart(results: list[PolicyResult], path: Path) -> None:
     plt.close(fig)
 
 
-@contextlib.asynccontextmanager
-async def _redis(url: str | None) -> AsyncIterator[str]:
-    if url:
-        yield url
-        return
-    server = RedisServer().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 async def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
-    async with _redis(args.redis_url) as url, Stack(RedisSettings(url=url), engines=args.engines) as stack:
-        print(f"started Redis at {url}, {args.engines} simulated engines with agents", file=sys.stderr)
-        results = []
-        for policy in (Policy.KV, Policy.ROUND_ROBIN):
-            print(f"running {args.conversations} conversations x {args.turns} turns with policy {policy.value}",
-                  file=sys.stderr)  # fmt: skip
-            results.append(await run_policy(stack, policy, args.conversations, args.turns))
-        return results
+    with redis_url_or_private(args.redis_url) as url:
+        async with Stack(RedisSettings(url=url), engines=args.engines) as stack:
+            print(f"started Redis at {url}, {args.engines} simulated engines with agents", file=sys.stderr)
+            results = []
+            for policy in (Policy.KV, Policy.ROUND_ROBIN):
+                print(f"running {args.conversations} conversations x {args.turns} turns with policy {policy.value}",
+                      file=sys.stderr)  # fmt: skip
+                results.append(await run_policy(stack, policy, args.conversations, args.turns))
+            return results
 
 
 def run_from_args(args: argparse.Namespace) -> int:

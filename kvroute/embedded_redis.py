@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,3 +116,13 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def redis_url_or_private(url: str | None) -> Iterator[str]:
+    """``url`` itself, or the URL of a private server started here and stopped on exit."""
+    if url:
+        yield url
+        return
+    with RedisServer() as server:  # starts it
+        yield server.url
