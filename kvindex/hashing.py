@@ -43,7 +43,10 @@ def identity_tag(lora_name: str | None = None, cache_salt: str | None = None) ->
     return b"".join(parts)
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int] | array) -> bytes:
+    """The token ids as u32 little-endian bytes; ValueError names a bad id."""
+    if isinstance(tokens, array) and tokens.typecode == "I" and sys.byteorder == "little":
+        return tokens.tobytes()  # already checked when it was built
     try:
         packed = array("I", tokens)
     except OverflowError as exc:
@@ -57,11 +60,15 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def block_local_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+def block_local_hashes(tokens: Sequence[int] | array, block_size: int) -> list[int]:
     """XXH3-64 of each full block of ``tokens``; the partial tail block is dropped."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    data = _token_bytes(tokens)
+    return local_hashes_of_bytes(token_bytes(tokens), block_size)
+
+
+def local_hashes_of_bytes(data: bytes, block_size: int) -> list[int]:
+    """:func:`block_local_hashes` of tokens already packed by :func:`token_bytes`."""
     stride = 4 * block_size
     full = len(data) // stride
     digest = xxhash.xxh3_64_intdigest

@@ -119,8 +119,11 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
         raise ApiError(400, str(exc)) from None
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ApiError(502, f"could not tokenize through a worker: {exc}", "upstream_error") from None
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(400, "'cache_salt' must be a non-empty string")
     try:
-        decision = await state.decider.decide(model, tokens)
+        decision = await state.decider.decide(model, tokens, salt)
     except NoWorkers as exc:
         raise ApiError(503, str(exc), "service_unavailable") from None
     state.metrics.decision_seconds.observe(decision.seconds)

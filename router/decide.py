@@ -14,12 +14,13 @@ import logging
 import random
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError
-from kvindex.hashing import sequence_hashes
+from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
 from kvindex.shared_load import InflightLoad, SharedLoad, parse_expected, parse_totals
 from kvindex.types import WorkerRecord
@@ -80,17 +81,18 @@ class Decider:
         self._turns = itertools.count()
         self._rng = random.Random()
         self.degraded_count = 0
+        self.hash_memo = PrefixHashMemo()
         # (model, block hash) -> (worker id, deadline): this replica's own recent choices, seen
         # by its next decisions at once (the shared "expected" entries take a round trip).
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
-    async def decide(self, model: str, tokens: list[int]) -> Decision:
+    async def decide(self, model: str, tokens: Sequence[int], cache_salt: str | None = None) -> Decision:
         started = time.perf_counter()
         workers = self._fleet.alive(model)
         if not workers:
             raise NoWorkers(f"no alive worker serves model {model!r}")
         block_size = workers[0].block_size
-        chain = sequence_hashes(tokens, block_size)
+        chain = self.hash_memo.sequence_hashes(tokens, block_size, cache_salt=cache_salt)
         degraded = False
         try:
             async with asyncio.timeout(self._timeout):

@@ -12,6 +12,7 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,14 @@ class Tokenization:
         self._session = session
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
 
-    async def completion(self, model: str, body: dict[str, Any], worker_url: str) -> list[int]:
+    async def completion(self, model: str, body: dict[str, Any], worker_url: str) -> Sequence[int]:
         """Tokens of a completion's prompt (for a batch: its first prompt, which routes it)."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of prompts: the first one routes it
         if isinstance(prompt, list) and prompt:
-            try:  # array('I') checks every id in C: a Python loop would cost ms on long prompts
-                array("I", prompt)
-                return prompt
+            try:  # array('I') checks every id in C, and hashing reads its bytes as they are
+                return array("I", prompt)
             except (TypeError, OverflowError):
                 raise BadPrompt("token ids must be integers in 0..4294967295") from None
         if not isinstance(prompt, str) or not prompt:

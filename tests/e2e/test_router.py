@@ -80,6 +80,24 @@ async def test_shared_prefixes_land_on_the_worker_that_holds_them(router, fleet)
     assert (await complete(router.url, other))[0] == 200
 
 
+async def test_a_cache_salt_separates_predictions_as_the_engine_does(router, fleet):
+    status, headers, _ = await complete(router.url, [*PREFIX, 1], cache_salt="tenant-a")
+    assert status == 200
+    owner = headers["x-kvroute-worker"]
+    await asyncio.sleep(0.3)
+    status, headers, body = await complete(router.url, [*PREFIX, 2], cache_salt="tenant-a")
+    assert headers["x-kvroute-worker"] == owner and int(headers["x-kvroute-cached-tokens"]) == 160
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+    # The same tokens under another salt (or none) share nothing, on the owner too.
+    for salt in ("tenant-b", None):
+        extra = {"cache_salt": salt} if salt else {}
+        status, headers, body = await complete(router.url, [*PREFIX, 3], **extra)
+        assert int(headers["x-kvroute-cached-tokens"]) == 0
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    status, _, body = await complete(router.url, [*PREFIX, 4], cache_salt=7)
+    assert status == 400 and "cache_salt" in body["error"]["message"]
+
+
 async def test_a_burst_of_identical_prompts_is_not_scattered(router, fleet):
     prompt = [(i * 3) % 1900 + 20 for i in range(320)]
     results = await asyncio.gather(*(complete(router.url, prompt) for _ in range(6)))
