@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,7 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
         if not state.fleet.known(model):
             raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error")
         raise ApiError(503, f"no alive worker serves model {model!r}", "service_unavailable")
+    tokens: Sequence[int]
     try:
         if chat:
             tokens = await state.tokenization.chat(model, body, workers[0].url)
