@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 SCRIPT_NAMES = (
     "register",
@@ -77,16 +77,36 @@ class Scripts:
         """Several script calls in one round trip (a pipeline, not a transaction). Errors come
         back in the list as exception objects; a missing script is loaded and the batch rerun."""
         for attempt in range(2):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for name, keys, args in calls:
-                    pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
+            results = await self._round_trip(calls)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                 self.reloads += 1
                 await self.load_all()
                 continue
-            return list(results)
-        return list(results)  # pragma: no cover - the loop always returns
+            return results
+        return results  # pragma: no cover - the loop always returns
+
+    async def _round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """The commands written together on one pooled connection and their replies read in
+        order: what redis-py's pipeline does, without its per-command bookkeeping (a third of
+        a routing decision's CPU). A connection interrupted mid-reply (a timeout, a cancelled
+        request) is closed, never reused with replies pending."""
+        pool = self._client.connection_pool
+        commands = [("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            results: list[Any] = []
+            for _ in commands:
+                try:
+                    results.append(await connection.read_response())
+                except ResponseError as exc:
+                    results.append(exc)
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
+        return results
 
     async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         script = self._scripts[name]

@@ -5,7 +5,8 @@ private Redis) is called directly and through one ``kvroute router`` process, in
 * added latency (router minus direct, p50/p99) at a fixed open-loop rate for 8k-token token-id
   prompts and for 2k-token text prompts (the router tokenizes those with the tiny model);
 * the most requests/s one router process completes for short non-streaming requests.
-Optionally the SGLang router (``--sglang``, its cache_aware policy) is measured the same way.
+A bare aiohttp pass-through (``kvroute.passthrough``) is measured the same way: the floor of a
+Python hop. Optionally the SGLang router (``--sglang``, its cache_aware policy) is measured the same way.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", "router", "--redis-url", server.url, "--port", str(router_port),
                "--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]  # fmt: skip
     router = subprocess.Popen(command, stderr=subprocess.DEVNULL)  # noqa: ASYNC220 - starting it does not block
-    sglang = None
+    sglang = passthrough = None
     results: dict[str, Any] = {}
     try:
         connector = aiohttp.TCPConnector(limit=0)
@@ -173,6 +174,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             await _wait_up(session, f"http://127.0.0.1:{router_port}/ready")
             direct = f"http://127.0.0.1:{upstream_ports[0]}"
             await _measure(session, "kvroute", f"http://127.0.0.1:{router_port}", direct, args, results)
+            passthrough, passthrough_url = _start_passthrough(upstream_ports[0])
+            await _wait_up(session, passthrough_url + "/health")
+            await _measure(session, "passthrough", passthrough_url, direct, args, results)
             if args.sglang:
                 sglang, sglang_url = _start_sglang(upstream_ports)
                 await _wait_up(session, sglang_url + "/health")
@@ -180,14 +184,21 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         router.terminate()
         router.wait(10)
-        if sglang is not None:
-            sglang.terminate()
-            sglang.wait(10)
+        for process in (sglang, passthrough):
+            if process is not None:
+                process.terminate()
+                process.wait(10)
         for runner in runners:
             await runner.cleanup()
         await client.aclose()
         server.stop()
     return results
+
+
+def _start_passthrough(upstream_port: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = [sys.executable, "-m", "kvroute.passthrough", str(port), f"http://127.0.0.1:{upstream_port}"]
+    return subprocess.Popen(command, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
 
 
 def _start_sglang(upstream_ports: list[int]) -> tuple[subprocess.Popen[bytes], str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
@@ -40,6 +42,29 @@ async def test_scripts_reload_after_script_flush(redis_client, unique_name):
     await redis_client.script_flush()
     assert await index.match(unique_name, CHAIN) == {"a": 5}
     assert index.scripts.reloads - loads_before == 2
+
+
+async def test_a_batch_interrupted_mid_reply_never_leaves_replies_for_the_next(redis_server, unique_name):
+    """A routing decision times out while Redis is paused: its connection must not be reused with
+    the old replies pending, or the next decision would read the previous one's answers."""
+    client = Redis.from_url(redis_server.url, max_connections=1)
+    admin = Redis.from_url(redis_server.url)
+    index = RedisIndex(client)
+    await index.register(worker(unique_name), LONG_TTL)
+    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:5]))])
+    other = f"{unique_name}-other"
+    await index.register(worker(other), LONG_TTL)
+    await index.store(other, "a", [StoredRun(None, tuple(CHAIN[:2]))])
+    await admin.execute_command("CLIENT", "PAUSE", 300, "ALL")
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await index.scripts.call_many([index.match_call(unique_name, CHAIN)])
+    # Still paused: the interrupted reply will arrive first on that connection, if it is reused.
+    reply = (await index.scripts.call_many([index.match_call(other, CHAIN)]))[0]
+    assert await index.match_result(other, reply) == {"a": 2}
+    assert await index.match(unique_name, CHAIN) == {"a": 5}
+    await client.aclose()
+    await admin.aclose()
 
 
 @pytest.mark.faults

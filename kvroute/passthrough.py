@@ -1,0 +1,50 @@
+"""A bare aiohttp pass-through proxy: the floor under ``kvroute bench router``'s added latency.
+
+It forwards ``POST /v1/completions`` bodies to one upstream and returns the reply, with the same
+client, server and event loop as the router but no decoding, tokenizing, hashing or Redis. What
+the router adds beyond this is the cost of routing; what this adds is the cost of a Python hop.
+Run as ``python -m kvroute.passthrough PORT UPSTREAM_URL``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import aiohttp
+import uvloop
+from aiohttp import web
+
+
+async def serve(port: int, upstream: str) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def completions(request: web.Request) -> web.Response:
+            body = await request.read()
+            headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+            async with session.post(upstream + "/v1/completions", data=body, headers=headers) as reply:
+                data = await reply.read()
+                return web.Response(status=reply.status, body=data, content_type=reply.content_type)
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or not argv[0].isdigit():
+        print("usage: python -m kvroute.passthrough PORT UPSTREAM_URL", file=sys.stderr)
+        return 2
+    uvloop.run(serve(int(argv[0]), argv[1].rstrip("/")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
