@@ -58,6 +58,26 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--max-running", type=int, default=32, help="engines' batch limit (default 32)")
     p.add_argument("--policies", default="kv,round_robin", help="comma-separated policies")
     p.add_argument("--replicas", default="1,4", help="comma-separated router replica counts")
+    p.add_argument(
+        "--peer",
+        choices=["sglang"],
+        help="also run the SGLang router (cache_aware) on the same engines; "
+        "sends text prompts to every router (sglang-router from $KVROUTE_SGLANG_PYTHON or python3)",
+    )
+    p.add_argument(
+        "--prompts",
+        choices=["tokens", "text"],
+        default="tokens",
+        help="send token ids (default) or text (one word per token)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=0, help="send at this fixed concurrency instead of at the trace's timestamps"
+    )
+    p.add_argument(
+        "--router-url",
+        help="replay through running routers (comma-separated replica URLs) instead of "
+        "a self-started stack; the LRU reference then assumes --cache-fraction",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", default="kvroute-replay.png", help="where to write the PNG chart")
     p.set_defaults(handler=_run_replay)
@@ -92,4 +112,12 @@ def _run_replay(args: argparse.Namespace) -> int:
 
     if (args.trace is None) == (args.synthetic is None):
         raise SystemExit("kvroute bench replay: give a TRACE file or --synthetic KIND (one of them)")
-    return run_from_args(args)
+    if args.concurrency < 0 or args.limit <= 0 or args.time_scale <= 0 or not 0 < args.cache_fraction <= 1:
+        raise SystemExit("kvroute bench replay: --concurrency >= 0, --limit > 0, --time-scale > 0 and "
+                         "0 < --cache-fraction <= 1 are required")  # fmt: skip
+    if args.router_url and args.peer:
+        raise SystemExit("kvroute bench replay: --peer needs the self-started stack, not --router-url")
+    try:
+        return run_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvroute bench replay: {exc}") from None

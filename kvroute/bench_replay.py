@@ -1,15 +1,16 @@
-"""``kvroute bench replay TRACE``: routing quality on a real trace, policies side by side.
+"""``kvroute bench replay TRACE``: routing quality on a real trace, routers side by side.
 
-Replays a Mooncake-format trace (one JSON object per line: ``timestamp`` ms, ``input_length``,
-``output_length``, ``hash_ids`` - one id per 512-token block, equal ids at equal positions meaning
-equal prefixes) through a self-started stack: simulated engines whose caches together hold
-``--cache-fraction`` of the replayed requests' distinct blocks, an agent per engine, and N router
-replicas, open loop at the trace's timestamps divided by ``--time-scale``. Each hash id becomes 512
-deterministic token ids. Outputs are capped (``--max-output``): the cache is what is measured.
+Replays a Mooncake-format trace (or a built-in workload, :mod:`kvroute.replay_workload`) through a
+self-started stack: simulated engines whose caches together hold ``--cache-fraction`` of the
+replayed requests' distinct blocks, an agent per engine, and N kvroute router replicas per policy,
+optionally the SGLang router in front of the same engines (``--peer sglang``, N independent
+replicas), or through routers already running (``--router-url``). Requests go open loop at the
+trace's timestamps divided by ``--time-scale``, or at a fixed ``--concurrency``. Every run starts
+from empty engine caches. Outputs are capped (``--max-output``): the cache is what is measured.
 
 Two references are computed offline from the same requests: one shared LRU cache with the fleet's
-total capacity, and an infinite cache (the ceiling); the router's hit rate is also shown as a
-fraction of the LRU one.
+total capacity, and an infinite cache (the ceiling); each run's hit rate (engine-reported cached
+tokens / prompt tokens) is also shown as a fraction of the LRU one.
 """
 
 from __future__ import annotations
@@ -17,37 +18,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from kvindex.prompts import ModelPrompts
 from kvindex.settings import RedisSettings
 from kvroute.embedded_redis import RedisServer
+from kvroute.peers import SglangRouters
+from kvroute.replay_chart import chart
+from kvroute.replay_workload import (
+    TRACE_BLOCK,
+    TextPrompts,
+    TraceRequest,
+    load_trace,
+    reference_hit_rates,
+    synthetic_trace,
+    tokens_of,
+)
 from kvroute.stack import MODEL, Stack, stream_completion
 from router.scoring import Policy
 from sim_engine.engine import TimingModel
+from sim_engine.settings import TINY_MODEL_DIR
 
-TRACE_BLOCK = 512
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    at_s: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
+TIME_WINDOWS = 20  # points of the hit-rate-over-time curve
 
 
 @dataclass
 class RunResult:
-    policy: str
+    router: str  # a kvroute policy, "sglang", or "external"
     replicas: int
     requests: int
     failed: int
@@ -57,119 +64,62 @@ class RunResult:
     ttft_p99_ms: float
     busiest_worker_vs_mean: float
     ttft_ms: list[float]
+    hit_rate_over_time: list[float]
 
 
-def load_trace(path: Path, limit: int, max_input: int) -> list[TraceRequest]:
-    out: list[TraceRequest] = []
-    with path.open() as fh:
-        for line in fh:
-            if len(out) >= limit:
-                break
-            row = json.loads(line)
-            if row["input_length"] > max_input:
-                continue
-            out.append(TraceRequest(row["timestamp"] / 1000, row["input_length"], row["output_length"],
-                                    tuple(row["hash_ids"])))  # fmt: skip
-    return out
-
-
-SYNTHETIC = ("shared-prefix", "multi-turn", "documents")
-
-
-def synthetic_trace(kind: str, count: int, seed: int = 11, rate: float = 4.0) -> list[TraceRequest]:
-    """Built-in workloads in the trace's terms (512-token blocks as ids), Poisson arrivals at
-    ``rate`` per second: SGLang-style shared-prefix groups, multi-turn chats, long documents."""
-    rng = random.Random(seed)
-    next_id = iter(range(1_000_000, 10**9))
-    at, out = 0.0, []
-    groups = [[next(next_id) for _ in range(8)] for _ in range(16)]  # 16 prefixes of 4k tokens
-    documents = [[next(next_id) for _ in range(24)] for _ in range(12)]  # 12 documents of 12k tokens
-    chats: list[list[int]] = [[] for _ in range(48)]
-    for _ in range(count):
-        at += rng.expovariate(rate)
-        if kind == "shared-prefix":
-            ids = [*rng.choice(groups), next(next_id)]
-        elif kind == "documents":
-            ids = [*rng.choice(documents), next(next_id)]
-        elif kind == "multi-turn":
-            chat = rng.choice(chats)
-            if len(chat) > 24:
-                chat.clear()  # the conversation ends; a new one starts in its slot
-            chat += [next(next_id) for _ in range(rng.randint(1, 2))]
-            ids = list(chat)
-        else:
-            raise ValueError(f"unknown synthetic workload {kind!r}; choose from {', '.join(SYNTHETIC)}")
-        out.append(TraceRequest(at, len(ids) * TRACE_BLOCK - rng.randint(0, 200), 8, tuple(ids)))
-    return out
-
-
-def tokens_of(request: TraceRequest, cache: dict[int, list[int]]) -> list[int]:
-    tokens: list[int] = []
-    for hash_id in request.hash_ids:
-        block = cache.get(hash_id)
-        if block is None:
-            rng = random.Random(hash_id)
-            block = cache[hash_id] = [rng.randrange(10, 2000) for _ in range(TRACE_BLOCK)]
-        tokens += block
-    return tokens[: request.input_length]
-
-
-def reference_hit_rates(requests: list[TraceRequest], capacity_blocks: int) -> tuple[float, float]:
-    """(shared LRU cache of ``capacity_blocks`` 512-token blocks, infinite cache) hit rates."""
-    lru: OrderedDict[int, None] = OrderedDict()
-    seen: set[int] = set()
-    prompt = lru_hits = infinite_hits = 0
-    for request in requests:
-        prompt += request.input_length
-        cap = request.input_length - 1
-        depth = next((i for i, h in enumerate(request.hash_ids) if h not in lru), len(request.hash_ids))
-        lru_hits += min(depth * TRACE_BLOCK, cap)
-        depth = next((i for i, h in enumerate(request.hash_ids) if h not in seen), len(request.hash_ids))
-        infinite_hits += min(depth * TRACE_BLOCK, cap)
-        for hash_id in request.hash_ids:
-            lru[hash_id] = None
-            lru.move_to_end(hash_id)
-            seen.add(hash_id)
-        while len(lru) > capacity_blocks:
-            lru.popitem(last=False)
-    return lru_hits / max(prompt, 1), infinite_hits / max(prompt, 1)
-
-
-async def _one(session: aiohttp.ClientSession, url: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
     reply = await stream_completion(session, url, "/v1/completions",
-                                    {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens})  # fmt: skip
+                                    {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})  # fmt: skip
     if reply.status != 200:
         return {"failed": True}
     return {"failed": False, "ttft": reply.ttft_s, "usage": reply.usage or {}, "worker": reply.worker}
 
 
-async def replay(stack: Stack, requests: list[TraceRequest], policy: Policy, replicas: int,
-                 args: argparse.Namespace, lru: float) -> RunResult:  # fmt: skip
-    await stack.reset_caches()
-    urls = await stack.start_routers(policy, replicas)
-    token_cache: dict[int, list[int]] = {}
-    bodies = [tokens_of(r, token_cache) for r in requests]
+async def send_all(urls: list[str], requests: list[TraceRequest], prompts: list[Any],
+                   args: argparse.Namespace) -> list[dict[str, Any]]:  # fmt: skip
+    """Every request once, spread over ``urls`` in turn: open loop at the (scaled) timestamps, or
+    ``args.concurrency`` at a time. Results come in completion order."""
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=600)
 
-    async def send(i: int, request: TraceRequest) -> None:
-        delay = start + request.at_s / args.time_scale - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        results.append(await _one(session, urls[i % len(urls)], bodies[i], min(request.output_length, args.max_output)))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))
-    await stack.stop_routers()
+        async def send(i: int) -> None:
+            max_tokens = min(requests[i].output_length, args.max_output)
+            results.append(await _one(session, urls[i % len(urls)], prompts[i], max_tokens))
+
+        async def at_timestamp(i: int) -> None:
+            delay = start + requests[i].at_s / args.time_scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await send(i)
+
+        if args.concurrency:
+            queue = iter(range(len(requests)))
+
+            async def client() -> None:
+                for i in queue:
+                    await send(i)
+
+            await asyncio.gather(*(client() for _ in range(args.concurrency)))
+        else:
+            await asyncio.gather(*(at_timestamp(i) for i in range(len(requests))))
+    return results
+
+
+def summarize(router: str, replicas: int, results: list[dict[str, Any]], per_worker: list[int],
+              lru: float) -> RunResult:  # fmt: skip
     done = [r for r in results if not r["failed"]]
-    prompt = sum(r["usage"].get("prompt_tokens", 0) for r in done)
-    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done)
-    ttfts = sorted(1000 * r["ttft"] for r in done)
-    shares = Counter(r["worker"] for r in done)
-    hit_rate = cached / max(prompt, 1)
+    prompt = [r["usage"].get("prompt_tokens", 0) for r in done]
+    cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done]
+    ttfts = sorted(1000 * r["ttft"] for r in done) or [0.0]
+    hit_rate = sum(cached) / max(sum(prompt), 1)
+    window = max(1, len(done) // TIME_WINDOWS)
+    over_time = [sum(cached[i : i + window]) / max(sum(prompt[i : i + window]), 1) for i in range(0, len(done), window)]
+    mean_share = sum(per_worker) / max(len(per_worker), 1)
     return RunResult(
-        policy=policy.value,
+        router=router,
         replicas=replicas,
         requests=len(results),
         failed=len(results) - len(done),
@@ -177,16 +127,49 @@ async def replay(stack: Stack, requests: list[TraceRequest], policy: Policy, rep
         of_lru_reference=hit_rate / max(lru, 1e-9),
         ttft_mean_ms=statistics.mean(ttfts),
         ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        busiest_worker_vs_mean=max(shares.values()) / (len(done) / stack.engines),
+        busiest_worker_vs_mean=max(per_worker, default=0) / max(mean_share, 1e-9),
         ttft_ms=[round(t, 2) for t in ttfts],
+        hit_rate_over_time=[round(h, 4) for h in over_time],
     )
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    if args.synthetic:
-        requests = synthetic_trace(args.synthetic, args.limit)
-    else:
-        requests = load_trace(Path(args.trace), args.limit, args.max_input)
+@asynccontextmanager
+async def _router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterator[list[str]]:
+    if router == "sglang":
+        async with SglangRouters(stack.engine_urls, replicas) as sglang:
+            yield sglang.urls
+        return
+    try:
+        yield await stack.start_routers(Policy(router), replicas)
+    finally:
+        await stack.stop_routers()
+
+
+async def _replay_on_stack(stack: Stack, router: str, replicas: int, requests: list[TraceRequest],
+                           prompts: list[Any], args: argparse.Namespace, lru: float) -> RunResult:  # fmt: skip
+    await stack.reset_caches()
+    before = await stack.requests_per_engine()
+    async with _router_urls(stack, router, replicas) as urls:
+        results = await send_all(urls, requests, prompts, args)
+    after = await stack.requests_per_engine()
+    return summarize(router, replicas, results, [b - a for a, b in zip(before, after, strict=True)], lru)
+
+
+def _prompts(requests: list[TraceRequest], text: bool) -> list[Any]:
+    if text:
+        texts = TextPrompts(ModelPrompts(TINY_MODEL_DIR))
+        return [texts.text_of(r) for r in requests]
+    cache: dict[int, list[int]] = {}
+    return [tokens_of(r, cache) for r in requests]
+
+
+def _routers(args: argparse.Namespace) -> list[str]:
+    routers = [Policy(p).value for p in args.policies.split(",") if p]
+    return routers + ([args.peer] if args.peer else [])
+
+
+def _capacity(requests: list[TraceRequest], args: argparse.Namespace) -> tuple[int, int, int]:
+    """(fleet capacity in trace blocks, blocks per engine, max model length in tokens)."""
     distinct = len({h for r in requests for h in r.hash_ids})
     capacity_trace_blocks = max(1, int(distinct * args.cache_fraction))
     per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // args.block_size) // args.engines + 1
@@ -198,64 +181,62 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
               f"less than the largest request's {needed}: using {needed}", file=sys.stderr)  # fmt: skip
         per_engine_blocks = needed
         capacity_trace_blocks = per_engine_blocks * args.engines * args.block_size // TRACE_BLOCK
-    lru, infinite = reference_hit_rates(requests, capacity_trace_blocks)
+    return capacity_trace_blocks, per_engine_blocks, needed * args.block_size
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if args.synthetic:
+        requests = synthetic_trace(args.synthetic, args.limit)
+    else:
+        requests = load_trace(Path(args.trace), args.limit, args.max_input)
+    if not requests:
+        raise ValueError("no request to replay (check --limit and --max-input)")
+    text = args.prompts == "text" or bool(args.peer)  # the peer takes text only: every run gets text
+    prompts = _prompts(requests, text)
+    capacity, per_engine_blocks, max_model_len = _capacity(requests, args)
+    lru, infinite = reference_hit_rates(requests, capacity)
+    engines = args.engines
+    if args.router_url:
+        urls = [u for u in args.router_url.split(",") if u]
+        print(f"replaying {len(requests)} requests through {', '.join(urls)}", file=sys.stderr)
+        results = await send_all(urls, requests, prompts, args)
+        per_worker = Counter(r["worker"] for r in results if not r["failed"])
+        engines = len(per_worker)  # the workers seen answering (x-kvroute-worker)
+        runs = [summarize("external", len(urls), results, list(per_worker.values()), lru)]
+    else:
+        runs = await _run_on_stack(requests, prompts, args, per_engine_blocks, max_model_len, lru)
+    distinct = len({h for r in requests for h in r.hash_ids})
+    return {"requests": len(requests), "distinct_trace_blocks": distinct, "prompts": "text" if text else "token ids",
+            "cache_fraction": capacity / distinct, "engines": engines, "lru_reference_hit_rate": lru,
+            "infinite_cache_hit_rate": infinite, "runs": [asdict(r) for r in runs]}  # fmt: skip
+
+
+async def _run_on_stack(requests: list[TraceRequest], prompts: list[Any], args: argparse.Namespace,
+                        per_engine_blocks: int, max_model_len: int, lru: float) -> list[RunResult]:  # fmt: skip
     timing = TimingModel(prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, decode_ms_per_step=5,
                          max_running=args.max_running, speedup=args.time_scale)  # fmt: skip
-    server = RedisServer().start()
     runs = []
-    try:
+    with RedisServer() as server:
         stack = Stack(RedisSettings(url=server.url), engines=args.engines, num_blocks=per_engine_blocks,
-                      block_size=args.block_size, timing=timing, max_model_len=needed * args.block_size)  # fmt: skip
+                      block_size=args.block_size, timing=timing, max_model_len=max_model_len)  # fmt: skip
         async with stack:
             for replicas in (int(r) for r in args.replicas.split(",")):
-                for policy in (Policy(p) for p in args.policies.split(",")):
-                    print(f"replaying {len(requests)} requests: {policy.value}, {replicas} replica(s)", file=sys.stderr)
-                    runs.append(await replay(stack, requests, policy, replicas, args, lru))
-    finally:
-        server.stop()
-    return {"requests": len(requests), "distinct_trace_blocks": distinct,
-            "cache_fraction": capacity_trace_blocks / max(distinct, 1),
-            "engines": args.engines, "lru_reference_hit_rate": lru, "infinite_cache_hit_rate": infinite,
-            "runs": [asdict(r) for r in runs]}  # fmt: skip
+                for router in _routers(args):
+                    print(f"replaying {len(requests)} requests: {router}, {replicas} replica(s)", file=sys.stderr)
+                    runs.append(await _replay_on_stack(stack, router, replicas, requests, prompts, args, lru))
+    return runs
 
 
 def render(results: dict[str, Any]) -> str:
-    lines = [f"{results['requests']} requests, {results['engines']} engines, caches = "
+    lines = [f"{results['requests']} requests ({results['prompts']}), {results['engines']} engines, caches = "
              f"{results['cache_fraction']:.0%} of {results['distinct_trace_blocks']} distinct blocks; references: "
              f"shared LRU {results['lru_reference_hit_rate']:.1%}, infinite {results['infinite_cache_hit_rate']:.1%}",
-             "policy        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed"]  # fmt: skip
+             "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed"]  # fmt: skip
     for r in results["runs"]:
-        lines.append(f"{r['policy']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
+        lines.append(f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
                      f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
                      f"{r['failed']}")  # fmt: skip
     return "\n".join(lines)
-
-
-def chart(results: dict[str, Any], path: Path) -> None:
-    """Hit rate per run against the two references, and each run's TTFT distribution."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results["runs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['policy']}\n{r['replicas']} replica(s)" for r in runs]
-    left.bar(labels, [100 * r["hit_rate"] for r in runs], color="#2a7")
-    left.axhline(100 * results["lru_reference_hit_rate"], color="#555", linestyle="--", label="one shared LRU cache")
-    left.axhline(100 * results["infinite_cache_hit_rate"], color="#c55", linestyle=":", label="infinite cache")
-    left.set_title("cache hit rate (%)", fontsize=10)
-    left.legend(fontsize=8)
-    for r, label in zip(runs, labels, strict=True):
-        ttfts = sorted(r["ttft_ms"])
-        right.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=label.replace("\n", ", "))
-    right.set_xscale("log")
-    right.set_title("time to first token (ms), CDF", fontsize=10)
-    right.legend(fontsize=8)
-    fig.suptitle(f"kvroute bench replay: {results['requests']} requests, {results['engines']} engines")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

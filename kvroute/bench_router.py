@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +28,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
 from kvroute.embedded_redis import RedisServer, free_port
+from kvroute.peers import SglangRouters
 from sim_engine.settings import TINY_MODEL_DIR
 
 MODEL = "tiny"
@@ -166,7 +165,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", "router", "--redis-url", server.url, "--port", str(router_port),
                "--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]  # fmt: skip
     router = subprocess.Popen(command, stderr=subprocess.DEVNULL)  # noqa: ASYNC220 - starting it does not block
-    sglang = passthrough = None
+    passthrough = None
     results: dict[str, Any] = {}
     try:
         connector = aiohttp.TCPConnector(limit=0)
@@ -178,16 +177,14 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             await _wait_up(session, passthrough_url + "/health")
             await _measure(session, "passthrough", passthrough_url, direct, args, results)
             if args.sglang:
-                sglang, sglang_url = _start_sglang(upstream_ports)
-                await _wait_up(session, sglang_url + "/health")
-                await _measure(session, "sglang", sglang_url, direct, args, results, token_ids=False)
+                async with SglangRouters([f"http://127.0.0.1:{p}" for p in upstream_ports]) as sglang:
+                    await _measure(session, "sglang", sglang.urls[0], direct, args, results, token_ids=False)
     finally:
         router.terminate()
         router.wait(10)
-        for process in (sglang, passthrough):
-            if process is not None:
-                process.terminate()
-                process.wait(10)
+        if passthrough is not None:
+            passthrough.terminate()
+            passthrough.wait(10)
         for runner in runners:
             await runner.cleanup()
         await client.aclose()
@@ -199,15 +196,6 @@ def _start_passthrough(upstream_port: int) -> tuple[subprocess.Popen[bytes], str
     port = free_port()
     command = [sys.executable, "-m", "kvroute.passthrough", str(port), f"http://127.0.0.1:{upstream_port}"]
     return subprocess.Popen(command, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
-
-
-def _start_sglang(upstream_ports: list[int]) -> tuple[subprocess.Popen[bytes], str]:
-    python = os.environ.get("KVROUTE_SGLANG_PYTHON") or shutil.which("python3") or sys.executable
-    port = free_port()
-    command = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", "cache_aware", "--prometheus-port", str(free_port()), "--worker-urls",
-               *(f"http://127.0.0.1:{p}" for p in upstream_ports)]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from router.main import RunningRouter, running_router
 from router.scoring import Policy
 from router.settings import RouterSettings
 from sim_engine.engine import TimingModel
+from sim_engine.settings import TINY_MODEL_DIR
 
 MODEL = "tiny"
 
@@ -53,8 +54,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, path: str,
     async with session.post(url + path, json=body) as response:
         if response.status != 200:
             return StreamedReply(response.status, text=(await response.text())[:300])
-        reply = StreamedReply(200, worker=response.headers["x-kvroute-worker"],
-                              predicted_cached_tokens=int(response.headers["x-kvroute-cached-tokens"]))  # fmt: skip
+        headers = response.headers  # peers (SGLang's router) send neither of kvroute's headers
+        reply = StreamedReply(200, worker=headers.get("x-kvroute-worker", ""),
+                              predicted_cached_tokens=int(headers.get("x-kvroute-cached-tokens", 0)))  # fmt: skip
         async for line in response.content:
             if not reply.ttft_s and line.startswith(b"data:"):
                 reply.ttft_s = time.perf_counter() - started
@@ -153,7 +155,8 @@ class Stack:
 
     async def start_routers(self, policy: Policy, replicas: int = 2) -> list[str]:
         for _ in range(replicas):
-            context = running_router(RouterSettings(redis=self.redis, port=0, policy=policy))
+            settings = RouterSettings(redis=self.redis, port=0, policy=policy, tokenizers=((MODEL, TINY_MODEL_DIR),))
+            context = running_router(settings)
             running = await context.__aenter__()
             self._routers.append((context, running))
             async with asyncio.timeout(30):
@@ -177,6 +180,21 @@ class Stack:
                 async with session.post(engine.url + "/v1/completions", json=body) as response:
                     response.raise_for_status()
         await asyncio.sleep(0.5)  # the agents apply the clears
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [engine.url for engine in self.running]
+
+    async def requests_per_engine(self) -> list[int]:
+        """Each engine's finished requests so far (its ``vllm:request_success`` counter)."""
+        counts = []
+        async with aiohttp.ClientSession() as session:
+            for engine in self.running:
+                async with session.get(engine.url + "/metrics") as response:
+                    text = await response.text()
+                lines = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
+                counts.append(int(float(lines[0].rsplit(" ", 1)[1])) if lines else 0)
+        return counts
 
     async def duplication(self) -> float:
         """Distinct cached blocks held by more than one engine, as a fraction of all distinct ones."""

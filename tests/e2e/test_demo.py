@@ -56,25 +56,3 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
     assert process.returncode == 130 and "stopped" in stderr
     out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
     assert not [line for line in out.splitlines() if "worker_agent" in line and f" {process.pid} " in line]
-
-
-@pytest.mark.slow
-def test_bench_replay_runs_a_trace_slice(tmp_path):
-    trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
-            for i in range(24)]  # fmt: skip
-    trace.write_text("\n".join(json.dumps(r) for r in rows))
-    out = tmp_path / "replay.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), "--engines", "2", "--cache-fraction", "1.0",
-         "--replicas", "1", "--json", str(out), "--chart", str(tmp_path / "replay.png")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert [r["policy"] for r in report["runs"]] == ["kv", "round_robin"]
-    assert all(r["failed"] == 0 and r["requests"] == 24 for r in report["runs"])
-    assert 0 < report["lru_reference_hit_rate"] <= report["infinite_cache_hit_rate"]
-    for run in report["runs"]:
-        assert 0 < run["hit_rate"] <= report["infinite_cache_hit_rate"] + 0.01
-    assert (tmp_path / "replay.png").stat().st_size > 1000

@@ -6,7 +6,14 @@ import itertools
 
 import pytest
 
-from kvroute.bench_replay import SYNTHETIC, TRACE_BLOCK, TraceRequest, reference_hit_rates, synthetic_trace, tokens_of
+from kvroute.replay_workload import (
+    SYNTHETIC,
+    TRACE_BLOCK,
+    TraceRequest,
+    reference_hit_rates,
+    synthetic_trace,
+    tokens_of,
+)
 
 
 def req(*ids: int, length: int | None = None) -> TraceRequest:
@@ -36,3 +43,36 @@ def test_synthetic_workloads_share_prefixes(kind):
     assert len(requests) == 300 and all(b.at_s >= a.at_s for a, b in itertools.pairwise(requests))
     lru, infinite = reference_hit_rates(requests, capacity_blocks=10**6)
     assert 0.3 < infinite <= 1 and lru == infinite
+
+
+def test_text_prompts_tokenize_block_for_block_like_the_token_ids():
+    from kvindex.prompts import ModelPrompts
+    from kvroute.replay_workload import TextPrompts
+    from sim_engine.settings import TINY_MODEL_DIR
+
+    prompts = ModelPrompts(TINY_MODEL_DIR)
+    texts = TextPrompts(prompts)
+    a = TraceRequest(0.0, 3 * TRACE_BLOCK - 100, 1, (1, 2, 3))
+    b = TraceRequest(0.0, 3 * TRACE_BLOCK, 1, (1, 2, 4))
+    ids_a, ids_b = prompts.encode(texts.text_of(a)), prompts.encode(texts.text_of(b))
+    assert len(ids_a) == a.input_length and len(ids_b) == b.input_length
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+    bos = len(prompts.encode("", True))
+    assert shared == bos + 2 * TRACE_BLOCK  # blocks 1 and 2 are shared, after the BOS token
+    assert texts.text_of(a) == TextPrompts(prompts).text_of(a)  # deterministic
+
+
+def test_summary_ratios_and_hit_rate_over_time():
+    from kvroute.bench_replay import summarize
+
+    def done(prompt: int, cached: int, ttft: float) -> dict:
+        usage = {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
+        return {"failed": False, "ttft": ttft, "usage": usage, "worker": "w"}
+
+    results = [done(100, 0, 0.01)] * 20 + [done(100, 50, 0.02)] * 20 + [{"failed": True}]
+    run = summarize("kv", 1, results, [30, 10], lru=0.5)
+    assert run.failed == 1 and run.requests == 41
+    assert run.hit_rate == 0.25 and run.of_lru_reference == 0.5
+    assert run.busiest_worker_vs_mean == 1.5
+    assert run.hit_rate_over_time[0] == 0.0 and run.hit_rate_over_time[-1] == 0.5
+    assert run.ttft_mean_ms == 15.0

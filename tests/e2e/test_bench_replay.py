@@ -1,0 +1,88 @@
+"""`kvroute bench replay` as a user runs it: a trace through a self-started stack, text prompts
+through routers it did not start, and the SGLang peer when it is installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvindex.settings import RedisSettings
+from kvroute.embedded_redis import RedisServer
+from kvroute.stack import Stack
+from router.scoring import Policy
+from tests.support import ROOT
+
+
+@pytest.mark.slow
+def test_bench_replay_runs_a_trace_slice(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
+            for i in range(24)]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "replay.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), "--engines", "2", "--cache-fraction", "1.0",
+         "--replicas", "1", "--json", str(out), "--chart", str(tmp_path / "replay.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["router"] for r in report["runs"]] == ["kv", "round_robin"]
+    assert all(r["failed"] == 0 and r["requests"] == 24 for r in report["runs"])
+    assert 0 < report["lru_reference_hit_rate"] <= report["infinite_cache_hit_rate"]
+    for run in report["runs"]:
+        assert 0 < run["hit_rate"] <= report["infinite_cache_hit_rate"] + 0.01
+    assert (tmp_path / "replay.png").stat().st_size > 1000
+    assert all(len(r["hit_rate_over_time"]) >= 10 for r in report["runs"])
+    assert all(r["busiest_worker_vs_mean"] >= 1.0 for r in report["runs"])
+
+
+@pytest.mark.slow
+def test_bench_replay_text_prompts_at_fixed_concurrency_through_a_running_router(tmp_path):
+    """--router-url: the replay goes through routers it did not start (here a demo-sized stack
+    started by the test), with text prompts, 4 at a time."""
+    out = tmp_path / "replay.json"
+
+    async def run() -> subprocess.CompletedProcess[str]:
+        with RedisServer() as server:
+            async with Stack(RedisSettings(url=server.url), engines=2, num_blocks=8192, max_model_len=16384) as stack:
+                urls = await stack.start_routers(Policy.KV, 2)
+                command = [sys.executable, "-m", "kvroute", "bench", "replay", "--synthetic", "shared-prefix",
+                           "--limit", "30", "--prompts", "text", "--concurrency", "4", "--router-url", ",".join(urls),
+                           "--json", str(out), "--chart", str(tmp_path / "replay.png")]  # fmt: skip
+                process = await asyncio.create_subprocess_exec(*command, cwd=ROOT, stderr=asyncio.subprocess.PIPE)
+                _, stderr = await asyncio.wait_for(process.communicate(), 300)
+                return subprocess.CompletedProcess(command, process.returncode or 0, "", stderr.decode())
+
+    result = asyncio.run(run())
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["prompts"] == "text"
+    (run_,) = report["runs"]
+    assert run_["router"] == "external" and run_["replicas"] == 2 and run_["requests"] == 30 and run_["failed"] == 0
+    assert 0.5 * report["infinite_cache_hit_rate"] < run_["hit_rate"] <= report["infinite_cache_hit_rate"] + 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KVROUTE_SGLANG_PYTHON"), reason="set KVROUTE_SGLANG_PYTHON to a Python "
+                    "with sglang-router installed")  # fmt: skip
+def test_bench_replay_with_the_sglang_peer(tmp_path):
+    out = tmp_path / "replay.json"
+    command = [sys.executable, "-m", "kvroute", "bench", "replay", "--synthetic", "shared-prefix", "--limit", "24",
+               "--engines", "2", "--replicas", "1,2", "--policies", "kv", "--peer", "sglang", "--json", str(out),
+               "--chart", str(tmp_path / "replay.png")]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["router"], r["replicas"]) for r in report["runs"]] == [
+        ("kv", 1),
+        ("sglang", 1),
+        ("kv", 2),
+        ("sglang", 2),
+    ]
+    assert report["prompts"] == "text" and all(r["failed"] == 0 and r["hit_rate"] > 0 for r in report["runs"])
