@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from kvindex.redis_index import RedisIndex
+from kvindex.shared_load import InflightLoad
 from router.decide import Decider, Decision, NoWorkers
 from router.fleet import Fleet
 from router.load import ReplicaLoad
@@ -200,6 +201,14 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
         if load is not None:
             state.load.release(decision.model, candidate.worker_id, load)
 
+    def prefilled(candidate: Candidate) -> None:
+        # Its first token is out: its prefill no longer queues ahead of others on that worker.
+        load = booked.get(candidate.worker_id)
+        if load is not None and load.uncached_tokens:
+            done = InflightLoad(0, 0, load.uncached_tokens)
+            state.load.release(decision.model, candidate.worker_id, done)
+            booked[candidate.worker_id] = load + (-done)
+
     async def failed(candidate: Candidate, why: BaseException | int) -> None:
         state.metrics.upstream_errors.labels(candidate.worker_id).inc()
         state.fleet.drop(decision.model, candidate.worker_id)
@@ -207,7 +216,8 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
 
     state.metrics.inflight.inc()
     try:
-        forwarded = await forward(request, state.session, request.path, raw, ranked, headers, attempt, failed)
+        forwarded = await forward(request, state.session, request.path, raw, ranked, headers, attempt, failed,
+                                  prefilled)  # fmt: skip
     except UpstreamFailed as exc:
         raise ApiError(502, str(exc), "upstream_error") from None
     finally:

@@ -53,9 +53,11 @@ async def forward(
     reply_headers: Callable[[Candidate], dict[str, str]],
     on_attempt: Callable[[Candidate], Awaitable[None]],
     on_failure: Callable[[Candidate, BaseException | int], Awaitable[None]],
+    on_first_byte: Callable[[Candidate], None],
 ) -> Forwarded:
     """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying;
-    ``on_attempt`` runs before each try, ``on_failure`` after a failed one."""
+    ``on_attempt`` runs before each try, ``on_failure`` after a failed one, ``on_first_byte`` when
+    the reply's body starts (for a stream: the first token, so the prompt's prefill is done)."""
     headers = _request_headers(request)
     last: BaseException | int | None = None
     for attempt, candidate in enumerate(candidates[:2]):
@@ -72,7 +74,8 @@ async def forward(
             await on_failure(candidate, upstream.status)
             continue
         try:
-            response, usage = await _relay(request, upstream, reply_headers(candidate))
+            response, usage = await _relay(request, upstream, reply_headers(candidate),
+                                           lambda: on_first_byte(candidate))  # fmt: skip
         finally:
             upstream.close()  # not release(): an unfinished stream must abort the engine's request
         return Forwarded(response, candidate, usage, retried=attempt > 0)
@@ -80,7 +83,8 @@ async def forward(
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str]
+    request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str],
+    on_first_byte: Callable[[], None],
 ) -> tuple[web.StreamResponse, dict | None]:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
     headers.update(extra_headers)
@@ -89,12 +93,17 @@ async def _relay(
     if not streamed and length is not None and length <= MAX_JSON_SNIFF:
         # A whole reply of known size: one write instead of a chunked stream.
         body = await upstream.read()
+        on_first_byte()
         return web.Response(status=upstream.status, body=body, headers=headers), usage_from_json(body)
     response = web.StreamResponse(status=upstream.status, headers=headers)
     await response.prepare(request)
     sse = SseUsage()
     kept = bytearray()
+    first = True
     async for chunk in upstream.content.iter_any():  # the client going away raises here
+        if first:
+            on_first_byte()
+            first = False
         await response.write(chunk)
         if streamed:
             sse.feed(chunk)

@@ -237,6 +237,26 @@ async def test_redis_killed_mid_traffic_fails_no_request(fleet, redis_server):
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
 
+async def test_a_streamed_request_stops_queueing_prefill_at_its_first_token(router, redis_server):
+    """The booked uncached tokens (prefill that delays other requests) are released when the first
+    token streams back; the request itself stays counted until it ends."""
+    client = Redis.from_url(redis_server.url)
+    load = SharedLoad(client, KeySchema(), "observer")
+    body = {"model": "tiny", "prompt": [*PREFIX, 77], "max_tokens": 2000, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session, session.post(router.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # the first token is out
+
+            async def only_decoding() -> bool:
+                totals = [t for t in (await load.totals("tiny")).values() if t.requests]
+                return len(totals) == 1 and totals[0].uncached_tokens == 0 and totals[0].prompt_tokens == 161
+
+            await wait_until(only_decoding, 5)
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.faults
 async def test_a_killed_replica_leaves_no_load_behind(fleet, redis_server):
     port = free_port()
