@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
@@ -70,6 +70,7 @@ class Decider:
         policy: Policy,
         redis_timeout_s: float,
         expected_ttl_ms: int,
+        unsent: Callable[[str], dict[str, InflightLoad]] = lambda model: {},
     ) -> None:
         self._index = index
         self._load = load
@@ -78,6 +79,7 @@ class Decider:
         self._policy = policy
         self._timeout = redis_timeout_s
         self._expected_ttl_ms = expected_ttl_ms
+        self._unsent = unsent  # this replica's load changes not yet in Redis
         self._turns = itertools.count()
         self._rng = random.Random()
         self.degraded_count = 0
@@ -141,6 +143,8 @@ class Decider:
                 raise reply
         matches = await self._index.match_result(model, match_reply)
         totals = parse_totals(totals_reply)
+        for worker_id, delta in self._unsent(model).items():
+            totals[worker_id] = totals.get(worker_id, InflightLoad()) + delta
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
             if worker_id is not None:

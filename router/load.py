@@ -32,6 +32,7 @@ class ReplicaLoad:
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
         # pipeline per burst instead of several commands per request.
         self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
+        self._sending: dict[tuple[str, str], InflightLoad] = {}  # the batch being written now
         self._expects: list[tuple[str, str, list[int]]] = []
         self._dirty = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
@@ -57,12 +58,26 @@ class ReplicaLoad:
             self._dirty.clear()
             deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
             expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
+            self._sending = deltas
             try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
                 async with asyncio.timeout(1.0):
                     await self.shared.add_many(deltas)
                     await self.shared.expect_many(expects, self._expected_ttl_ms)
             except FAILURES as exc:
                 log.debug("shared load update failed: %s", exc)
+            finally:
+                self._sending = {}
+
+    def unsent(self, model: str) -> dict[str, InflightLoad]:
+        """This replica's changes that Redis may not show yet (batched, or being written). A
+        decision adds them to what Redis says, so that a burst of requests routed within the
+        same few milliseconds sees its own bookings instead of herding onto one worker."""
+        out: dict[str, InflightLoad] = {}
+        for changes in (self._deltas, self._sending):
+            for (m, worker_id), delta in changes.items():
+                if m == model:
+                    out[worker_id] = out.get(worker_id, InflightLoad()) + delta
+        return out
 
     def inflight(self, model: str) -> dict[str, InflightLoad]:
         return dict(self._local.get(model, {}))

@@ -54,7 +54,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
     session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
                                     auto_decompress=False)  # fmt: skip
     decider = Decider(index, shared, fleet, settings.weights, settings.policy, settings.redis_timeout_s,
-                      settings.expected_ttl_ms)  # fmt: skip
+                      settings.expected_ttl_ms, load.unsent)  # fmt: skip
     state = RouterState(settings, index, fleet, decider, load, Tokenization(settings.tokenizer_dirs, session), session,
                         new_metrics())  # fmt: skip
     runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True)

@@ -9,6 +9,7 @@ closed, which makes the engine abort the request.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ async def forward(
             continue
         try:
             response, usage = await _relay(request, upstream, reply_headers(candidate),
-                                           lambda: on_first_byte(candidate))  # fmt: skip
+                                           functools.partial(on_first_byte, candidate))  # fmt: skip
         finally:
             upstream.close()  # not release(): an unfinished stream must abort the engine's request
         return Forwarded(response, candidate, usage, retried=attempt > 0)
@@ -83,7 +84,9 @@ async def forward(
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str],
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    extra_headers: dict[str, str],
     on_first_byte: Callable[[], None],
 ) -> tuple[web.StreamResponse, dict | None]:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}

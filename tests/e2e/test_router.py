@@ -98,6 +98,18 @@ async def test_a_cache_salt_separates_predictions_as_the_engine_does(router, fle
     assert status == 400 and "cache_salt" in body["error"]["message"]
 
 
+async def test_a_burst_of_different_prompts_spreads_instead_of_herding(router, fleet):
+    """Prompts sharing only a short, cached prefix arrive together: each decision must see the
+    bookings of the ones just before it (not yet in Redis), so they spread over the workers."""
+    status, _, _ = await complete(router.url, [*PREFIX[:16], 1])
+    assert status == 200
+    await asyncio.sleep(0.3)  # the prefix is indexed on one worker
+    tails = [[(i * 13 + j) % 1900 + 10 for j in range(320)] for i in range(6)]
+    replies = await asyncio.gather(*(complete(router.url, [*PREFIX[:16], *tail]) for tail in tails))
+    workers = [headers["x-kvroute-worker"] for _, headers, _ in replies]
+    assert len(set(workers)) == fleet.count, workers
+
+
 async def test_a_burst_of_identical_prompts_is_not_scattered(router, fleet):
     prompt = [(i * 3) % 1900 + 20 for i in range(320)]
     results = await asyncio.gather(*(complete(router.url, prompt) for _ in range(6)))
