@@ -54,6 +54,16 @@ class Decision:
         return predicted_cached_tokens(chosen.matched_blocks, self.prompt_tokens, self.block_size)
 
 
+def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
+    """``candidate`` with the prefix it is expected to hold soon (a recent decision sent it there)
+    counted as matched; the part beyond what it holds now is being prefilled there by requests in
+    flight, work this prompt shares rather than waits behind (``Candidate.pending_blocks``)."""
+    if expected_depth <= candidate.matched_blocks:
+        return candidate
+    pending = expected_depth - candidate.matched_blocks + candidate.pending_blocks
+    return replace(candidate, matched_blocks=expected_depth, pending_blocks=pending)
+
+
 def _checkpoints(length: int) -> list[int]:
     """Depths checked against expected prefixes: powers of two and the full length."""
     depths = {length} | {1 << k for k in range(length.bit_length()) if 1 << k <= length}
@@ -121,7 +131,7 @@ class Decider:
                 depth[entry[0]] = max(depth[entry[0]], d)
         if not depth:
             return candidates
-        return [replace(c, matched_blocks=max(c.matched_blocks, depth[c.worker_id])) for c in candidates]
+        return [_expecting(c, depth[c.worker_id]) for c in candidates]
 
     def _remember(self, model: str, chain: list[int], worker_id: str) -> None:
         now = time.monotonic()
@@ -143,22 +153,17 @@ class Decider:
                 raise reply
         matches = await self._index.match_result(model, match_reply)
         totals = parse_totals(totals_reply)
-        for worker_id, delta in self._unsent(model).items():
-            totals[worker_id] = totals.get(worker_id, InflightLoad()) + delta
+        for unsent_worker, delta in self._unsent(model).items():
+            totals[unsent_worker] = totals.get(unsent_worker, InflightLoad()) + delta
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
             if worker_id is not None:
                 expected_depth[worker_id] = max(expected_depth[worker_id], depth)
-        return [
-            Candidate(
-                w.worker_id,
-                w.url,
-                max(matches.get(w.worker_id, 0), expected_depth[w.worker_id]),
-                totals.get(w.worker_id, InflightLoad()),
-                w.load,
-            )
+        candidates = [
+            Candidate(w.worker_id, w.url, matches.get(w.worker_id, 0), totals.get(w.worker_id, InflightLoad()), w.load)
             for w in workers
         ]
+        return [_expecting(c, expected_depth[c.worker_id]) for c in candidates]
 
     @staticmethod
     def booking(decision: Decision, candidate: Candidate) -> tuple[InflightLoad, list[int]]:

@@ -3,8 +3,8 @@
 Cost of sending a prompt of ``P`` blocks to a worker (lower wins), in the spirit of Dynamo's:
 
     prefill * (P - matched_blocks)           blocks this request would prefill there
-  + queued  * queued_prefill_blocks          prefill already booked there (it delays the first token
-                                             but is not new work: a burst of one prompt shares it)
+  + queued  * queued_prefill_blocks          prefill already booked there (it delays the first token),
+                                             less the blocks of this prompt it is computing (shared)
   + active  * inflight_prompt_blocks         KV held by requests in flight there
   + queue   * engine_waiting                 requests its engine already queues
 
@@ -59,6 +59,7 @@ class Candidate:
     matched_blocks: int = 0
     inflight: InflightLoad = NO_LOAD
     engine: WorkerLoad | None = None
+    pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,9 @@ def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size:
 
 def cost(candidate: Candidate, prompt_blocks: int, block_size: int, weights: ScoringWeights) -> float:
     new_prefill = max(prompt_blocks - candidate.matched_blocks, 0)
-    queued_prefill = candidate.inflight.uncached_tokens / block_size
+    # Prefill queued there delays this prompt, except the part that computes this prompt's own
+    # prefix (a burst of one prompt shares that work instead of queueing behind it).
+    queued_prefill = max(candidate.inflight.uncached_tokens / block_size - candidate.pending_blocks, 0)
     active = candidate.inflight.prompt_tokens / block_size
     waiting = candidate.engine.waiting if candidate.engine else 0
     return (weights.prefill * new_prefill + weights.queued * queued_prefill + weights.active * active

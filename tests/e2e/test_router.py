@@ -113,8 +113,12 @@ async def test_a_burst_of_different_prompts_spreads_instead_of_herding(router, f
 async def test_a_burst_of_identical_prompts_is_not_scattered(router, fleet):
     prompt = [(i * 3) % 1900 + 20 for i in range(320)]
     results = await asyncio.gather(*(complete(router.url, prompt) for _ in range(6)))
-    workers = {headers["x-kvroute-worker"] for _, headers, _ in results}
-    assert len(workers) == 1, workers  # the first decision is "expected" for the rest
+    workers = [headers["x-kvroute-worker"] for _, headers, _ in results]
+    # The first decision is "expected" for the rest; a worker already holding a deep queue of
+    # them is worth one replica of the hot prompt, not one per request.
+    assert len(set(workers)) <= 2, workers
+    cold = [headers["x-kvroute-worker"] for _, headers, _ in results if headers["x-kvroute-cached-tokens"] == "0"]
+    assert sorted(cold) == sorted(set(workers))  # only the first on each worker prefills it
 
 
 async def test_debug_route_explains_without_proxying(router, fleet):

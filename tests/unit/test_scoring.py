@@ -80,3 +80,17 @@ def test_predicted_cached_tokens_count_like_vllm(matched, tokens, expected):
 def test_bad_weights_are_rejected():
     with pytest.raises(ValueError, match=">= 0"):
         ScoringWeights(prefill=-1)
+
+
+def test_queued_prefill_of_this_prompts_own_prefix_is_shared_not_waited_for():
+    weights = ScoringWeights(active=0.0)
+    queued = InflightLoad(requests=1, prompt_tokens=320, uncached_tokens=320)  # 20 blocks being prefilled
+    holder_expected = Candidate("a", "u", matched_blocks=20, inflight=queued, pending_blocks=20)
+    holder_unrelated = Candidate("a", "u", matched_blocks=20, inflight=queued)
+    idle = Candidate("b", "u")
+    assert cost(holder_expected, 20, 16, weights) == 0
+    assert cost(holder_unrelated, 20, 16, weights) == 0.75 * 20
+    assert choose([idle, holder_expected], 20, 16, weights).chosen.worker_id == "a"
+    # Queued work beyond the shared prefix still counts.
+    bigger = InflightLoad(requests=2, prompt_tokens=640, uncached_tokens=640)
+    assert cost(Candidate("a", "u", 20, bigger, pending_blocks=20), 20, 16, weights) == 0.75 * 20
