@@ -28,6 +28,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
 from kvroute.embedded_redis import RedisServer, free_port
+from kvroute.passthrough import completions_site
 from kvroute.peers import SglangRouters
 from sim_engine.settings import TINY_MODEL_DIR
 
@@ -43,16 +44,7 @@ async def _upstream(port: int) -> web.AppRunner:
         await request.read()
         return web.Response(body=REPLY, content_type="application/json")
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application(client_max_size=64 << 20)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await completions_site(port, completions)
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -10,10 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import uvloop
 from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+async def completions_site(port: int, completions: Handler) -> web.AppRunner:
+    """A local server with ``POST /v1/completions`` and ``GET /health``, started; the caller
+    cleans the runner up."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
 
 
 async def serve(port: int, upstream: str) -> None:
@@ -26,16 +45,11 @@ async def serve(port: int, upstream: str) -> None:
                 data = await reply.read()
                 return web.Response(status=reply.status, body=data, content_type=reply.content_type)
 
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        await asyncio.Event().wait()
+        runner = await completions_site(port, completions)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
 
 
 def main(argv: list[str]) -> int:
