@@ -1,5 +1,5 @@
-"""A whole kvroute stack on one machine: simulated engines and an agent per engine as processes,
-router replicas in this process. Used by ``kvroute demo`` and ``kvroute bench replay``.
+"""A whole kvroute stack on one machine: simulated engines, an agent per engine and router replicas,
+each a process of its own. Used by ``kvroute demo`` and ``kvroute bench replay``.
 
 Everything started is stopped when the ``async with`` block exits, whatever the reason.
 """
@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -26,9 +25,7 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvroute.embedded_redis import free_port
-from router.main import RunningRouter, running_router
 from router.scoring import Policy
-from router.settings import RouterSettings
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 
@@ -85,7 +82,7 @@ class Stack:
         self._timing = timing or TimingModel(prefill_ms_per_1k_tokens=200, decode_ms_per_step=5, step_overhead_ms=1)
         self.running: list[EngineProcess] = []
         self._agents: list[subprocess.Popen[bytes]] = []
-        self._routers: list[tuple[AbstractAsyncContextManager[RunningRouter], RunningRouter]] = []
+        self._routers: list[subprocess.Popen[bytes]] = []
         self._ports: set[int] = set()
 
     async def __aenter__(self) -> Stack:
@@ -154,21 +151,35 @@ class Stack:
             await client.aclose()
 
     async def start_routers(self, policy: Policy, replicas: int = 2) -> list[str]:
-        for _ in range(replicas):
-            settings = RouterSettings(redis=self.redis, port=0, policy=policy, tokenizers=((MODEL, TINY_MODEL_DIR),))
-            context = running_router(settings)
-            running = await context.__aenter__()
-            self._routers.append((context, running))
-            async with asyncio.timeout(30):
-                while len(running.state.fleet.alive(MODEL)) < self.engines:
+        """``replicas`` router processes (each its own interpreter, as deployed), ready and seeing
+        every engine; their URLs."""
+        started = [self._start_router(policy, n) for n in range(replicas)]
+        self._routers += [process for process, _ in started]
+        urls = [url for _, url in started]
+        await self._wait_routers(urls)
+        return urls
+
+    def _start_router(self, policy: Policy, number: int) -> tuple[subprocess.Popen[bytes], str]:
+        port = self._port()
+        command = [sys.executable, "-m", "router", "--redis-url", self.redis.url, "--prefix", self.redis.prefix,
+                   "--port", str(port), "--policy", policy.value, "--replica-id", f"stack-{number}-{port}",
+                   "--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]  # fmt: skip
+        return subprocess.Popen(command), f"http://127.0.0.1:{port}"
+
+    async def _wait_routers(self, urls: list[str], within: float = 60.0) -> None:
+        probe = {"model": MODEL, "prompt": [1, 2, 3]}
+        async with aiohttp.ClientSession() as session, asyncio.timeout(within):
+            for url in urls:
+                for _ in itertools.count():  # poll: until the router sees every engine
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.post(url + "/debug/route", json=probe) as response:
+                            if response.status == 200 and len((await response.json())["workers"]) >= self.engines:
+                                break
                     await asyncio.sleep(0.1)
-                    await running.state.fleet.refresh()
-        return [running.url for _, running in self._routers]
 
     async def stop_routers(self) -> None:
-        while self._routers:
-            context, _ = self._routers.pop()
-            await context.__aexit__(None, None, None)
+        routers, self._routers = self._routers, []
+        _stop(routers)
 
     async def reset_caches(self) -> None:
         """Empty every engine's prefix cache; a tiny request per engine publishes the clear."""
@@ -208,18 +219,20 @@ class Stack:
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> Any:  # fmt: skip
-        with contextlib.suppress(Exception):
-            await self.stop_routers()
-        children = [*self._agents, *(engine.process for engine in self.running)]
-        for child in children:
-            child.terminate()
-        for child in children:
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        _stop([*self._routers, *self._agents, *(engine.process for engine in self.running)])
+        self._routers = []
         _remove([engine.log for engine in self.running])
         return None
+
+
+def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+    for child in children:
+        child.terminate()
+    for child in children:
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def _tail(path: str) -> str:
