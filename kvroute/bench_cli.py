@@ -109,6 +109,7 @@ def _run_router(args: argparse.Namespace) -> int:
 
 def _run_replay(args: argparse.Namespace) -> int:
     from kvroute.bench_replay import run_from_args
+    from kvroute.peers import PeerError
 
     if (args.trace is None) == (args.synthetic is None):
         raise SystemExit("kvroute bench replay: give a TRACE file or --synthetic KIND (one of them)")
@@ -119,5 +120,5 @@ def _run_replay(args: argparse.Namespace) -> int:
         raise SystemExit("kvroute bench replay: --peer needs the self-started stack, not --router-url")
     try:
         return run_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError, PeerError) as exc:  # a malformed or missing trace, a peer that would not start
         raise SystemExit(f"kvroute bench replay: {exc}") from None

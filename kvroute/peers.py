@@ -25,6 +25,10 @@ def sglang_python() -> str:
     return os.environ.get("KVROUTE_SGLANG_PYTHON") or shutil.which("python3") or sys.executable
 
 
+class PeerError(RuntimeError):
+    """A peer router would not start (not installed, or it exited)."""
+
+
 @dataclass
 class SglangRouters:
     """``replicas`` SGLang router processes over ``worker_urls``; use with ``async with``."""
@@ -65,14 +69,14 @@ class SglangRouters:
                     if process.poll() is not None:
                         error = _tail(log)
                         hint = f"is sglang-router installed for {sglang_python()}? set KVROUTE_SGLANG_PYTHON"
-                        raise RuntimeError(f"the SGLang router exited with {process.returncode} ({hint}):\n{error}")
+                        raise PeerError(f"the SGLang router exited with {process.returncode} ({hint}):\n{error}")
                     with contextlib.suppress(aiohttp.ClientError):
                         async with session.get(url + "/health") as response:
                             if response.status == 200:
                                 break
                     await asyncio.sleep(0.1)
                 else:
-                    raise RuntimeError(f"the SGLang router at {url} did not come up within {within:.0f} s")
+                    raise PeerError(f"the SGLang router at {url} did not come up within {within:.0f} s")
 
     def stop(self) -> None:
         for process in self._processes:

@@ -76,3 +76,13 @@ def test_summary_ratios_and_hit_rate_over_time():
     assert run.busiest_worker_vs_mean == 1.5
     assert run.hit_rate_over_time[0] == 0.0 and run.hit_rate_over_time[-1] == 0.5
     assert run.ttft_mean_ms == 15.0
+
+
+def test_a_malformed_trace_row_is_named(tmp_path):
+    from kvroute.replay_workload import load_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n{"timestamp": 5, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: not a Mooncake trace row"):
+        load_trace(trace, 10, 10_000)
+    assert load_trace(trace, 1, 10_000)[0].hash_ids == (1, 2)
