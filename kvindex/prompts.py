@@ -66,7 +66,11 @@ class ModelPrompts:
         return int(self.tokenizer.get_vocab_size())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch_fast, not encode: it releases the GIL (so tokenizing a long prompt in a
+        # thread does not stall the router's event loop: encode held it ~60 ms per 14k tokens)
+        # and skips the character offsets, which halves the time. Same ids.
+        encoded = self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return list(encoded[0].ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
