@@ -35,38 +35,44 @@ class ReplicaLoad:
         self._sending: dict[tuple[str, str], InflightLoad] = {}  # the batch being written now
         self._expects: list[tuple[str, str, list[int]]] = []
         self._dirty = asyncio.Event()
+        # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
+        self._writing = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
 
     def book(self, model: str, worker_id: str, load: InflightLoad, expected: list[int] | None = None) -> None:
-        self._local[model][worker_id] = self._local[model][worker_id] + load
-        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + load
+        self._change(model, worker_id, load)
         if expected:
             self._expects.append((model, worker_id, expected))
-        self._dirty.set()
 
     def release(self, model: str, worker_id: str, load: InflightLoad) -> None:
-        self._local[model][worker_id] = self._local[model][worker_id] + (-load)
-        if self._local[model][worker_id] == InflightLoad():
-            del self._local[model][worker_id]
-        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + (-load)
+        self._change(model, worker_id, -load)
+
+    def _change(self, model: str, worker_id: str, delta: InflightLoad) -> None:
+        """Apply ``delta`` to the local truth at once and queue it for Redis."""
+        local = self._local[model]
+        local[worker_id] = local[worker_id] + delta
+        if local[worker_id] == InflightLoad():
+            del local[worker_id]
+        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + delta
         self._dirty.set()
 
     async def _flush_loop(self) -> None:
         while True:
             await self._dirty.wait()
             await asyncio.sleep(0.002)  # gather what arrives meanwhile
-            self._dirty.clear()
-            deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
-            expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
-            self._sending = deltas
-            try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
-                async with asyncio.timeout(1.0):
-                    await self.shared.add_many(deltas)
-                    await self.shared.expect_many(expects, self._expected_ttl_ms)
-            except FAILURES as exc:
-                log.debug("shared load update failed: %s", exc)
-            finally:
-                self._sending = {}
+            async with self._writing:
+                self._dirty.clear()
+                deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
+                expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
+                self._sending = deltas
+                try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
+                    async with asyncio.timeout(1.0):
+                        await self.shared.add_many(deltas)
+                        await self.shared.expect_many(expects, self._expected_ttl_ms)
+                except FAILURES as exc:
+                    log.debug("shared load update failed: %s", exc)
+                finally:
+                    self._sending = {}
 
     def unsent(self, model: str) -> dict[str, InflightLoad]:
         """This replica's changes that Redis may not show yet (batched, or being written). A
@@ -84,7 +90,14 @@ class ReplicaLoad:
 
     async def renew_all(self, models: list[str]) -> None:
         for model in sorted(set(models) | set(self._local)):
-            await self.shared.renew(model, self._ttl_ms, self.inflight(model))
+            async with self._writing:
+                # The snapshot already holds this model's unflushed changes: they are written by
+                # it, not queued again (else Redis would count them twice until the next renewal).
+                self._sending = {k: self._deltas.pop(k) for k in [k for k in self._deltas if k[0] == model]}
+                try:
+                    await self.shared.renew(model, self._ttl_ms, self.inflight(model))
+                finally:
+                    self._sending = {}
 
     def start(self, models: Callable[[], list[str]]) -> ReplicaLoad:
         async def loop() -> None:

@@ -47,3 +47,25 @@ async def test_expected_prefixes_lapse(redis_client, unique_name):
     await load.expect(unique_name, "w8", chain[3:], ttl_ms=60_000)  # also sweeps the lapsed ones
     keys = KeySchema().for_model(unique_name)
     assert await redis_client.hlen(keys.expected) == 1
+
+
+async def test_a_renewal_between_a_booking_and_its_flush_counts_it_once(redis_client, unique_name):
+    """A router's lease snapshot already holds the changes it has not flushed yet: flushing them
+    afterwards too would count them twice (phantom load on a worker until the next renewal)."""
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000)
+    load.start(lambda: [unique_name])
+    try:
+        await asyncio.sleep(0.05)  # the first renewal is done
+        load.book(unique_name, "w", InflightLoad(1, 160, 160))
+        await load.renew_all([unique_name])  # within the 2 ms before the booking is flushed
+        await asyncio.sleep(0.05)
+        assert await shared.totals(unique_name) == {"w": InflightLoad(1, 160, 160)}
+        assert load.unsent(unique_name) == {}
+        load.release(unique_name, "w", InflightLoad(1, 160, 160))
+        await asyncio.sleep(0.05)
+        assert await shared.totals(unique_name) == {}
+    finally:
+        await load.stop([unique_name])
