@@ -22,9 +22,9 @@ import aiohttp
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.embedded_redis import free_port, redis_url_or_private
+from kvroute.stack import metric_value
 from sim_engine.kv_events import encode_batch, removed_event, stored_event
 
 MODEL = "bench-agent"
@@ -80,15 +80,9 @@ async def _health_server(port: int) -> web.AppRunner:
 
 async def _agent_metric(session: aiohttp.ClientSession, port: int, name: str) -> float | None:
     try:
-        async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
-            text = await response.text()
+        return await metric_value(session, f"http://127.0.0.1:{port}", name)
     except aiohttp.ClientError:
         return None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    return None
 
 
 async def _wait_metric(session: aiohttp.ClientSession, port: int, name: str, value: float, within: float) -> bool:

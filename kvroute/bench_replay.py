@@ -168,9 +168,8 @@ def _routers(args: argparse.Namespace) -> list[str]:
     return routers + ([args.peer] if args.peer else [])
 
 
-def _capacity(requests: list[TraceRequest], args: argparse.Namespace) -> tuple[int, int, int]:
+def _capacity(requests: list[TraceRequest], distinct: int, args: argparse.Namespace) -> tuple[int, int, int]:
     """(fleet capacity in trace blocks, blocks per engine, max model length in tokens)."""
-    distinct = len({h for r in requests for h in r.hash_ids})
     capacity_trace_blocks = max(1, int(distinct * args.cache_fraction))
     per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // args.block_size) // args.engines + 1
     needed = max(r.input_length + args.max_output for r in requests) // args.block_size + 2
@@ -193,7 +192,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("no request to replay (check --limit and --max-input)")
     text = args.prompts == "text" or bool(args.peer)  # the peer takes text only: every run gets text
     prompts = _prompts(requests, text)
-    capacity, per_engine_blocks, max_model_len = _capacity(requests, args)
+    distinct = len({h for r in requests for h in r.hash_ids})
+    capacity, per_engine_blocks, max_model_len = _capacity(requests, distinct, args)
     lru, infinite = reference_hit_rates(requests, capacity)
     engines = args.engines
     if args.router_url:
@@ -205,7 +205,6 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         runs = [summarize("external", len(urls), results, list(per_worker.values()), lru)]
     else:
         runs = await _run_on_stack(requests, prompts, args, per_engine_blocks, max_model_len, lru)
-    distinct = len({h for r in requests for h in r.hash_ids})
     return {"requests": len(requests), "distinct_trace_blocks": distinct, "prompts": "text" if text else "token ids",
             "cache_fraction": capacity / distinct, "engines": engines, "lru_reference_hit_rate": lru,
             "infinite_cache_hit_rate": infinite, "runs": [asdict(r) for r in runs]}  # fmt: skip

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
@@ -60,6 +61,17 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, path: str,
             if line.startswith(b"data: {") and b'"usage"' in line:
                 reply.usage = json.loads(line[6:]).get("usage") or reply.usage
     return reply
+
+
+async def metric_value(session: aiohttp.ClientSession, base_url: str, name: str) -> float | None:
+    """The first sample called ``name`` on ``base_url``'s Prometheus page (None: no such sample)."""
+    async with session.get(base_url + "/metrics") as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
 
 
 @dataclass
@@ -201,10 +213,7 @@ class Stack:
         counts = []
         async with aiohttp.ClientSession() as session:
             for engine in self.running:
-                async with session.get(engine.url + "/metrics") as response:
-                    text = await response.text()
-                lines = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
-                counts.append(int(float(lines[0].rsplit(" ", 1)[1])) if lines else 0)
+                counts.append(int(await metric_value(session, engine.url, "vllm:request_success_total") or 0))
         return counts
 
     async def duplication(self) -> float:
