@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from kvindex.prompts import ModelPrompts
+from router.tokenizer import ModelPrompts
 from kvindex.settings import RedisSettings
 from kvroute.embedded_redis import RedisServer
 from kvroute.peers import SglangRouters

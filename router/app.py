@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from kvindex.redis_index import RedisIndex
-from kvindex.shared_load import InflightLoad
+from router.shared_load import InflightLoad
 from router.decide import Decider, Decision, NoWorkers
 from router.fleet import Fleet
 from router.load import ReplicaLoad

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from kvindex.errors import KVIndexError
 from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
-from kvindex.shared_load import InflightLoad, SharedLoad, parse_expected, parse_totals
+from router.shared_load import InflightLoad, SharedLoad, parse_expected, parse_totals
 from kvindex.types import WorkerRecord
 from router.fleet import Fleet
 from router.scoring import Candidate, Choice, Policy, ScoringWeights, choose, predicted_cached_tokens

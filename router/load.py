@@ -1,6 +1,6 @@
 """This replica's in-flight requests per worker: the local truth behind its shared load.
 
-Every booking is also sent to Redis at once (HINCRBY, via :class:`~kvindex.shared_load.SharedLoad`);
+Every booking is also sent to Redis at once (HINCRBY, via :class:`~router.shared_load.SharedLoad`);
 every second the lease is renewed with a full snapshot of this truth, which heals any update that
 was lost while Redis was unreachable. On shutdown the replica leaves, and its load with it.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError
-from kvindex.shared_load import InflightLoad, SharedLoad
+from router.shared_load import InflightLoad, SharedLoad
 
 log = logging.getLogger(__name__)
 FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)

@@ -18,7 +18,7 @@ from aiohttp import web
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
-from kvindex.shared_load import SharedLoad
+from router.shared_load import SharedLoad
 from router.app import RouterState, create_app
 from router.decide import Decider
 from router.fleet import Fleet

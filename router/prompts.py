@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kvindex.prompts import ModelPrompts, PromptError
+from router.tokenizer import ModelPrompts, PromptError
 
 OFF_LOOP_CHARS = 2_000  # longer texts are tokenized in a thread
 CACHE_ENTRIES = 4_096

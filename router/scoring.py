@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvindex.shared_load import InflightLoad
+from router.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
 
 NO_LOAD = InflightLoad()

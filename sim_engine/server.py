@@ -18,7 +18,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
-from kvindex.prompts import ModelPrompts
+from router.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
 from sim_engine.kv_events import KVEventPublisher

@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvroute.embedded_redis import RedisServer, available_servers
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
+# Real-vLLM captures and the tiny model's weights, copied into the repository (tests/fixtures/README.md).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"
+CAPTURES = FIXTURES / "captures"
 _names = itertools.count()
 
 

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
-from kvindex.shared_load import SharedLoad
+from router.shared_load import SharedLoad
 from kvindex.types import WorkerInfo
 from kvroute.embedded_redis import RedisServer, available_servers, free_port
 from router.main import RunningRouter, running_router

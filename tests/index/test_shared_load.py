@@ -6,7 +6,7 @@ import asyncio
 
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
-from kvindex.shared_load import InflightLoad, SharedLoad
+from router.shared_load import InflightLoad, SharedLoad
 
 
 async def test_replicas_see_each_others_load_and_a_dead_replica_stops_counting(redis_client, unique_name):

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
 from kvindex.types import WorkerLoad
-from tests.conftest import SHARED
+from tests.conftest import CAPTURES
 from worker_agent.engine import parse_metrics, root_url
 from worker_agent.settings import add_arguments, settings_from_args
 
-CAPTURE = Path(SHARED) / "fixtures" / "vllm-0.32-cpu" / "captures" / "run1_metrics.txt"
+CAPTURE = CAPTURES / "run1_metrics.txt"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.prompts import ModelPrompts, PromptError
+from router.tokenizer import ModelPrompts, PromptError
 from sim_engine.settings import TINY_MODEL_DIR
 from tests.conftest import SHARED
 

@@ -46,7 +46,7 @@ def test_synthetic_workloads_share_prefixes(kind):
 
 
 def test_text_prompts_tokenize_block_for_block_like_the_token_ids():
-    from kvindex.prompts import ModelPrompts
+    from router.tokenizer import ModelPrompts
     from kvroute.replay_workload import TextPrompts
     from sim_engine.settings import TINY_MODEL_DIR
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from kvindex.shared_load import InflightLoad
+from router.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
 from router.scoring import NO_LOAD, Candidate, Policy, ScoringWeights, choose, cost, predicted_cached_tokens
 

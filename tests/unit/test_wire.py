@@ -1,15 +1,15 @@
-"""Golden decoding of every message a real vLLM 0.32 server published (../shared captures),
+"""Golden decoding of every message a real vLLM 0.32 server published (tests/fixtures captures),
 plus the older positional encoding and malformed input."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import msgpack
 import pytest
 
+from tests.conftest import CAPTURES
 from worker_agent.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -18,7 +18,6 @@ from worker_agent.wire import (
     decode_message,
 )
 
-CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu" / "captures"
 CAPTURE_NAMES = ["run1_events", "run2_evict_events", "run3_cbor_bytes_events"]
 
 

@@ -1,0 +1,107 @@
+"""One logging set-up for every long-running command: ``--log-level`` and ``--log-format``.
+
+``text`` is for people (one line: time, level, logger, message, then ``key=value`` fields);
+``json`` is one JSON object per line for log pipelines. Structured fields travel as
+``extra={"fields": {...}}`` and become top-level keys of the JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+FORMATS = ("text", "json")
+FIELDS = "fields"  # the ``extra`` key that carries structured fields
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    level: str = "INFO"
+    format: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, not {self.level!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(FORMATS)}, not {self.format!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LogSettings:
+        return cls(str(args.log_level).upper(), str(args.log_format).lower())
+
+
+def add_log_arguments(parser: argparse.ArgumentParser, default_level: str = "INFO") -> None:
+    """``--log-level`` and ``--log-format`` (defaults from KVROUTE_LOG_LEVEL / KVROUTE_LOG_FORMAT);
+    values are checked by :class:`LogSettings`, so a bad variable is reported like a bad flag."""
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level",
+        default=os.environ.get("KVROUTE_LOG_LEVEL", default_level),
+        type=str.upper,
+        help=f"{', '.join(LEVELS)} (default {default_level}; env KVROUTE_LOG_LEVEL)",
+    )
+    group.add_argument(
+        "--log-format",
+        default=os.environ.get("KVROUTE_LOG_FORMAT", "text"),
+        help="text (for people) or json (one object per line); env KVROUTE_LOG_FORMAT",
+    )
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, FIELDS, None)
+    return fields if isinstance(fields, dict) else {}
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = _fields(record)
+        if not fields:
+            return line
+        return line + " " + " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+
+
+def _text_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return json.dumps(text) if (not text or " " in text or '"' in text) else text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (RFC 3339, UTC), ``level``, ``logger``, ``message``, the
+    record's fields, and ``exception`` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        created = time.gmtime(record.created)
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", created) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(_fields(record))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(settings: LogSettings) -> None:
+    """Replace the root handlers with one stderr handler in the chosen format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if settings.format == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(settings.level)
+    # aiohttp logs every request at INFO through its own access logger; ours replaces it.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
