@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvservice.logs import add_log_arguments
 from sim_engine.engine import TimingModel
 
 # The tokenizer and chat template of the shared tiny model (no weights): text prompts tokenize
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-overhead-ms", type=float, default=t.step_overhead_ms,
                         help=f"fixed time per step (default {t.step_overhead_ms})")  # fmt: skip
     parser.add_argument("--speedup", type=float, default=t.speedup, help="run this many times faster than real time")
+    add_log_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:

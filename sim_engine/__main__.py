@@ -1,0 +1,5 @@
+import sys
+
+from sim_engine.main import main
+
+sys.exit(main(prog="python -m sim_engine"))

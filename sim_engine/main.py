@@ -1,0 +1,55 @@
+"""``kvroute sim-engine`` / ``python -m sim_engine``: a simulated vLLM engine as a process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from kvservice.lifecycle import run_service, serve_until_signal
+from kvservice.logs import LogSettings, configure_logging
+from sim_engine.server import RunningEngine, running_engine
+from sim_engine.settings import SimEngineSettings, add_arguments, settings_from_args
+
+log = logging.getLogger("sim_engine")
+
+DESCRIPTION = "A simulated vLLM engine: OpenAI API, prefix caching with vLLM's semantics, KV events."
+
+
+def build_parser(prog: str = "kvroute sim-engine") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def _announce(settings: SimEngineSettings, running: RunningEngine) -> None:
+    log.info(
+        "simulated engine %s on %s: events %s, replay %s, %d blocks of %d tokens",
+        settings.model,
+        running.url,
+        running.events_endpoint or "off",
+        running.replay_endpoint or "off",
+        settings.num_blocks,
+        settings.block_size,
+    )
+
+
+async def serve(settings: SimEngineSettings) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    await serve_until_signal(running_engine(settings), lambda running: _announce(settings, running))
+
+
+def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Validate ``args`` (a bad flag: argparse's message, exit 2), then serve until a signal."""
+    try:
+        settings = settings_from_args(args)
+        log_settings = LogSettings.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(log_settings)
+    return run_service(parser.prog, lambda: serve(settings))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "kvroute sim-engine") -> int:
+    parser = build_parser(prog)
+    return run_from_args(parser.parse_args(argv), parser)
