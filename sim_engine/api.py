@@ -61,8 +61,15 @@ def _common(body: dict[str, Any], model: str, chat: bool, prompts: list[list[int
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ApiError(400, "'cache_salt' must be a non-empty string", "cache_salt")
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    return Generation(prompts, _int_param(body, name, DEFAULT_MAX_TOKENS), stream,
-                      bool(options.get("include_usage")), salt, chat, bool(body.get("return_token_ids")))  # fmt: skip
+    return Generation(
+        prompts,
+        _int_param(body, name, DEFAULT_MAX_TOKENS),
+        stream,
+        bool(options.get("include_usage")),
+        salt,
+        chat,
+        bool(body.get("return_token_ids")),
+    )
 
 
 def check_model(body: Any, model: str) -> dict[str, Any]:
@@ -142,8 +149,9 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def chunk(request_id: str, model: str, chat: bool, index: int, text: str, finish: str | None,
-          first: bool = False) -> dict[str, Any]:  # fmt: skip
+def chunk(
+    request_id: str, model: str, chat: bool, index: int, text: str, finish: str | None, first: bool = False
+) -> dict[str, Any]:
     """One streamed choice delta."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -157,8 +165,14 @@ def chunk(request_id: str, model: str, chat: bool, index: int, text: str, finish
 
 def usage_chunk(request_id: str, model: str, chat: bool, usage_body: dict[str, Any]) -> dict[str, Any]:
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage_body}  # fmt: skip
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage_body,
+    }
 
 
 def completion(
@@ -185,5 +199,11 @@ def completion(
         kind = "text_completion"
     for choice, (prompt, output) in zip(choices, token_ids or [], strict=False):
         choice["prompt_token_ids"], choice["token_ids"] = prompt, output
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage_body}  # fmt: skip
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+    }

@@ -82,7 +82,6 @@ class EngineStats:
     prefix_hits: int = 0
     preemptions: int = 0
     requests_finished: int = 0
-    ttft_seconds: list[float] = field(default_factory=list)  # drained by the metrics collector
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -211,8 +210,13 @@ class SimEngine:
         tokens = request.all_tokens
         if full > len(request.hashes):
             parent = request.hashes[-1] if request.hashes else None
-            request.hashes += chain_hashes(tokens[: full * self.pool.block_size], self.pool.block_size,
-                                           request.salt, start=len(request.hashes), parent=parent)  # fmt: skip
+            request.hashes += chain_hashes(
+                tokens[: full * self.pool.block_size],
+                self.pool.block_size,
+                request.salt,
+                start=len(request.hashes),
+                parent=parent,
+            )
         self.pool.cache(request.blocks, request.hashes[:full], tokens, request.num_cached_blocks, request.salt)
         request.num_cached_blocks = max(request.num_cached_blocks, min(full, len(request.blocks)))
 
@@ -237,7 +241,6 @@ class SimEngine:
             self.stats.generation_tokens += 1
             if request.first_token_at is None:
                 request.first_token_at = time.monotonic()
-                self.stats.ttft_seconds.append(request.first_token_at - request.arrived)
             request.tokens.put_nowait(token)
             if len(request.output) >= request.max_tokens:
                 self._finish(request)

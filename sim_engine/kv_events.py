@@ -3,8 +3,9 @@
 PUB frames ``[topic, seq (8 bytes big-endian), msgpack([ts, [event maps], dp_rank])]``, with seq
 counting batches from 0 per process, and a ROUTER replay socket that answers a DEALER's
 ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` per buffered batch with seq >= start,
-then ``[b"", b"", ff*8, b""]``. Event maps carry vLLM's keys in vLLM's order (see
-../shared/docs/vllm-kv-events.md and the captures), so a consumer cannot tell the two apart.
+then ``[b"", b"", ff*8, b""]``. Event maps carry vLLM's keys in vLLM's order (docs/sim-engine.md,
+"The KV-event wire", and the real server's captures in tests/fixtures/vllm-0.32-cpu/), so a
+consumer cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+
+from kvservice.lifecycle import StartupError, listening
 
 END_SEQ = (0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
 
@@ -76,17 +79,20 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self._pub = context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(endpoint)  # vLLM's rule: bind wildcards, connect to a named host
-        else:
-            self._pub.connect(endpoint)
         self._router: zmq.asyncio.Socket | None = None
-        if replay_endpoint is not None:
-            self._router = context.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(replay_endpoint)
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, 100_000)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            # vLLM's rule: bind wildcards, connect to a named host
+            bind = "*" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            _attach(self._pub, endpoint, bind, "KV events", "--events-endpoint")
+            if replay_endpoint is not None:
+                self._router = context.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                _attach(self._router, replay_endpoint, True, "KV-event replay", "--replay-endpoint")
+        except BaseException:
+            self._close_sockets()
+            raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._replay_task: asyncio.Task[None] | None = None
@@ -148,6 +154,22 @@ class KVEventPublisher:
             self._replay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replay_task
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._pub.close(linger=0)
         if self._router is not None:
             self._router.close(linger=0)
+
+
+def _attach(socket: zmq.asyncio.Socket, endpoint: str, bind: bool, what: str, flag: str) -> None:
+    """Bind or connect; any failure is a one-line :class:`StartupError` naming ``flag``."""
+    try:
+        with listening(what, endpoint, flag):
+            if bind:
+                socket.bind(endpoint)
+            else:
+                socket.connect(endpoint)
+    except zmq.ZMQError as exc:  # not a busy or foreign address: a malformed endpoint
+        verb = "listen on" if bind else "connect to"
+        raise StartupError(f"cannot {verb} {endpoint} for {what}: {exc}; pass another {flag}") from None

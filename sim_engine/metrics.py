@@ -27,25 +27,32 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine, stats = self._engine, self._engine.stats
-        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                          len(engine.running))  # fmt: skip
-        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                          len(engine.waiting))  # fmt: skip
+        yield self._gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", len(engine.running)
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(engine.waiting)
+        )
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.pool.usage)
-        yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                            stats.prefix_queries)  # fmt: skip
-        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                            stats.prefix_hits)  # fmt: skip
-        yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
-        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                            stats.generation_tokens)  # fmt: skip
-        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                            stats.preemptions)  # fmt: skip
-        yield self._counter("vllm:request_success", "Count of successfully processed requests.",
-                            stats.requests_finished)  # fmt: skip
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "enable_prefix_caching", "engine", "num_gpu_blocks",
-                                         "prefix_caching_hash_algo"])  # fmt: skip
-        info.add_metric([str(engine.pool.block_size), "True", self._labels["engine"], str(engine.pool.num_blocks),
-                         "sha256"], 1.0)  # fmt: skip
-        yield info
+        for name, help_text, value in (
+            (
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_queries,
+            ),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_hits),
+            ("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
+            ("generation_tokens", "Number of generation tokens processed.", stats.generation_tokens),
+            ("num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions),
+            ("request_success", "Count of successfully processed requests.", stats.requests_finished),
+        ):
+            yield self._counter(f"vllm:{name}", help_text, value)
+        yield self._cache_config_info()
+
+    def _cache_config_info(self) -> GaugeMetricFamily:
+        pool = self._engine.pool
+        labels = ["block_size", "enable_prefix_caching", "engine", "num_gpu_blocks", "prefix_caching_hash_algo"]
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=labels)
+        values = [str(pool.block_size), "True", self._labels["engine"], str(pool.num_blocks), "sha256"]
+        info.add_metric(values, 1.0)
+        return info

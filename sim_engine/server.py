@@ -1,7 +1,7 @@
 """The simulated engine's HTTP server: vLLM's OpenAI-compatible API over :class:`SimEngine`.
 
 Start it in-process with :func:`running_engine` (tests, the demo, benchmarks) or as a process
-with ``kvroute sim-engine``.
+with ``kvroute sim-engine`` (:mod:`sim_engine.main`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,8 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
+from kvservice.lifecycle import StartupError, listening
+from kvservice.logs import FIELDS
 from router.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
@@ -26,6 +30,9 @@ from sim_engine.metrics import EngineCollector
 from sim_engine.settings import SimEngineSettings
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+QUIET_PATHS = frozenset({"/metrics", "/health"})  # probes and scrapes: logged at DEBUG
+access_log = logging.getLogger("sim_engine.access")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass
@@ -36,6 +43,9 @@ class _State:
     ttft: Histogram
     e2e: Histogram
     registry: CollectorRegistry
+
+
+STATE = web.AppKey("state", _State)
 
 
 def _error(exc: api.ApiError) -> web.Response:
@@ -49,56 +59,90 @@ async def _json_body(request: web.Request) -> Any:
         raise api.ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
 
-def create_app(state: _State) -> web.Application:
-    model = state.settings.model
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def models(_: web.Request) -> web.Response:
-        created = int(time.time())
-        entry = {"id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
-                 "parent": None, "max_model_len": state.settings.max_model_len}  # fmt: skip
-        return web.json_response({"object": "list", "data": [entry]})
-
-    async def tokenize(request: web.Request) -> web.Response:
-        try:
-            body = await _json_body(request)
-            return web.json_response(api.tokenize(body, model, state.prompts, state.settings.max_model_len))
-        except api.ApiError as exc:
-            return _error(exc)
-
-    async def reset(_: web.Request) -> web.Response:
-        if state.engine.reset_prefix_cache():
-            return web.Response(status=200)
-        return web.json_response(
-            api.ApiError(400, "requests are running: cannot reset the prefix cache").body(), status=400
-        )
-
-    async def cached_blocks(_: web.Request) -> web.Response:
-        """The engine hashes in the prefix cache (for duplication measurements across engines)."""
-        return web.json_response({"cached_blocks": [f"{h:016x}" for h in state.engine.pool.cached_hashes()]})
-
-    async def metrics(_: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(state.registry))
-        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+@web.middleware
+async def _access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """One record per request (with ``--log-format json``, one object); probes at DEBUG."""
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
         return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
+        if access_log.isEnabledFor(level):
+            ms = round(1000 * (time.perf_counter() - started), 2)
+            fields = {"method": request.method, "path": request.path, "status": status, "ms": ms}
+            access_log.log(level, "%s %s %d", request.method, request.path, status, extra={FIELDS: fields})
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await _generate(request, state, chat=False)
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await _generate(request, state, chat=True)
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(status=200)
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/reset_prefix_cache", reset)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/debug/cache", cached_blocks)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
+
+async def _models(request: web.Request) -> web.Response:
+    settings = request.app[STATE].settings
+    entry = {
+        "id": settings.model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "vllm",
+        "root": settings.model,
+        "parent": None,
+        "max_model_len": settings.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [entry]})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _json_body(request)
+        return web.json_response(api.tokenize(body, state.settings.model, state.prompts, state.settings.max_model_len))
+    except api.ApiError as exc:
+        return _error(exc)
+
+
+async def _reset(request: web.Request) -> web.Response:
+    if request.app[STATE].engine.reset_prefix_cache():
+        return web.Response(status=200)
+    return _error(api.ApiError(400, "requests are running: cannot reset the prefix cache"))
+
+
+async def _cached_blocks(request: web.Request) -> web.Response:
+    """The engine hashes in the prefix cache (for duplication measurements across engines)."""
+    hashes = request.app[STATE].engine.pool.cached_hashes()
+    return web.json_response({"cached_blocks": [f"{h:016x}" for h in hashes]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    response = web.Response(body=generate_latest(request.app[STATE].registry))
+    response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return response
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, request.app[STATE], chat=False)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, request.app[STATE], chat=True)
+
+
+def create_app(state: _State) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_access_log])
+    app[STATE] = state
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/reset_prefix_cache", _reset)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/debug/cache", _cached_blocks)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
     return app
 
 
@@ -131,9 +175,10 @@ async def _generate(request: web.Request, state: _State, chat: bool) -> web.Stre
 
 def _usage(requests: list[SimRequest]) -> dict[str, Any]:
     return api.usage(
-        sum(len(r.prompt) for r in requests), sum(len(r.output) for r in requests),
+        sum(len(r.prompt) for r in requests),
+        sum(len(r.output) for r in requests),
         sum(r.cached_tokens or 0 for r in requests),
-    )  # fmt: skip
+    )
 
 
 async def _collect(state: _State, request: SimRequest) -> str:
@@ -150,43 +195,46 @@ async def _tokens(state: _State, request: SimRequest) -> AsyncIterator[int]:
     state.e2e.observe(time.monotonic() - request.arrived)
 
 
+async def _pump(
+    state: _State, index: int, request: SimRequest, queue: asyncio.Queue[tuple[int, str, str | None]]
+) -> None:
+    """Put one choice's text deltas on ``queue`` as (index, text, finish reason or None)."""
+    sent = ""
+    first = True
+    async for _ in _tokens(state, request):
+        text = state.prompts.decode(request.output)
+        if text.startswith(sent) and not text.endswith("\ufffd"):  # hold back half a character
+            finish = None if len(request.output) < request.max_tokens else "length"
+            await queue.put((index, text[len(sent) :], finish))
+            sent, first = text, False
+    if first or len(sent) < len(state.prompts.decode(request.output)):
+        await queue.put((index, state.prompts.decode(request.output)[len(sent) :], "length"))
+
+
 async def _stream(
     request: web.Request, state: _State, generation: api.Generation, request_id: str, submitted: list[SimRequest]
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+
+    async def send(payload: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
     queue: asyncio.Queue[tuple[int, str, str | None]] = asyncio.Queue()
-
-    async def pump(index: int, sim_request: SimRequest) -> None:
-        sent = ""
-        first = True
-        async for _ in _tokens(state, sim_request):
-            text = state.prompts.decode(sim_request.output)
-            if text.startswith(sent) and not text.endswith("\ufffd"):  # hold back half a character
-                await queue.put(
-                    (index, text[len(sent) :], None if len(sim_request.output) < sim_request.max_tokens else "length")
-                )
-                sent, first = text, False
-        if first or len(sent) < len(state.prompts.decode(sim_request.output)):
-            await queue.put((index, state.prompts.decode(sim_request.output)[len(sent) :], "length"))
-
     model, chat = state.settings.model, generation.chat
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(submitted)]
+    tasks = [asyncio.create_task(_pump(state, i, r, queue)) for i, r in enumerate(submitted)]
     started = dict.fromkeys(range(len(submitted)), False)
     try:
         finished = 0
         while finished < len(submitted):
             index, text, finish = await queue.get()
             if chat and not started[index]:  # vLLM opens each chat choice with the role alone
-                payload = api.chunk(request_id, model, chat, index, "", None, first=True)
-                await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+                await send(api.chunk(request_id, model, chat, index, "", None, first=True))
             started[index] = True
-            payload = api.chunk(request_id, model, chat, index, text, finish)
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+            await send(api.chunk(request_id, model, chat, index, text, finish))
             finished += finish is not None
         if generation.include_usage:
-            payload = api.usage_chunk(request_id, model, chat, _usage(submitted))
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+            await send(api.usage_chunk(request_id, model, chat, _usage(submitted)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     finally:
@@ -206,34 +254,68 @@ class RunningEngine:
     publisher: KVEventPublisher | None
 
 
-@contextlib.asynccontextmanager
-async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEngine]:
-    """Run an engine in this event loop until the block exits."""
-    context = zmq.asyncio.Context()
-    publisher = None
-    if settings.events_endpoint:
-        publisher = KVEventPublisher(context, settings.events_endpoint, settings.replay_endpoint, settings.topic,
-                                     settings.buffer_steps, settings.dp_rank).start()  # fmt: skip
-    prompts = ModelPrompts(settings.tokenizer)
-    engine = SimEngine(settings.num_blocks, settings.block_size, settings.timing, publisher,
-                       settings.max_model_len, prompts.vocab_size).start()  # fmt: skip
+def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts) -> _State:
     registry = CollectorRegistry()
     labels = {"model_name": settings.model, "engine": str(settings.dp_rank)}
     registry.register(EngineCollector(engine, labels))
     ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", list(labels), registry=registry)
     e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", list(labels), registry=registry)
-    state = _State(settings, engine, prompts, ttft.labels(**labels), e2e.labels(**labels), registry)  # type: ignore[arg-type]
+    return _State(settings, engine, prompts, ttft.labels(**labels), e2e.labels(**labels), registry)  # type: ignore[arg-type]
+
+
+async def _serve_http(stack: contextlib.AsyncExitStack, state: _State) -> int:
+    """Bind the HTTP port (a clean :class:`StartupError` when it cannot); returns the port."""
+    settings = state.settings
     runner = web.AppRunner(create_app(state), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    port = runner.addresses[0][1] if settings.port == 0 else settings.port
+    stack.push_async_callback(runner.cleanup)
+    address = f"{settings.host}:{settings.port}"
     try:
-        yield RunningEngine(f"http://{settings.host}:{port}", publisher.endpoint if publisher else None,
-                            publisher.replay_endpoint if publisher else None, engine, publisher)  # fmt: skip
-    finally:
-        await runner.cleanup()
-        await engine.stop()
-        if publisher is not None:
-            await publisher.close()
-        context.destroy(linger=0)
+        with listening("the HTTP API", address, "--port (or --host)"):
+            await web.TCPSite(runner, settings.host, settings.port).start()
+    except socket.gaierror as exc:
+        raise StartupError(
+            f"cannot listen on {address} for the HTTP API: {exc.strerror}; pass another --host"
+        ) from None
+    return int(runner.addresses[0][1])
+
+
+@contextlib.asynccontextmanager
+async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEngine]:
+    """Run an engine in this event loop until the block exits.
+
+    A step that fails (a port in use: :class:`StartupError`) closes every step before it."""
+    async with contextlib.AsyncExitStack() as stack:
+        context = zmq.asyncio.Context()
+        stack.callback(context.destroy, linger=0)
+        publisher = None
+        if settings.events_endpoint:
+            publisher = KVEventPublisher(
+                context,
+                settings.events_endpoint,
+                settings.replay_endpoint,
+                settings.topic,
+                settings.buffer_steps,
+                settings.dp_rank,
+            )
+            stack.push_async_callback(publisher.close)
+            publisher.start()
+        prompts = ModelPrompts(settings.tokenizer)
+        engine = SimEngine(
+            settings.num_blocks,
+            settings.block_size,
+            settings.timing,
+            publisher,
+            settings.max_model_len,
+            prompts.vocab_size,
+        )
+        stack.push_async_callback(engine.stop)
+        engine.start()
+        port = await _serve_http(stack, _state(settings, engine, prompts))
+        yield RunningEngine(
+            f"http://{settings.host}:{port}",
+            publisher.endpoint if publisher else None,
+            publisher.replay_endpoint if publisher else None,
+            engine,
+            publisher,
+        )

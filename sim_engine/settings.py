@@ -9,16 +9,35 @@ from pathlib import Path
 from kvservice.logs import add_log_arguments
 from sim_engine.engine import TimingModel
 
-# The tokenizer and chat template of the shared tiny model (no weights): text prompts tokenize
-# exactly as the real vLLM server of ../shared/fixtures/vllm-0.32-cpu does.
+# The tokenizer and chat template of the tiny model that tests/fixtures/vllm-0.32-cpu was captured
+# with (no weights): text prompts tokenize exactly as that real vLLM server's did.
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
+
+# --events-endpoint's default: a port that follows the HTTP port, so engines started with
+# different --port values never collide; 5557 (vLLM's usual KV-event port) for the default 8000.
+AUTO = "auto"
+EVENTS_PORT_OFFSET = 8000 - 5557
+FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
+
+
+def default_events_endpoint(port: int) -> str:
+    """``tcp://*:<port - 2443>`` (``tcp://*:*``, a free port, for ``--port 0``)."""
+    if port == 0:
+        return "tcp://*:*"
+    events_port = port - EVENTS_PORT_OFFSET
+    if events_port < FIRST_EVENTS_PORT:
+        raise ValueError(
+            f"--port {port} has no default KV-event port (--port - {EVENTS_PORT_OFFSET} is below "
+            f"{FIRST_EVENTS_PORT}): pass --events-endpoint tcp://*:PORT, or none"
+        )
+    return f"tcp://*:{events_port}"
 
 
 @dataclass(frozen=True)
 class SimEngineSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    events_endpoint: str | None = "tcp://*:5557"
+    events_endpoint: str | None = AUTO  # AUTO becomes default_events_endpoint(port); None: no events
     replay_endpoint: str | None = None
     topic: str = ""
     model: str = "tiny"
@@ -33,6 +52,8 @@ class SimEngineSettings:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be within 0..65535, got {self.port}")
+        if self.events_endpoint == AUTO:
+            object.__setattr__(self, "events_endpoint", default_events_endpoint(self.port))
         if self.num_blocks < 2:
             raise ValueError(f"--num-blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
         if self.block_size < 1 or self.max_model_len < 1 or self.buffer_steps < 1:
@@ -45,21 +66,30 @@ class SimEngineSettings:
         ):
             if endpoint is not None and "://" not in endpoint:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557, got {endpoint!r}")
+        if self.replay_endpoint is not None and self.events_endpoint is None:
+            raise ValueError("--replay-endpoint needs KV events: drop --events-endpoint none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SimEngineSettings()
-    t = d.timing
     parser.add_argument("--host", default=d.host, help=f"HTTP address (default {d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"HTTP port (default {d.port}; 0 picks a free one)")
-    parser.add_argument("--events-endpoint", default=d.events_endpoint,
-                        help="ZMQ PUB endpoint for KV events; bound when it is a wildcard like tcp://*:5557, "
-                        "connected otherwise (as vLLM); 'none' turns events off")  # fmt: skip
+    parser.add_argument(
+        "--events-endpoint",
+        default=AUTO,
+        help="ZMQ PUB endpoint for KV events; bound when it is a wildcard like tcp://*:5557, connected otherwise "
+        f"(as vLLM); 'none' turns events off; default auto: tcp://*:<--port - {EVENTS_PORT_OFFSET}> "
+        "(tcp://*:5557 for port 8000, a free port for --port 0)",
+    )
     parser.add_argument("--replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay (default off)")
     parser.add_argument("--topic", default=d.topic, help='KV-event topic (default "")')
     parser.add_argument("--model", default=d.model, help=f"served model name (default {d.model})")
-    parser.add_argument("--tokenizer", type=Path, default=d.tokenizer,
-                        help="model dir with tokenizer.json and a chat template (default: the tiny model)")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=d.tokenizer,
+        help="model dir with tokenizer.json and a chat template (default: the tiny model)",
+    )
     parser.add_argument("--num-blocks", type=int, default=d.num_blocks, help=f"KV blocks (default {d.num_blocks})")
     parser.add_argument(
         "--block-size", type=int, default=d.block_size, help=f"tokens per block (default {d.block_size})"
@@ -67,21 +97,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help=f"default {d.max_model_len}")
     parser.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in events and metrics")
     parser.add_argument("--buffer-steps", type=int, default=d.buffer_steps, help="batches kept for replay")
-    parser.add_argument("--max-running", type=int, default=t.max_running, help=f"batch limit (default {t.max_running})")
-    parser.add_argument("--prefill-ms-per-1k-tokens", type=float, default=t.prefill_ms_per_1k_tokens,
-                        help=f"prefill ms per 1k uncached tokens (default {t.prefill_ms_per_1k_tokens})")  # fmt: skip
-    parser.add_argument("--decode-ms-per-step", type=float, default=t.decode_ms_per_step,
-                        help=f"time of a step that decodes (default {t.decode_ms_per_step})")  # fmt: skip
-    parser.add_argument("--step-overhead-ms", type=float, default=t.step_overhead_ms,
-                        help=f"fixed time per step (default {t.step_overhead_ms})")  # fmt: skip
-    parser.add_argument("--speedup", type=float, default=t.speedup, help="run this many times faster than real time")
+    _add_timing_arguments(parser, d.timing)
     add_log_arguments(parser)
 
 
+def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> None:
+    parser.add_argument("--max-running", type=int, default=t.max_running, help=f"batch limit (default {t.max_running})")
+    parser.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=t.prefill_ms_per_1k_tokens,
+        help=f"prefill ms per 1k uncached tokens (default {t.prefill_ms_per_1k_tokens})",
+    )
+    parser.add_argument(
+        "--decode-ms-per-step",
+        type=float,
+        default=t.decode_ms_per_step,
+        help=f"time of a step that decodes (default {t.decode_ms_per_step})",
+    )
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=t.step_overhead_ms,
+        help=f"fixed time per step (default {t.step_overhead_ms})",
+    )
+    parser.add_argument("--speedup", type=float, default=t.speedup, help="run this many times faster than real time")
+
+
 def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
-    timing = TimingModel(args.prefill_ms_per_1k_tokens, args.decode_ms_per_step, args.step_overhead_ms,
-                         args.max_running, args.speedup)  # fmt: skip
-    events = None if str(args.events_endpoint).lower() == "none" else args.events_endpoint
-    return SimEngineSettings(args.host, args.port, events, args.replay_endpoint, args.topic, args.model,
-                             args.tokenizer, args.num_blocks, args.block_size, args.max_model_len, args.dp_rank,
-                             args.buffer_steps, timing)  # fmt: skip
+    timing = TimingModel(
+        args.prefill_ms_per_1k_tokens, args.decode_ms_per_step, args.step_overhead_ms, args.max_running, args.speedup
+    )
+    events = None if str(args.events_endpoint).lower() == "none" else str(args.events_endpoint).strip()
+    return SimEngineSettings(
+        host=args.host,
+        port=args.port,
+        events_endpoint=AUTO if events is not None and events.lower() == AUTO else events,
+        replay_endpoint=args.replay_endpoint,
+        topic=args.topic,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        dp_rank=args.dp_rank,
+        buffer_steps=args.buffer_steps,
+        timing=timing,
+    )
