@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import time
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,23 +10,22 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError
 
 from kvindex.redis_index import RedisIndex
-from router.shared_load import InflightLoad
+from kvindex.settings import redact_url
+from router.booking import Booking
 from router.decide import Decider, Decision, NoWorkers
 from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.metrics import RouterMetrics
+from router.middleware import LOG_FIELDS, REQUEST_ID, ApiError, EdgeSettings, edge_middleware
 from router.prompts import BadPrompt, Tokenization
-from router.proxy import REQUEST_ID, UpstreamFailed, forward
+from router.proxy import UpstreamFailed, forward
 from router.scoring import Candidate
 from router.settings import RouterSettings
 
-access_log = logging.getLogger("router.access")
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
 _DECODER = msgspec.json.Decoder()
-LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_fields", dict)
 
 
 @dataclass
@@ -44,50 +38,6 @@ class RouterState:
     tokenization: Tokenization
     session: aiohttp.ClientSession
     metrics: RouterMetrics
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-def error_response(status: int, message: str, kind: str) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
-
-
-@web.middleware
-async def errors_and_auth(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    state = request.app[APP_KEY]
-    request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    started = time.perf_counter()
-    status = 500
-    try:
-        if state.settings.api_keys and (request.path.startswith("/v1/") or request.path.startswith("/debug/")):
-            auth = request.headers.get("Authorization", "")
-            if not auth.startswith("Bearer ") or auth[7:] not in state.settings.api_keys:
-                raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error")
-        response = await handler(request)
-        status = response.status
-        return response
-    except ApiError as exc:
-        status = exc.status
-        return error_response(exc.status, exc.message, exc.kind)
-    except web.HTTPRequestEntityTooLarge:
-        status = 413
-        return error_response(
-            413, f"the request body exceeds {state.settings.max_body_bytes} bytes", "invalid_request_error"
-        )
-    finally:
-        state.metrics.requests.labels(request.path, str(status)).inc()
-        if access_log.isEnabledFor(logging.INFO):
-            fields = {"request_id": request[REQUEST_ID], "method": request.method, "path": request.path,
-                      "status": status, "ms": round(1000 * (time.perf_counter() - started), 2),
-                      **request.get(LOG_FIELDS, {})}  # fmt: skip
-            access_log.info(json.dumps(fields))
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -108,9 +58,7 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
     model = body["model"]
     workers = state.fleet.alive(model)
     if not workers:
-        if not state.fleet.known(model):
-            raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error")
-        raise ApiError(503, f"no alive worker serves model {model!r}", "service_unavailable")
+        raise _no_worker_error(state, model)
     tokens: Sequence[int]
     try:
         if chat:
@@ -134,6 +82,20 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
     return decision
 
 
+def _no_worker_error(state: RouterState, model: str) -> ApiError:
+    """404 only when the index says the model does not exist; 503 when the router cannot know."""
+    fleet = state.fleet
+    if not fleet.has_view:
+        where = redact_url(state.settings.redis.url)
+        why = fleet.last_error or "no answer yet"
+        message = f"the router has no view of the workers yet: the index's Redis at {where} is unreachable ({why})"
+        return ApiError(503, message, "service_unavailable")
+    if fleet.known(model):
+        return ApiError(503, f"no alive worker serves model {model!r}", "service_unavailable")
+    served = ", ".join(fleet.models_with_workers()) or "none"
+    return ApiError(404, f"The model `{model}` does not exist. Models served: {served}.", "not_found_error")
+
+
 def _explain(decision: Decision) -> dict[str, Any]:
     return {
         "model": decision.model,
@@ -144,15 +106,22 @@ def _explain(decision: Decision) -> dict[str, Any]:
         "chosen": decision.choice.chosen.worker_id,
         "predicted_cached_tokens": decision.predicted_cached_tokens(),
         "workers": [
-            {"id": s.candidate.worker_id, "url": s.candidate.url, "matched_blocks": s.candidate.matched_blocks,
-             "load": {"inflight_requests": s.candidate.inflight.requests,
-                      "inflight_prompt_tokens": s.candidate.inflight.prompt_tokens,
-                      "inflight_uncached_tokens": s.candidate.inflight.uncached_tokens,
-                      "engine": vars(s.candidate.engine) if s.candidate.engine else None},
-             "cost": round(s.cost, 3), "busy": s.busy}
+            {
+                "id": s.candidate.worker_id,
+                "url": s.candidate.url,
+                "matched_blocks": s.candidate.matched_blocks,
+                "load": {
+                    "inflight_requests": s.candidate.inflight.requests,
+                    "inflight_prompt_tokens": s.candidate.inflight.prompt_tokens,
+                    "inflight_uncached_tokens": s.candidate.inflight.uncached_tokens,
+                    "engine": vars(s.candidate.engine) if s.candidate.engine else None,
+                },
+                "cost": round(s.cost, 3),
+                "busy": s.busy,
+            }
             for s in decision.choice.ranked
         ],
-    }  # fmt: skip
+    }
 
 
 def _reported_cached(usage: dict | None) -> int | None:
@@ -181,58 +150,43 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     raw = await request.read()
     body = await _json(request)
     decision = await _decide(state, body, chat)
-    ranked = [s.candidate for s in decision.choice.ranked]
     policy = state.settings.policy.value if not decision.degraded else "degraded"
 
     def headers(candidate: Candidate) -> dict[str, str]:
-        return {"x-kvroute-worker": candidate.worker_id,
-                "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(candidate)),
-                "x-request-id": request[REQUEST_ID]}  # fmt: skip
+        return {
+            "x-kvroute-worker": candidate.worker_id,
+            "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(candidate)),
+            "x-request-id": request[REQUEST_ID],
+        }
 
-    booked: dict[str, Any] = {}
-
-    async def attempt(candidate: Candidate) -> None:
-        load, expected = state.decider.booking(decision, candidate)
-        state.load.book(decision.model, candidate.worker_id, load, expected)
-        booked[candidate.worker_id] = load
-
-    async def release(candidate: Candidate) -> None:
-        load = booked.pop(candidate.worker_id, None)
-        if load is not None:
-            state.load.release(decision.model, candidate.worker_id, load)
-
-    def prefilled(candidate: Candidate) -> None:
-        # Its first token is out: its prefill no longer queues ahead of others on that worker.
-        load = booked.get(candidate.worker_id)
-        if load is not None and load.uncached_tokens:
-            done = InflightLoad(0, 0, load.uncached_tokens)
-            state.load.release(decision.model, candidate.worker_id, done)
-            booked[candidate.worker_id] = load + (-done)
-
-    async def failed(candidate: Candidate, why: BaseException | int) -> None:
+    def failed(candidate: Candidate, why: BaseException | int) -> None:
         state.metrics.upstream_errors.labels(candidate.worker_id).inc()
         state.fleet.drop(decision.model, candidate.worker_id)
-        await release(candidate)
 
     state.metrics.inflight.inc()
     try:
-        forwarded = await forward(request, state.session, request.path, raw, ranked, headers, attempt, failed,
-                                  prefilled)  # fmt: skip
+        with Booking(decision, state.load) as booking:
+            forwarded = await forward(
+                request, state.session, request.path, raw, decision.candidates, headers, booking, failed
+            )
     except UpstreamFailed as exc:
         raise ApiError(502, str(exc), "upstream_error") from None
     finally:
         state.metrics.inflight.dec()
-        for candidate in ranked[:2]:
-            await release(candidate)
     if forwarded.retried:
         state.metrics.retries.inc()
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
     _record_usage(state, decision, forwarded.candidate, forwarded.usage)
-    request[LOG_FIELDS] = {"model": decision.model, "worker": forwarded.candidate.worker_id,
-                      "prompt_tokens": decision.prompt_tokens, "degraded": decision.degraded,
-                      "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
-                      "cached_tokens": _reported_cached(forwarded.usage),
-                      "decision_ms": round(decision.seconds * 1000, 3), "retried": forwarded.retried}  # fmt: skip
+    request[LOG_FIELDS] = {
+        "model": decision.model,
+        "worker": forwarded.candidate.worker_id,
+        "prompt_tokens": decision.prompt_tokens,
+        "degraded": decision.degraded,
+        "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
+        "cached_tokens": _reported_cached(forwarded.usage),
+        "decision_ms": round(decision.seconds * 1000, 3),
+        "retried": forwarded.retried,
+    }
     return forwarded.response
 
 
@@ -256,22 +210,16 @@ def create_app(state: RouterState) -> web.Application:
         return web.json_response({"status": "ok", "replica": state.settings.replica_id})
 
     async def ready(_: web.Request) -> web.Response:
-        try:
-            async with asyncio.timeout(1.0):
-                await state.index.models()
-            redis_ok = True
-        except (RedisError, OSError, TimeoutError):
-            redis_ok = False
-        has_workers = bool(state.fleet.models_with_workers())
-        body = {"redis": redis_ok, "workers": has_workers}
-        return web.json_response(body, status=200 if redis_ok and has_workers else 503)
+        return _readiness(state)
 
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(state.metrics.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=state.settings.max_body_bytes)
+    edges = EdgeSettings(state.settings.api_keys, state.settings.max_body_bytes)
+    middleware = edge_middleware(edges, lambda route, status: state.metrics.requests.labels(route, str(status)).inc())
+    app = web.Application(middlewares=[middleware], client_max_size=state.settings.max_body_bytes)
     app[APP_KEY] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
@@ -281,3 +229,26 @@ def create_app(state: RouterState) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def _readiness(state: RouterState) -> web.Response:
+    """Ready = this replica can route: it has a view of alive workers, from Redis now or the last
+    one it read (degraded routing carries the traffic while Redis is away, so a probe must not
+    drain every replica exactly then). ``redis`` says whether the last refresh reached Redis."""
+    fleet = state.fleet
+    models = fleet.models_with_workers()
+    redis_ok = fleet.last_error is None and fleet.has_view
+    age = fleet.view_age_s
+    body = {
+        "ready": bool(models),
+        "redis": redis_ok,
+        "workers": bool(models),
+        "models": models,
+        "degraded": state.decider.degraded or not redis_ok,
+        "worker_view_age_s": None if age is None else round(age, 3),
+    }
+    if not fleet.has_view:
+        body["reason"] = f"no worker view yet: Redis unreachable ({fleet.last_error or 'no answer yet'})"
+    elif not models:
+        body["reason"] = "no alive worker is registered in the index"
+    return web.json_response(body, status=200 if models else 503)

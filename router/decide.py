@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
@@ -22,10 +22,11 @@ from redis.exceptions import RedisError
 from kvindex.errors import KVIndexError
 from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
-from router.shared_load import InflightLoad, SharedLoad, parse_expected, parse_totals
 from kvindex.types import WorkerRecord
 from router.fleet import Fleet
+from router.load import ReplicaLoad
 from router.scoring import Candidate, Choice, Policy, ScoringWeights, choose, predicted_cached_tokens
+from router.shared_load import InflightLoad, parse_expected, parse_totals
 
 log = logging.getLogger(__name__)
 REDIS_FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
@@ -53,6 +54,16 @@ class Decision:
         chosen = candidate or self.choice.chosen
         return predicted_cached_tokens(chosen.matched_blocks, self.prompt_tokens, self.block_size)
 
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every alive worker, best first."""
+        return [scored.candidate for scored in self.choice.ranked]
+
+    def expected_blocks(self) -> list[int]:
+        """The prompt's blocks that a worker it is sent to is marked "expected" to hold (the
+        checkpoints that other decisions look up)."""
+        return [self.chain[d - 1] for d in checkpoints(len(self.chain))]
+
 
 def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
     """``candidate`` with the prefix it is expected to hold soon (a recent decision sent it there)
@@ -64,39 +75,37 @@ def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
     return replace(candidate, matched_blocks=expected_depth, pending_blocks=pending)
 
 
-def _checkpoints(length: int) -> list[int]:
+def checkpoints(length: int) -> list[int]:
     """Depths checked against expected prefixes: powers of two and the full length."""
     depths = {length} | {1 << k for k in range(length.bit_length()) if 1 << k <= length}
     return sorted(d for d in depths if d > 0)
 
 
 class Decider:
+    """Decisions for one replica. Pure of side effects on routing state: what a decision books
+    (load, expected prefixes) is booked by the request's :class:`~router.booking.Booking`."""
+
     def __init__(
         self,
         index: RedisIndex,
-        load: SharedLoad,
+        replica_load: ReplicaLoad,
         fleet: Fleet,
         weights: ScoringWeights,
         policy: Policy,
         redis_timeout_s: float,
-        expected_ttl_ms: int,
-        unsent: Callable[[str], dict[str, InflightLoad]] = lambda model: {},
     ) -> None:
         self._index = index
-        self._load = load
+        self._replica_load = replica_load
+        self._shared = replica_load.shared
         self._fleet = fleet
         self._weights = weights
         self._policy = policy
         self._timeout = redis_timeout_s
-        self._expected_ttl_ms = expected_ttl_ms
-        self._unsent = unsent  # this replica's load changes not yet in Redis
         self._turns = itertools.count()
         self._rng = random.Random()
         self.degraded_count = 0
+        self.degraded = False  # in degraded mode now: the last decision could not use Redis
         self.hash_memo = PrefixHashMemo()
-        # (model, block hash) -> (worker id, deadline): this replica's own recent choices, seen
-        # by its next decisions at once (the shared "expected" entries take a round trip).
-        self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
     async def decide(self, model: str, tokens: Sequence[int], cache_salt: str | None = None) -> Decision:
         started = time.perf_counter()
@@ -105,55 +114,67 @@ class Decider:
             raise NoWorkers(f"no alive worker serves model {model!r}")
         block_size = workers[0].block_size
         chain = self.hash_memo.sequence_hashes(tokens, block_size, cache_salt=cache_salt)
-        degraded = False
         try:
             async with asyncio.timeout(self._timeout):
                 candidates = await self._candidates(model, chain, workers)
-            candidates = self._with_recent(model, chain, candidates)
-            turn = next(self._turns)
-            choice = choose(candidates, len(chain), block_size, self._weights, self._policy, self._rng, turn)
-            self._remember(model, chain, choice.chosen.worker_id)
         except REDIS_FAILURES as exc:
-            degraded = True
-            self.degraded_count += 1
-            log.debug("routing %s without Redis (%s): round robin over %d workers", model, exc, len(workers))
+            self._enter_degraded(exc)
             candidates = [Candidate(w.worker_id, w.url, engine=w.load) for w in workers]
-            choice = choose(candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, self._rng,
-                            next(self._turns))  # fmt: skip
-        return Decision(model, len(tokens), block_size, chain, choice, degraded, time.perf_counter() - started)
+            choice = choose(
+                candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, self._rng, next(self._turns)
+            )
+            return Decision(model, len(tokens), block_size, chain, choice, True, time.perf_counter() - started)
+        self._leave_degraded()
+        candidates = self._with_recent(model, chain, candidates)
+        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, self._rng, next(self._turns))
+        return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started)
+
+    def _enter_degraded(self, exc: BaseException) -> None:
+        self.degraded_count += 1
+        if not self.degraded:
+            self.degraded = True
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            log.warning(
+                "degraded mode: Redis did not answer within %.0f ms (%s); routing by round robin over the "
+                "last known workers until it does",
+                self._timeout * 1000,
+                why,
+            )
+
+    def _leave_degraded(self) -> None:
+        if self.degraded:
+            self.degraded = False
+            log.info(
+                "degraded mode over: Redis answers again; routing by the index (%d degraded decisions so far)",
+                self.degraded_count,
+            )
 
     def _with_recent(self, model: str, chain: list[int], candidates: list[Candidate]) -> list[Candidate]:
-        now = time.monotonic()
+        """Candidates with the prefixes this replica's own recent bookings expect on them."""
         depth: dict[str, int] = defaultdict(int)
-        for d in _checkpoints(len(chain)):
-            entry = self._recent.get((model, chain[d - 1]))
-            if entry is not None and entry[1] > now:
-                depth[entry[0]] = max(depth[entry[0]], d)
+        for d in checkpoints(len(chain)):
+            worker_id = self._replica_load.expected_worker(model, chain[d - 1])
+            if worker_id is not None:
+                depth[worker_id] = max(depth[worker_id], d)
         if not depth:
             return candidates
         return [_expecting(c, depth[c.worker_id]) for c in candidates]
 
-    def _remember(self, model: str, chain: list[int], worker_id: str) -> None:
-        now = time.monotonic()
-        deadline = now + self._expected_ttl_ms / 1000
-        for d in _checkpoints(len(chain)):
-            self._recent[(model, chain[d - 1])] = (worker_id, deadline)
-        if len(self._recent) > 100_000:
-            self._recent = {k: v for k, v in self._recent.items() if v[1] > now}
-
     async def _candidates(self, model: str, chain: list[int], workers: list[WorkerRecord]) -> list[Candidate]:
-        depths = _checkpoints(len(chain))
-        match_reply, totals_reply, expected_reply = await self._index.scripts.call_many([
-            self._index.match_call(model, chain),
-            self._load.totals_call(model),
-            self._load.expected_call(model, [chain[d - 1] for d in depths]),
-        ])  # fmt: skip
+        depths = checkpoints(len(chain))
+        match_reply, totals_reply, expected_reply = await self._index.scripts.call_many(
+            [
+                self._index.match_call(model, chain),
+                self._shared.totals_call(model),
+                self._shared.expected_call(model, [chain[d - 1] for d in depths]),
+            ]
+        )
         for reply in (totals_reply, expected_reply):
             if isinstance(reply, Exception):
                 raise reply
         matches = await self._index.match_result(model, match_reply)
         totals = parse_totals(totals_reply)
-        for unsent_worker, delta in self._unsent(model).items():
+        for unsent_worker, delta in self._replica_load.unsent(model).items():
             totals[unsent_worker] = totals.get(unsent_worker, InflightLoad()) + delta
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
@@ -164,11 +185,3 @@ class Decider:
             for w in workers
         ]
         return [_expecting(c, expected_depth[c.worker_id]) for c in candidates]
-
-    @staticmethod
-    def booking(decision: Decision, candidate: Candidate) -> tuple[InflightLoad, list[int]]:
-        """What routing ``decision`` to ``candidate`` books: its in-flight load, and the blocks to
-        mark "expected" on it (the checkpoints other decisions look up)."""
-        uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
-        blocks = [decision.chain[d - 1] for d in _checkpoints(len(decision.chain))]
-        return InflightLoad(1, decision.prompt_tokens, uncached), blocks

@@ -25,7 +25,8 @@ class Fleet:
         self._refresh_s = refresh_s
         self._alive: dict[str, list[WorkerRecord]] = {}
         self._known_models: set[str] = set()
-        self.refreshed_at = 0.0
+        self.refreshed_at = 0.0  # monotonic time of the last successful refresh; 0: never
+        self.last_error: str | None = None  # why the last refresh failed; None after a success
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> Fleet:
@@ -45,18 +46,38 @@ class Fleet:
             alive[model] = [w for w in await self._index.workers(model) if w.alive]
         self._alive, self._known_models = alive, set(models)
         self.refreshed_at = time.monotonic()
+        self.last_error = None
+
+    async def try_refresh(self) -> bool:
+        """Refresh within a bounded time; on failure keep the last known workers and say why."""
+        try:
+            async with asyncio.timeout(max(2.0, self._refresh_s)):
+                await self.refresh()
+            return True
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            log.debug("worker refresh failed (%s); keeping the last known workers", self.last_error)
+            return False
 
     async def _loop(self) -> None:
         while True:
-            try:
-                async with asyncio.timeout(max(2.0, self._refresh_s)):
-                    await self.refresh()
-            except (RedisError, OSError, TimeoutError) as exc:
-                log.debug("worker refresh failed (%s); keeping the last known workers", exc)
+            await self.try_refresh()
             await asyncio.sleep(self._refresh_s)
+
+    @property
+    def has_view(self) -> bool:
+        """True once a listing of the workers was read from Redis (it may be old now)."""
+        return self.refreshed_at > 0
+
+    @property
+    def view_age_s(self) -> float | None:
+        return time.monotonic() - self.refreshed_at if self.has_view else None
 
     def known(self, model: str) -> bool:
         return model in self._known_models
+
+    def known_models(self) -> list[str]:
+        return sorted(self._known_models)
 
     def alive(self, model: str) -> list[WorkerRecord]:
         return list(self._alive.get(model, ()))

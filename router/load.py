@@ -3,6 +3,10 @@
 Every booking is also sent to Redis at once (HINCRBY, via :class:`~router.shared_load.SharedLoad`);
 every second the lease is renewed with a full snapshot of this truth, which heals any update that
 was lost while Redis was unreachable. On shutdown the replica leaves, and its load with it.
+
+A booking may also mark blocks "expected" on its worker (the worker will hold them once this
+request's prefill is done): written to Redis for the other replicas, and kept here so that this
+replica's own next decisions see them at once, without waiting for the write's round trip.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
@@ -38,11 +43,27 @@ class ReplicaLoad:
         # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
         self._writing = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
+        # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
+        self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
-    def book(self, model: str, worker_id: str, load: InflightLoad, expected: list[int] | None = None) -> None:
+    def book(self, model: str, worker_id: str, load: InflightLoad, expected: Sequence[int] = ()) -> None:
         self._change(model, worker_id, load)
         if expected:
-            self._expects.append((model, worker_id, expected))
+            self._expects.append((model, worker_id, list(expected)))
+            self._remember(model, worker_id, expected)
+
+    def _remember(self, model: str, worker_id: str, blocks: Sequence[int]) -> None:
+        now = time.monotonic()
+        deadline = now + self._expected_ttl_ms / 1000
+        for block in blocks:
+            self._recent[(model, block)] = (worker_id, deadline)
+        if len(self._recent) > 100_000:  # bounded: expired entries go first
+            self._recent = {k: v for k, v in self._recent.items() if v[1] > now}
+
+    def expected_worker(self, model: str, block: int) -> str | None:
+        """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""
+        entry = self._recent.get((model, block))
+        return entry[0] if entry is not None and entry[1] > time.monotonic() else None
 
     def release(self, model: str, worker_id: str, load: InflightLoad) -> None:
         self._change(model, worker_id, -load)
@@ -84,6 +105,10 @@ class ReplicaLoad:
                 if m == model:
                     out[worker_id] = out.get(worker_id, InflightLoad()) + delta
         return out
+
+    def idle(self) -> bool:
+        """True when every change made so far has been written (or dropped after a failure)."""
+        return not self._dirty.is_set() and not self._writing.locked()
 
     def inflight(self, model: str) -> dict[str, InflightLoad]:
         return dict(self._local.get(model, {}))

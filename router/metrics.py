@@ -33,21 +33,37 @@ def new_metrics() -> RouterMetrics:
         registry=r,
         requests=Counter(PREFIX + "requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r),
         decisions=Counter(PREFIX + "decisions", "Decisions per worker", ["model", "worker", "policy"], registry=r),
-        decision_seconds=Histogram(PREFIX + "decision_seconds", "Time to decide (tokenization excluded)",
-                                   buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=r),
+        decision_seconds=Histogram(
+            PREFIX + "decision_seconds",
+            "Time to decide (tokenization excluded)",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
+            registry=r,
+        ),
         degraded=Counter(PREFIX + "degraded_decisions", "Decisions made without Redis (local round robin)", registry=r),
         retries=Counter(PREFIX + "upstream_retries", "Requests retried on the next best worker", registry=r),
         upstream_errors=Counter(PREFIX + "upstream_errors", "Failures before the first byte", ["worker"], registry=r),
         prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens the engines reported", ["model"], registry=r),
-        cached_tokens=Counter(PREFIX + "cached_tokens", "Cached prompt tokens the engines reported (hit rate = "
-                              "cached_tokens / prompt_tokens)", ["model"], registry=r),
-        predicted_cached_tokens=Counter(PREFIX + "predicted_cached_tokens", "Cached tokens the router predicted, for "
-                                        "requests whose reply reported cached tokens", ["model"], registry=r),
+        cached_tokens=Counter(
+            PREFIX + "cached_tokens",
+            "Cached prompt tokens the engines reported (hit rate = cached_tokens / prompt_tokens)",
+            ["model"],
+            registry=r,
+        ),
+        predicted_cached_tokens=Counter(
+            PREFIX + "predicted_cached_tokens",
+            "Cached tokens the router predicted, for requests whose reply reported cached tokens",
+            ["model"],
+            registry=r,
+        ),
         predictions=Counter(PREFIX + "predictions", "Predicted vs reported", ["model", "outcome"], registry=r),
-        prediction_error_tokens=Histogram(PREFIX + "prediction_error_tokens", "|predicted - reported| cached tokens",
-                                          buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r),
+        prediction_error_tokens=Histogram(
+            PREFIX + "prediction_error_tokens",
+            "|predicted - reported| cached tokens",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384),
+            registry=r,
+        ),
         inflight=Gauge(PREFIX + "inflight_requests", "Requests this replica is proxying", registry=r),
-    )  # fmt: skip
+    )
 
 
 def usage_from_json(body: bytes) -> dict | None:

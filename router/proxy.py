@@ -10,21 +10,32 @@ closed, which makes the engine abort the request.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
+from router.booking import Booking
 from router.metrics import SseUsage, usage_from_json
+from router.middleware import REQUEST_ID
 from router.scoring import Candidate
 
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host",
-              "upgrade", "te", "trailer", "proxy-authorization", "proxy-authenticate"}  # fmt: skip
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "host",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authorization",
+    "proxy-authenticate",
+}
+MAX_TRIES = 2  # the chosen worker, then the next best if the first fails before replying
 MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this is not read
-
-
-REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 
 
 class UpstreamFailed(Exception):
@@ -52,31 +63,33 @@ async def forward(
     body: bytes,
     candidates: list[Candidate],
     reply_headers: Callable[[Candidate], dict[str, str]],
-    on_attempt: Callable[[Candidate], Awaitable[None]],
-    on_failure: Callable[[Candidate, BaseException | int], Awaitable[None]],
-    on_first_byte: Callable[[Candidate], None],
+    booking: Booking,
+    on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> Forwarded:
-    """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying;
-    ``on_attempt`` runs before each try, ``on_failure`` after a failed one, ``on_first_byte`` when
-    the reply's body starts (for a stream: the first token, so the prompt's prefill is done)."""
+    """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying.
+    ``booking`` books each try and releases a failed one's load and, at the reply's first byte (for
+    a stream: the first token, so the prompt's prefill is done), its prefill; ``on_failure`` is
+    told of each failed try."""
     headers = _request_headers(request)
     last: BaseException | int | None = None
-    for attempt, candidate in enumerate(candidates[:2]):
-        await on_attempt(candidate)
+    for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
+        booking.attempt(candidate)
         try:
             upstream = await session.post(candidate.url + path, data=body, headers=headers)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             last = exc
-            await on_failure(candidate, exc)
+            booking.failed(candidate)
+            on_failure(candidate, exc)
             continue
-        if upstream.status >= 500 and attempt == 0 and len(candidates) > 1:
+        if upstream.status >= 500 and attempt + 1 < min(MAX_TRIES, len(candidates)):
             last = upstream.status
             upstream.release()
-            await on_failure(candidate, upstream.status)
+            booking.failed(candidate)
+            on_failure(candidate, upstream.status)
             continue
         try:
-            response, usage = await _relay(request, upstream, reply_headers(candidate),
-                                           functools.partial(on_first_byte, candidate))  # fmt: skip
+            first_byte = functools.partial(booking.prefilled, candidate)
+            response, usage = await _relay(request, upstream, reply_headers(candidate), first_byte)
         finally:
             upstream.close()  # not release(): an unfinished stream must abort the engine's request
         return Forwarded(response, candidate, usage, retried=attempt > 0)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from router.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
+from router.shared_load import InflightLoad
 
 NO_LOAD = InflightLoad()
 
@@ -92,8 +92,12 @@ def cost(candidate: Candidate, prompt_blocks: int, block_size: int, weights: Sco
     queued_prefill = max(candidate.inflight.uncached_tokens / block_size - candidate.pending_blocks, 0)
     active = candidate.inflight.prompt_tokens / block_size
     waiting = candidate.engine.waiting if candidate.engine else 0
-    return (weights.prefill * new_prefill + weights.queued * queued_prefill + weights.active * active
-            + weights.queue * waiting)  # fmt: skip
+    return (
+        weights.prefill * new_prefill
+        + weights.queued * queued_prefill
+        + weights.active * active
+        + weights.queue * waiting
+    )
 
 
 def is_busy(candidate: Candidate, weights: ScoringWeights) -> bool:
@@ -131,8 +135,9 @@ def choose(
     tiebreak = {s.candidate.worker_id: rng.random() for s in scored}
     if policy is Policy.LEAST_LOADED:
         return Choice(sorted(scored, key=lambda s: (_load(s.candidate), tiebreak[s.candidate.worker_id])))
-    ranked = sorted(scored, key=lambda s: (s.busy and not all(x.busy for x in scored), s.cost,
-                                           tiebreak[s.candidate.worker_id]))  # fmt: skip
+    ranked = sorted(
+        scored, key=lambda s: (s.busy and not all(x.busy for x in scored), s.cost, tiebreak[s.candidate.worker_id])
+    )
     if weights.temperature > 0:
         ranked = _sample_first(ranked, weights.temperature, rng)
     return Choice(ranked)

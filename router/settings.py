@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvindex.settings import RedisSettings
+from kvservice.logs import add_log_arguments
 from router.scoring import Policy, ScoringWeights
 
 
@@ -64,9 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
     parser.add_argument("--policy", type=Policy, choices=list(Policy), default=Policy.KV, help="default kv")
-    parser.add_argument("--tokenizer", type=_tokenizer_pair, action="append", default=[], metavar="MODEL=DIR",
-                        help="a model's directory with tokenizer.json + chat template (repeatable); without one, "
-                        "the router asks a worker's /tokenize")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        type=_tokenizer_pair,
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="a model's directory with tokenizer.json + chat template (repeatable); without one, "
+        "the router asks a worker's /tokenize",
+    )
     parser.add_argument("--weight-prefill", type=float, default=w.prefill, help=f"per block to prefill ({w.prefill})")
     parser.add_argument("--weight-queued", type=float, default=w.queued, help=f"per queued prefill block ({w.queued})")
     parser.add_argument("--weight-active", type=float, default=w.active, help=f"per in-flight KV block ({w.active})")
@@ -76,20 +83,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--busy-waiting", type=int, default=w.busy_waiting, help=f"busy at this queue ({w.busy_waiting})"
     )
     parser.add_argument("--temperature", type=float, default=w.temperature, help="softmax temperature (0: argmin)")
-    parser.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable; env "
-                        "KVROUTE_API_KEYS, comma-separated); none: no auth")  # fmt: skip
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted bearer key (repeatable; env KVROUTE_API_KEYS, comma-separated); none: no auth",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
     parser.add_argument("--replica-id", help="this replica's id in the shared load (default host-pid-random)")
-    parser.add_argument("--redis-timeout-ms", type=float, default=d.redis_timeout_s * 1000,
-                        help="decision budget for Redis before routing by local load (default 50)")  # fmt: skip
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--redis-timeout-ms",
+        type=float,
+        default=d.redis_timeout_s * 1000,
+        help="decision budget for Redis before routing by local load (default 50)",
+    )
+    add_log_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterSettings:
     env = os.environ if env is None else env
     keys = set(args.api_key) | {k.strip() for k in env.get("KVROUTE_API_KEYS", "").split(",") if k.strip()}
-    weights = ScoringWeights(args.weight_prefill, args.weight_queued, args.weight_active, args.weight_queue,
-                             args.busy_kv_usage, args.busy_waiting, args.temperature)  # fmt: skip
+    weights = ScoringWeights(
+        args.weight_prefill,
+        args.weight_queued,
+        args.weight_active,
+        args.weight_queue,
+        args.busy_kv_usage,
+        args.busy_waiting,
+        args.temperature,
+    )
     extra = {"replica_id": args.replica_id} if args.replica_id else {}
     return RouterSettings(
         redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix),

@@ -43,8 +43,11 @@ class InflightLoad:
         return InflightLoad(-self.requests, -self.prompt_tokens, -self.uncached_tokens)
 
     def fields(self, worker_id: str) -> dict[str, int]:
-        return {"r:" + worker_id: self.requests, "t:" + worker_id: self.prompt_tokens,
-                "u:" + worker_id: self.uncached_tokens}  # fmt: skip
+        return {
+            "r:" + worker_id: self.requests,
+            "t:" + worker_id: self.prompt_tokens,
+            "u:" + worker_id: self.uncached_tokens,
+        }
 
 
 def parse_totals(reply: Sequence[bytes | str]) -> dict[str, InflightLoad]:
@@ -127,8 +130,13 @@ class SharedLoad:
         for model, worker_id, blocks in entries:
             if blocks:
                 keys = self.keys(model)
-                calls.append(("expect", [keys.expected, keys.expected_deadlines],
-                              [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]))  # fmt: skip
+                calls.append(
+                    (
+                        "expect",
+                        [keys.expected, keys.expected_deadlines],
+                        [worker_id, ttl_ms, *(block_hex(b) for b in blocks)],
+                    )
+                )
         if calls:
             for result in await self._scripts.call_many(calls):
                 if isinstance(result, Exception):

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
+import time
 
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from router.shared_load import InflightLoad, SharedLoad
+from tests.support import wait_until
 
 
 async def test_replicas_see_each_others_load_and_a_dead_replica_stops_counting(redis_client, unique_name):
     a = SharedLoad(redis_client, KeySchema(), "replica-a")
     b = SharedLoad(redis_client, KeySchema(), "replica-b")
     await a.renew(unique_name, 60_000, {})
+    b_renewed_at = time.monotonic()
     await b.renew(unique_name, 300, {})
     await a.add(unique_name, "w1", InflightLoad(1, 100, 40))
     await b.add(unique_name, "w1", InflightLoad(2, 50, 10))
@@ -21,8 +23,12 @@ async def test_replicas_see_each_others_load_and_a_dead_replica_stops_counting(r
     assert totals == {"w1": InflightLoad(3, 150, 50), "w2": InflightLoad(1, 7, 7)}
     await a.add(unique_name, "w1", -InflightLoad(1, 100, 40))
     assert (await b.totals(unique_name))["w1"] == InflightLoad(2, 50, 10)
-    await asyncio.sleep(0.4)  # b's lease runs out: as if it was killed
-    assert await a.totals(unique_name) == {}
+
+    async def b_expired() -> bool:  # b's lease runs out: as if it was killed
+        return await a.totals(unique_name) == {}
+
+    await wait_until(b_expired, 5, interval=0.02)
+    assert time.monotonic() - b_renewed_at > 0.25  # only once the 300 ms lease has run out
     assert await a.renew(unique_name, 60_000, {}) == 1  # and its hash is deleted
     assert not await redis_client.exists(KeySchema().for_model(unique_name).inflight("replica-b"))
 
@@ -40,10 +46,15 @@ async def test_a_renewal_replaces_drifted_counts_with_the_local_truth(redis_clie
 async def test_expected_prefixes_lapse(redis_client, unique_name):
     load = SharedLoad(redis_client, KeySchema(), "r")
     chain = sequence_hashes(list(range(64)), 16)
+    expected_at = time.monotonic()
     await load.expect(unique_name, "w7", chain[:2], ttl_ms=300)
     assert await load.expected(unique_name, chain) == ["w7", "w7", None, None]
-    await asyncio.sleep(0.4)
-    assert await load.expected(unique_name, chain) == [None] * 4
+
+    async def lapsed() -> bool:
+        return await load.expected(unique_name, chain) == [None] * 4
+
+    await wait_until(lapsed, 5, interval=0.02)
+    assert time.monotonic() - expected_at > 0.25  # after the 300 ms TTL, not before
     await load.expect(unique_name, "w8", chain[3:], ttl_ms=60_000)  # also sweeps the lapsed ones
     keys = KeySchema().for_model(unique_name)
     assert await redis_client.hlen(keys.expected) == 1
@@ -57,15 +68,23 @@ async def test_a_renewal_between_a_booking_and_its_flush_counts_it_once(redis_cl
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000)
     load.start(lambda: [unique_name])
+    replicas = KeySchema().for_model(unique_name).replicas
+
+    async def renewed() -> bool:
+        return await redis_client.zscore(replicas, "r") is not None
+
+    async def flushed() -> bool:
+        return load.idle()
+
     try:
-        await asyncio.sleep(0.05)  # the first renewal is done
+        await wait_until(renewed, 5)  # the first renewal is done
         load.book(unique_name, "w", InflightLoad(1, 160, 160))
         await load.renew_all([unique_name])  # within the 2 ms before the booking is flushed
-        await asyncio.sleep(0.05)
+        await wait_until(flushed, 5, interval=0.001)  # the flusher ran after the renewal
         assert await shared.totals(unique_name) == {"w": InflightLoad(1, 160, 160)}
         assert load.unsent(unique_name) == {}
         load.release(unique_name, "w", InflightLoad(1, 160, 160))
-        await asyncio.sleep(0.05)
+        await wait_until(flushed, 5, interval=0.001)
         assert await shared.totals(unique_name) == {}
     finally:
         await load.stop([unique_name])

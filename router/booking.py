@@ -1,0 +1,71 @@
+"""One request's load on the workers it is sent to, from the first attempt to the last byte.
+
+The single owner of a request's load lifecycle:
+
+1. :meth:`Booking.attempt` before each try on a worker: its in-flight load (one request, its
+   prompt tokens, its uncached tokens) is booked on that worker, and the prompt's checkpoint
+   blocks are marked "expected" there (this replica sees them at once, the others through Redis).
+2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
+   uncached tokens no longer queue ahead of other prompts on that worker.
+3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
+   (the retry books the next worker).
+4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
+   released. Used as a context manager, so no path can forget it.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from router.decide import Decision
+from router.load import ReplicaLoad
+from router.scoring import Candidate
+from router.shared_load import InflightLoad
+
+
+class Booking:
+    def __init__(self, decision: Decision, load: ReplicaLoad) -> None:
+        self._decision = decision
+        self._load = load
+        self._held: dict[str, InflightLoad] = {}  # worker id -> what is booked there now
+
+    @property
+    def held(self) -> dict[str, InflightLoad]:
+        """What is booked now, per worker (a copy)."""
+        return dict(self._held)
+
+    def attempt(self, candidate: Candidate) -> None:
+        decision = self._decision
+        uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
+        load = InflightLoad(1, decision.prompt_tokens, uncached)
+        self._release(candidate.worker_id)  # a second try on the same worker books once
+        self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
+        self._held[candidate.worker_id] = load
+
+    def prefilled(self, candidate: Candidate) -> None:
+        held = self._held.get(candidate.worker_id)
+        if held is None or not held.uncached_tokens:
+            return
+        done = InflightLoad(0, 0, held.uncached_tokens)
+        self._load.release(self._decision.model, candidate.worker_id, done)
+        self._held[candidate.worker_id] = held + (-done)
+
+    def failed(self, candidate: Candidate) -> None:
+        self._release(candidate.worker_id)
+
+    def close(self) -> None:
+        for worker_id in list(self._held):
+            self._release(worker_id)
+
+    def _release(self, worker_id: str) -> None:
+        held = self._held.pop(worker_id, None)
+        if held is not None:
+            self._load.release(self._decision.model, worker_id, held)
+
+    def __enter__(self) -> Booking:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
