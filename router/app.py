@@ -77,6 +77,7 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
     except NoWorkers as exc:
         raise ApiError(503, str(exc), "service_unavailable") from None
     state.metrics.decision_seconds.observe(decision.seconds)
+    state.metrics.degraded_mode.set(1 if state.decider.degraded else 0)
     if decision.degraded:
         state.metrics.degraded.inc()
     return decision

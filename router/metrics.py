@@ -25,6 +25,7 @@ class RouterMetrics:
     predictions: Counter
     prediction_error_tokens: Histogram
     inflight: Gauge
+    degraded_mode: Gauge
 
 
 def new_metrics() -> RouterMetrics:
@@ -63,6 +64,7 @@ def new_metrics() -> RouterMetrics:
             registry=r,
         ),
         inflight=Gauge(PREFIX + "inflight_requests", "Requests this replica is proxying", registry=r),
+        degraded_mode=Gauge(PREFIX + "degraded_mode", "1 while this replica routes without Redis", registry=r),
     )
 
 
