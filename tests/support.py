@@ -112,10 +112,22 @@ class AgentProcess:
         self.log_path = Path(name)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "worker_agent", *self.args, "--metrics-port", str(self.metrics_port),
-                 "--metrics-host", "127.0.0.1", "--log-level", "DEBUG"],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "worker_agent",
+                    *self.args,
+                    "--metrics-port",
+                    str(self.metrics_port),
+                    "--metrics-host",
+                    "127.0.0.1",
+                    "--log-level",
+                    "DEBUG",
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         return self
 
     def log(self) -> str:
@@ -175,10 +187,16 @@ class SimFleet:
         from sim_engine.settings import SimEngineSettings
 
         for _ in range(self.count):
-            settings = SimEngineSettings(port=0, events_endpoint="tcp://127.0.0.1:*",
-                                         replay_endpoint="tcp://127.0.0.1:*", topic="kv", model=self.model,
-                                         num_blocks=self.num_blocks, block_size=self.block_size,
-                                         timing=TimingModel(speedup=self.speedup))  # fmt: skip
+            settings = SimEngineSettings(
+                port=0,
+                events_endpoint="tcp://127.0.0.1:*",
+                replay_endpoint="tcp://127.0.0.1:*",
+                topic="kv",
+                model=self.model,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                timing=TimingModel(speedup=self.speedup),
+            )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())
             self._contexts.append(context)
@@ -187,9 +205,22 @@ class SimFleet:
         return self
 
     def agent_for(self, engine) -> AgentProcess:
-        return AgentProcess(["--engine-url", engine.url, "--events", engine.events_endpoint, "--replay",
-                             engine.replay_endpoint, "--topic", "kv", "--redis-url", self.redis_url,
-                             "--ttl-ms", "3000"])  # fmt: skip
+        return AgentProcess(
+            [
+                "--engine-url",
+                engine.url,
+                "--events",
+                engine.events_endpoint,
+                "--replay",
+                engine.replay_endpoint,
+                "--topic",
+                "kv",
+                "--redis-url",
+                self.redis_url,
+                "--ttl-ms",
+                "3000",
+            ]
+        )
 
     def worker_id(self, index: int) -> str:
         return f"{self.engines[index].url}#0"

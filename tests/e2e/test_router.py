@@ -154,8 +154,13 @@ async def test_debug_route_explains_without_proxying(router, fleet):
 
 
 async def test_chat_and_streaming_pass_through(router, fleet):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello " * 50}], "max_tokens": 3,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello " * 50}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with aiohttp.ClientSession() as session, session.post(router.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         text = (await r.read()).decode()
@@ -410,6 +415,11 @@ async def test_four_replicas_route_as_well_as_one(fleet, redis_server):
 
 
 def test_bad_router_flags_exit_2_with_a_message():
-    result = subprocess.run([sys.executable, "-m", "kvroute", "router", "--tokenizer", "tiny"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute", "router", "--tokenizer", "tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--tokenizer takes MODEL=DIR" in result.stderr

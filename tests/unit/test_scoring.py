@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from router.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
 from router.scoring import NO_LOAD, Candidate, Policy, ScoringWeights, choose, cost, predicted_cached_tokens
+from router.shared_load import InflightLoad
 
 W = ScoringWeights()
 
@@ -36,15 +36,18 @@ def test_busy_workers_are_skipped_unless_all_are_busy():
 
 
 def test_ties_are_broken_at_random_so_replicas_do_not_herd():
-    picks = Counter(choose([cand("a"), cand("b"), cand("c")], 8, 16, W, rng=random.Random(i)).chosen.worker_id
-                    for i in range(300))  # fmt: skip
+    picks = Counter(
+        choose([cand("a"), cand("b"), cand("c")], 8, 16, W, rng=random.Random(i)).chosen.worker_id for i in range(300)
+    )
     assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 60
 
 
 def test_temperature_spreads_choices_towards_cheaper_workers():
     weights = ScoringWeights(temperature=1.0)
-    picks = Counter(choose([cand("a", 10), cand("b", 0)], 10, 16, weights, rng=random.Random(i)).chosen.worker_id
-                    for i in range(400))  # fmt: skip
+    picks = Counter(
+        choose([cand("a", 10), cand("b", 0)], 10, 16, weights, rng=random.Random(i)).chosen.worker_id
+        for i in range(400)
+    )
     assert picks["a"] > picks["b"] > 0
 
 
