@@ -1,6 +1,10 @@
-"""A real vLLM server (CPU build, the shared tiny model) for the `-m vllm` suites.
+"""A real vLLM server (CPU build, the tiny model) for the `-m vllm` suites.
 
-See ../shared/docs/vllm-on-cpu.md; `.ci/vllm-env` builds the vLLM environment.
+`.ci/vllm-env` builds the vLLM environment; docs/sim-engine.md ("Against a real vLLM") says how
+vLLM runs on a CPU-only machine. The model directory vLLM loads is put together for each server
+in its temporary directory: the weights and config from tests/fixtures/vllm-0.32-cpu/tiny-model/,
+the tokenizer files from sim_engine/tiny_model/ (the very files the simulated engine and the
+router tokenize with).
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.embedded_redis import free_port
-from tests.conftest import SHARED
+from kvroute.devstack.embedded_redis import free_port
+from sim_engine.settings import TINY_MODEL_DIR
+from tests.conftest import FIXTURES
 
 MODEL = "tiny"
 BS = 32
-TINY_MODEL = Path(SHARED) / "fixtures" / "vllm-0.32-cpu" / "tiny-model"
+WEIGHTS_DIR = FIXTURES / "tiny-model"  # config.json, generation_config.json, model.safetensors
+MODEL_FILES = {
+    WEIGHTS_DIR: ("config.json", "generation_config.json", "model.safetensors"),
+    TINY_MODEL_DIR: ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
+}
 DEFAULT_VENV = Path.home() / ".cache" / "kvroute" / "vllm-cpu-venv"
 
 
@@ -35,6 +44,16 @@ def vllm_python() -> Path:
     if not python.exists():
         pytest.fail(f"no vLLM environment at {venv}: run .ci/vllm-env (or set KVROUTE_VLLM_VENV)")
     return python
+
+
+def assemble_model(directory: Path) -> Path:
+    """The tiny model as one directory (``directory``/tiny-model), as vLLM loads it."""
+    model = directory / "tiny-model"
+    model.mkdir()
+    for source, names in MODEL_FILES.items():
+        for name in names:
+            shutil.copyfile(source / name, model / name)
+    return model
 
 
 @dataclass
@@ -50,36 +69,55 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _command(model: Path, port: int, events_port: int, replay_port: int, num_blocks: int) -> list[str]:
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": "kv",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
+    return [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *("--model", str(model), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)),
+        *("--enable-prefix-caching", "--block-size", str(BS), "--max-model-len", "256"),
+        *("--num-gpu-blocks-override", str(num_blocks), "--enforce-eager", "--enable-prompt-tokens-details"),
+        *("--kv-events-config", json.dumps(kv_events)),
+    ]
+
+
 @contextmanager
 def vllm_server(num_blocks: int = 12) -> Iterator[VllmServer]:
     """A fresh server with a ``num_blocks`` KV cache, KV events and replay on, until the block exits."""
     workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
     port, events_port, replay_port = free_port(), free_port(), free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TMPDIR=workdir,
-               VLLM_CACHE_ROOT=f"{workdir}/cache", TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor")  # fmt: skip
-    kv_events = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-        "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{replay_port}",
-    }  # fmt: skip
-    command = [
-        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(TINY_MODEL),
-        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-        "--block-size", str(BS), "--max-model-len", "256", "--num-gpu-blocks-override", str(num_blocks),
-        "--enforce-eager",
-        "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
-    ]  # fmt: skip
-    with open(f"{workdir}/server.log", "wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-    server = VllmServer(process, port, events_port, replay_port, workdir)
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_SERVER_DEV_MODE="1",
+        HF_HUB_OFFLINE="1",
+        TMPDIR=workdir,
+        VLLM_CACHE_ROOT=f"{workdir}/cache",
+        TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor",
+    )
     try:
-        _wait_healthy(server)
-        yield server
-    finally:
-        process.send_signal(signal.SIGTERM)
+        command = _command(assemble_model(Path(workdir)), port, events_port, replay_port, num_blocks)
+        with open(f"{workdir}/server.log", "wb") as log:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+        server = VllmServer(process, port, events_port, replay_port, workdir)
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            _wait_healthy(server)
+            yield server
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -95,5 +133,5 @@ def _wait_healthy(server: VllmServer, within: float = 300.0) -> None:
                     return
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(1)  # polling a process that takes ~25 s to start: not synchronization
     pytest.fail(f"vLLM was not healthy within {within} s")

@@ -6,11 +6,13 @@ timestamps: the same event types with the same keys, token ids, parent/child str
 keys, and the same removals in the same order; and every request's cached token count must agree.
 Generated tokens are the one exception: the simulation is not the model, so the ids it generates
 differ; they are compared by position (each stream's are marked from its own engine's output).
+Both streams are read back from the engines' replay sockets once the last request's block is in
+them (no subscriber that may join late, no fixed waits).
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,17 +20,21 @@ import aiohttp
 import msgpack
 import pytest
 import zmq
+import zmq.asyncio
 
 from sim_engine.engine import TimingModel
+from sim_engine.kv_events import END_SEQ
 from sim_engine.server import running_engine
 from sim_engine.settings import SimEngineSettings
-from tests.vllm_support import BS, MODEL, TINY_MODEL, VllmServer, vllm_server
+from tests.support import wait_until
+from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 
 NUM_BLOCKS = 12
 P = [(i * 7) % 1900 + 10 for i in range(64)]  # two blocks shared by several prompts
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 4).strip()
+MARKER = list(range(1000, 1040))  # the last request: its block's BlockStored ends the stream
 
 
 def requests() -> list[tuple[str, dict[str, Any]]]:
@@ -53,54 +59,66 @@ def requests() -> list[tuple[str, dict[str, Any]]]:
     out += [completion([(n * 131 + i * 11) % 1900 + 20 for i in range(100)]) for n in range(5)]  # evictions
     out += [("/reset_prefix_cache", {}), completion([*P, 1, 2, 3])]  # AllBlocksCleared with the next step
     out += [completion([*P, 9, 9, 9, 9]) for _ in range(2)]
-    return out
+    return [*out, completion(MARKER, max_tokens=1)]
 
 
-def subscribe(endpoint: str) -> tuple[zmq.Context, zmq.Socket]:
-    context = zmq.Context()
-    socket = context.socket(zmq.SUB)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.setsockopt(zmq.SUBSCRIBE, b"kv")
-    socket.connect(endpoint)
-    time.sleep(0.5)  # let the subscription reach the publisher
-    return context, socket
+async def replayed(endpoint: str) -> tuple[list[int], list[dict[str, Any]]]:
+    """Every batch the engine still buffers, asked for from seq 0 on its replay socket (DEALER):
+    their seqs, and their events flattened."""
+    context = zmq.asyncio.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    seqs: list[int] = []
+    events: list[dict[str, Any]] = []
+    try:
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while (frames := await asyncio.wait_for(dealer.recv_multipart(), 10))[2] != END_SEQ:
+            seqs.append(int.from_bytes(frames[2], "big"))
+            events += msgpack.unpackb(frames[3], raw=False)[1]
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    return seqs, events
 
 
-def drain(socket: zmq.Socket, seqs: list[int]) -> list[dict[str, Any]]:
-    events = []
-    time.sleep(0.3)
-    while True:
-        try:
-            _, seq, payload = socket.recv_multipart(flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return events
-        seqs.append(int.from_bytes(seq, "big"))
-        events += msgpack.unpackb(payload, raw=False)[1]
-
-
-async def drive(url: str, socket: zmq.Socket) -> tuple[list[int | None], list[tuple]]:
+async def drive(url: str, replay_endpoint: str) -> tuple[list[int | None], list[tuple]]:
     """Send the requests one by one; each request's cached tokens, and the flattened events."""
     cached: list[int | None] = []
-    seqs: list[int] = []
-    names: dict[Any, int] = {}
-    flat: list[tuple] = []
+    sequences: list[tuple[list[int], list[int]]] = []  # (prompt, output) per request
     async with aiohttp.ClientSession() as session:
         for path, body in requests():
             async with session.post(url + path, json={**body, "return_token_ids": True}) as response:
                 assert response.status == 200, await response.text()
                 reply = await response.json() if path != "/reset_prefix_cache" else {}
-            prompt: list[int] = []
-            output: list[int] = []
             if reply:
                 cached.append((reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
                 choice = reply["choices"][0]
-                prompt, output = choice.get("prompt_token_ids") or [], choice.get("token_ids") or []
-            flat += [normalized(event, names, prompt, output) for event in drain(socket, seqs)]
+                sequences.append((choice.get("prompt_token_ids") or [], choice.get("token_ids") or []))
+    got: list[tuple[list[int], list[dict[str, Any]]]] = []
+
+    async def marker_seen() -> bool:  # vLLM publishes from a thread: the last batch may lag the reply
+        got[:] = [await replayed(replay_endpoint)]
+        return any(e["type"] == "BlockStored" and e["token_ids"] == MARKER[:BS] for e in got[0][1])
+
+    await wait_until(marker_seen, 30)
+    seqs, events = got[0]
     assert seqs == list(range(len(seqs))), f"missed batches: {seqs}"
-    return cached, flat
+    names: dict[Any, int] = {}
+    return cached, [normalized(event, names, sequences) for event in events]
 
 
-def normalized(event: dict[str, Any], names: dict[Any, int], prompt: list[int], output: list[int]) -> tuple:
+def generated(tokens: list[int], sequences: list[tuple[list[int], list[int]]]) -> list[int]:
+    """A stored block's tokens with those the model generated replaced by -1: the block is found
+    at a block boundary of the first request (prompt + output) that holds it."""
+    for prompt, output in sequences:
+        sequence = prompt + output
+        for start in range(0, len(sequence) - len(tokens) + 1, BS):
+            if sequence[start : start + len(tokens)] == tokens:
+                return [t if start + i < len(prompt) else -1 for i, t in enumerate(tokens)]
+    return tokens
+
+
+def normalized(event: dict[str, Any], names: dict[Any, int], sequences: list[tuple[list[int], list[int]]]) -> tuple:
     """An event with hashes replaced by their order of first appearance, and the tokens the model
     generated replaced by -1."""
 
@@ -112,17 +130,21 @@ def normalized(event: dict[str, Any], names: dict[Any, int], prompt: list[int], 
         return (kind, tuple(event), tuple(name(h) for h in event["block_hashes"]), event["medium"])
     if kind != "BlockStored":
         return (kind, tuple(event))
-    tokens = list(event["token_ids"])
-    sequence = prompt + output
-    for start in range(0, len(sequence) - len(tokens) + 1, BS):
-        if sequence[start : start + len(tokens)] == tokens:
-            tokens = [t if start + i < len(prompt) else -1 for i, t in enumerate(tokens)]
-            break
+    tokens = generated(list(event["token_ids"]), sequences)
     hashes = tuple(name(h) for h in event["block_hashes"])
     parent = name(event["parent_block_hash"])
     extra = repr(event["extra_keys"])
-    return (kind, tuple(event), hashes, parent, tuple(tokens), event["block_size"], extra, event["medium"],
-            event["lora_name"])  # fmt: skip
+    return (
+        kind,
+        tuple(event),
+        hashes,
+        parent,
+        tuple(tokens),
+        event["block_size"],
+        extra,
+        event["medium"],
+        event["lora_name"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,27 +154,27 @@ def vllm() -> Iterator[VllmServer]:
 
 
 async def test_the_simulation_emits_what_vllm_emits(vllm):
-    context, socket = subscribe(f"tcp://127.0.0.1:{vllm.events_port}")
-    try:
-        real_cached, real_events = await drive(vllm.url, socket)
-    finally:
-        socket.close(linger=0)
-        context.term()
-
-    settings = SimEngineSettings(port=0, events_endpoint="tcp://127.0.0.1:*", topic="kv", model=MODEL,
-                                 tokenizer=TINY_MODEL, num_blocks=NUM_BLOCKS, block_size=BS, max_model_len=256,
-                                 timing=TimingModel(speedup=50))  # fmt: skip
+    real_cached, real_events = await drive(vllm.url, f"tcp://127.0.0.1:{vllm.replay_port}")
+    settings = SimEngineSettings(
+        port=0,
+        events_endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic="kv",
+        model=MODEL,
+        num_blocks=NUM_BLOCKS,
+        block_size=BS,
+        max_model_len=256,
+        timing=TimingModel(speedup=50),
+    )
     async with running_engine(settings) as sim:
-        context, socket = subscribe(sim.events_endpoint)
-        try:
-            sim_cached, sim_events = await drive(sim.url, socket)
-        finally:
-            socket.close(linger=0)
-            context.term()
+        assert sim.replay_endpoint is not None
+        sim_cached, sim_events = await drive(sim.url, sim.replay_endpoint)
 
     def short(events: list[tuple]) -> str:
-        return "\n".join(f"{i}: {e[0]} {e[2] if len(e) > 2 else ''} parent={e[3] if len(e) > 3 else ''}"
-                         for i, e in enumerate(events))  # fmt: skip
+        return "\n".join(
+            f"{i}: {e[0]} {e[2] if len(e) > 2 else ''} parent={e[3] if len(e) > 3 else ''}"
+            for i, e in enumerate(events)
+        )
 
     kinds = {e[0] for e in real_events}
     assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= kinds, kinds  # the workload covers them all

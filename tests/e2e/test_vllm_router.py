@@ -8,19 +8,20 @@ prompts sharing prefixes, `x-kvroute-cached-tokens` must equal vLLM's
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
 
+from kvindex.hashing import sequence_hashes
 from kvindex.settings import RedisSettings
-from kvroute.embedded_redis import RedisServer
+from kvroute.devstack.embedded_redis import RedisServer
 from router.main import RunningRouter, running_router
 from router.settings import RouterSettings
+from sim_engine.settings import TINY_MODEL_DIR
 from tests.conftest import server_kinds
 from tests.support import AgentProcess, wait_until
-from tests.vllm_support import MODEL, TINY_MODEL, VllmServer, vllm_server
+from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -36,11 +37,12 @@ def vllm() -> Iterator[VllmServer]:
 @pytest.fixture
 async def router(vllm: VllmServer, redis_servers: dict[str, RedisServer]) -> AsyncIterator[RunningRouter]:
     redis = redis_servers[server_kinds()[0]]
-    agent = AgentProcess(["--engine-url", f"{vllm.url}/v1", "--events", f"tcp://127.0.0.1:{vllm.events_port}",
-                          "--replay", f"tcp://127.0.0.1:{vllm.replay_port}", "--topic", "kv",
-                          "--redis-url", redis.url, "--prefix", "vllmrouter"]).start()  # fmt: skip
-    settings = RouterSettings(redis=RedisSettings(url=redis.url, prefix="vllmrouter"), port=0,
-                              tokenizers=((MODEL, TINY_MODEL),))  # fmt: skip
+    events, replay = f"tcp://127.0.0.1:{vllm.events_port}", f"tcp://127.0.0.1:{vllm.replay_port}"
+    args = ["--engine-url", f"{vllm.url}/v1", "--events", events, "--replay", replay, "--topic", "kv"]
+    agent = AgentProcess([*args, "--redis-url", redis.url, "--prefix", "vllmrouter"]).start()
+    settings = RouterSettings(
+        redis=RedisSettings(url=redis.url, prefix="vllmrouter"), port=0, tokenizers=((MODEL, TINY_MODEL_DIR),)
+    )
     try:
         async with running_router(settings) as running:
 
@@ -57,21 +59,40 @@ async def router(vllm: VllmServer, redis_servers: dict[str, RedisServer]) -> Asy
 def requests() -> list[tuple[str, dict]]:
     text = [{"prompt": SYSTEM + question} for question in ("What is a block?", "What is a cache?", "What is a block?")]
     ids = [{"prompt": [(i * 7) % 1900 + 10 for i in range(100)] + tail} for tail in ([1, 2], [3], [1, 2])]
-    chat = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
-            for q in ("Hello there", "Tell me more", "Hello there")]  # fmt: skip
-    return ([("/v1/completions", b) for b in text + ids]
-            + [("/v1/chat/completions", b) for b in chat])  # fmt: skip
+    chat = [
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
+        for q in ("Hello there", "Tell me more", "Hello there")
+    ]
+    return [("/v1/completions", b) for b in text + ids] + [("/v1/chat/completions", b) for b in chat]
+
+
+def prompt_token_ids(reply: dict) -> list[int]:
+    """vLLM's prompt token ids (``return_token_ids``): on the choice, or top level for chat."""
+    return reply.get("prompt_token_ids") or reply["choices"][0]["prompt_token_ids"]
+
+
+async def wait_indexed(router: RunningRouter, prompt: list[int]) -> None:
+    """Until the index holds every full block of ``prompt`` (vLLM cached them all: its events
+    went through the agent)."""
+    chain = sequence_hashes(prompt, BS)
+
+    async def indexed() -> bool:
+        matched = await router.state.index.match(MODEL, chain)
+        return max(matched.values(), default=0) >= len(chain)
+
+    await wait_until(indexed, 30)
 
 
 async def test_predicted_cached_tokens_equal_vllms(router):
     outcomes = []
     async with aiohttp.ClientSession() as session:
         for path, body in requests():
-            async with session.post(router.url + path, json={"model": MODEL, "max_tokens": 2, **body}) as response:
+            body = {"model": MODEL, "max_tokens": 2, "return_token_ids": True, **body}
+            async with session.post(router.url + path, json=body) as response:
                 assert response.status == 200, await response.text()
                 predicted = int(response.headers["x-kvroute-cached-tokens"])
-                reported = (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
-            outcomes.append((path, predicted, reported))
-            await asyncio.sleep(0.3)  # vLLM's events reach the index before the next request
+                reply = await response.json()
+            outcomes.append((path, predicted, reply["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            await wait_indexed(router, prompt_token_ids(reply))  # before the next request is routed
     assert all(predicted == reported for _, predicted, reported in outcomes), outcomes
     assert sum(1 for _, _, reported in outcomes if reported > 0) >= 6, outcomes  # shared prefixes did hit

@@ -1,18 +1,16 @@
-"""Tokenization identical to the real vLLM server's (golden: the shared /tokenize captures)."""
+"""Tokenization identical to the real vLLM server's (golden: its /tokenize captures in tests/fixtures)."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from router.tokenizer import ModelPrompts, PromptError
 from sim_engine.settings import TINY_MODEL_DIR
-from tests.conftest import SHARED
+from tests.conftest import CAPTURES
 
-CAPTURES = Path(SHARED) / "fixtures" / "vllm-0.32-cpu" / "captures"
 TEXT1 = ("The quick brown fox jumps over the lazy dog. " * 8).strip()
 CHAT = [
     {"role": "system", "content": "You are a tiny test model."},
@@ -27,12 +25,10 @@ def captured(name: str) -> list[int]:
     return json.loads(match.group(1))["tokens"]
 
 
-@pytest.fixture(scope="module", params=["shared", "bundled"])
-def prompts(request) -> ModelPrompts:
-    directory = (
-        Path(SHARED) / "fixtures" / "vllm-0.32-cpu" / "tiny-model" if request.param == "shared" else TINY_MODEL_DIR
-    )
-    return ModelPrompts(directory)
+@pytest.fixture(scope="module")
+def prompts() -> ModelPrompts:
+    """The tokenizer bundled with the simulated engine: the files the real vLLM server loaded."""
+    return ModelPrompts(TINY_MODEL_DIR)
 
 
 def test_text_prompts_tokenize_as_vllm_does(prompts):
