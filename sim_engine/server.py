@@ -71,6 +71,9 @@ async def _access_log(request: web.Request, handler: Handler) -> web.StreamRespo
     except web.HTTPException as exc:
         status = exc.status
         raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's code)
+        raise
     finally:
         level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
         if access_log.isEnabledFor(level):
