@@ -5,9 +5,13 @@
 * :class:`kvindex.redis_index.RedisIndex` - the shared index in Redis that routers use.
 
 Semantics: a worker registers and is alive while its heartbeats keep arriving within their TTL.
-Only the client that registered a worker writes to it. ``match`` returns, for every alive worker
-of the model, how many leading blocks of the chain it holds (a run from block 0). Clearing or
-re-registering a worker starts it empty; a dead worker's blocks never count.
+Only the client that registered a worker writes to it: ``register`` returns a
+:class:`WorkerHandle`, the one owner of that registration's writer state, whose methods are the
+worker's writes (the index's ``(model, worker_id)`` write methods are shorthands for them). A
+handle closes when its worker is deregistered, or registered again through the same index.
+``match`` returns, for every alive worker of the model, how many leading blocks of the chain it
+holds (a run from block 0). Clearing or re-registering a worker starts it empty; a dead worker's
+blocks never count.
 """
 
 from __future__ import annotations
@@ -33,8 +37,42 @@ DEFAULT_GC_BUDGET = 10_000
 DEFAULT_GC_GRACE_MS = 30_000
 
 
+class WorkerHandle(Protocol):
+    """One registration of one worker, as :meth:`KVIndex.register` returns it."""
+
+    @property
+    def info(self) -> WorkerInfo: ...
+
+    @property
+    def registration(self) -> Registration:
+        """The current gid (it changes with ``clear``) and the epoch of this registration."""
+        ...
+
+    @property
+    def active(self) -> bool:
+        """False once deregistered, evicted, or registered again through the same index; the
+        writes below then raise :class:`~kvindex.errors.NotRegisteredError`."""
+        ...
+
+    async def store(self, runs: Sequence[StoredRun]) -> WriteResult: ...
+
+    async def remove(self, blocks: Sequence[int]) -> WriteResult: ...
+
+    async def apply(self, changes: Sequence[BlockChange]) -> WriteResult: ...
+
+    async def clear(self) -> None: ...
+
+    async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
+        """``ttl_ms`` None: the TTL the worker registered with (or was last given)."""
+        ...
+
+    async def report_load(self, load: WorkerLoad) -> HeartbeatStatus: ...
+
+    async def deregister(self) -> None: ...
+
+
 class KVIndex(Protocol):
-    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> Registration: ...
+    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> WorkerHandle: ...
 
     async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus: ...
 

@@ -39,6 +39,7 @@ class _Worker:
     parent: dict[int, int | None] = field(default_factory=dict)
     load: WorkerLoad | None = None
     load_ms: int = 0
+    closed: bool = False  # deregistered, or registered again: its handle no longer writes
 
     def deadline_ms(self) -> int:
         return self.heartbeat_ms + self.ttl_ms
@@ -69,6 +70,7 @@ class ReferenceIndex:
     def __init__(self, clock_ms: Callable[[], int] = _wall_clock_ms) -> None:
         self._clock_ms = clock_ms
         self._models: dict[str, _Model] = {}
+        self._latest: dict[tuple[str, str], _Worker] = {}  # each worker's last registration here
 
     def _alive(self, worker: _Worker) -> bool:
         return worker.deadline_ms() > self._clock_ms()
@@ -79,7 +81,7 @@ class ReferenceIndex:
             raise NotRegisteredError(f"worker {worker_id!r} of model {model!r} is not registered")
         return worker
 
-    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> Registration:
+    async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> ReferenceWorker:
         state = self._models.setdefault(worker.model, _Model())
         if state.block_size is not None and state.block_size != worker.block_size:
             others = [w for wid, w in state.workers.items() if wid != worker.worker_id and self._alive(w)]
@@ -95,8 +97,16 @@ class ReferenceIndex:
         # deregistering or garbage collection deletes the record).
         previous = state.workers.get(worker.worker_id)
         epoch = previous.epoch + 1 if previous else 1
-        state.workers[worker.worker_id] = _Worker(worker, state.gid_seq, epoch, ttl_ms, self._clock_ms())
-        return Registration(state.gid_seq, epoch)
+        replaced = self._latest.get((worker.model, worker.worker_id))
+        if replaced is not None:
+            replaced.closed = True  # even when gc forgot it: as the Redis client forgets only its handle
+        registered = _Worker(worker, state.gid_seq, epoch, ttl_ms, self._clock_ms())
+        state.workers[worker.worker_id] = self._latest[(worker.model, worker.worker_id)] = registered
+        return ReferenceWorker(self, registered)
+
+    def holds(self, worker: _Worker) -> bool:
+        """True while ``worker`` is its id's current registration (not forgotten by gc)."""
+        return self._models.get(worker.info.model, _Model()).workers.get(worker.info.worker_id) is worker
 
     async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
         worker = self._models.get(model, _Model()).workers.get(worker_id)
@@ -163,7 +173,7 @@ class ReferenceIndex:
         worker.parent.clear()
 
     async def deregister(self, model: str, worker_id: str) -> None:
-        self._writer(model, worker_id)
+        self._writer(model, worker_id).closed = True
         del self._models[model].workers[worker_id]
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
@@ -236,3 +246,58 @@ class ReferenceIndex:
         for worker_id in dead:
             removed += len(state.workers.pop(worker_id).copies)
         return GcResult(workers_retired=len(dead), entries_removed=removed, gids_finished=len(dead), gids_pending=0)
+
+
+class ReferenceWorker:
+    """The reference's :class:`kvindex.interface.WorkerHandle`: the index's writes for one
+    registration, refused once that registration was deregistered or replaced. (A worker that gc
+    forgot is still active here, as in Redis: its heartbeat answers MISSING.)"""
+
+    def __init__(self, index: ReferenceIndex, worker: _Worker) -> None:
+        self._index = index
+        self._worker = worker
+
+    @property
+    def info(self) -> WorkerInfo:
+        return self._worker.info
+
+    @property
+    def registration(self) -> Registration:
+        return Registration(self._worker.gid, self._worker.epoch)
+
+    @property
+    def active(self) -> bool:
+        return not self._worker.closed
+
+    def _ids(self) -> tuple[str, str]:
+        if self._worker.closed:
+            raise NotRegisteredError(f"worker {self.info.worker_id!r} was deregistered or registered again")
+        if not self._index.holds(self._worker):
+            raise NotRegisteredError(f"worker {self.info.worker_id!r} is not registered (gc forgot it)")
+        return self.info.model, self.info.worker_id
+
+    async def store(self, runs: Sequence[StoredRun]) -> WriteResult:
+        return await self._index.store(*self._ids(), runs)
+
+    async def remove(self, blocks: Sequence[int]) -> WriteResult:
+        return await self._index.remove(*self._ids(), blocks)
+
+    async def apply(self, changes: Sequence[BlockChange]) -> WriteResult:
+        return await self._index.apply(*self._ids(), changes)
+
+    async def clear(self) -> None:
+        await self._index.clear(*self._ids())
+
+    async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
+        if not self._worker.closed and not self._index.holds(self._worker):
+            return HeartbeatStatus.MISSING
+        return await self._index.heartbeat(*self._ids(), self._worker.ttl_ms if ttl_ms is None else ttl_ms)
+
+    async def report_load(self, load: WorkerLoad) -> HeartbeatStatus:
+        return await self._index.report_load(*self._ids(), load)
+
+    async def deregister(self) -> None:
+        if not self._worker.closed and not self._index.holds(self._worker):
+            self._worker.closed = True  # gc forgot it already: nothing left to remove (as in Redis)
+            return
+        await self._index.deregister(*self._ids())

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from redis.exceptions import ResponseError
 
 from kvindex.errors import BlockSizeMismatchError, ScriptArgumentError, StaleGenerationError
 from kvindex.types import WorkerLoad, WorkerRecord
 
 
-def raise_script_error(exc: ResponseError) -> None:
+def raise_script_error(exc: ResponseError) -> NoReturn:
+    """A script's ``kvroute:`` error as the :mod:`kvindex.errors` exception it stands for;
+    any other error as it is."""
     message = str(exc)
     if "kvroute:" not in message:
         raise exc

@@ -2,6 +2,8 @@
 
 A Redis restart (or SCRIPT FLUSH, or a failover to a replica) empties the script cache; every
 call goes through :meth:`Scripts.call`, which loads the script again and retries once.
+:meth:`Scripts.run` is the same call with the scripts' own ``kvroute:`` errors raised as
+:mod:`kvindex.errors` exceptions (what the index's reads and writes use).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
+
+from kvindex.replies import raise_script_error
 
 SCRIPT_NAMES = (
     "register",
@@ -116,3 +120,10 @@ class Scripts:
             self.reloads += 1
             await self._client.script_load(script.source)
             return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+
+    async def run(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
+        """:meth:`call`; a script's own error (``kvroute: ...``) becomes a :class:`~kvindex.errors.KVIndexError`."""
+        try:
+            return await self.call(name, keys, args)
+        except ResponseError as exc:
+            raise_script_error(exc)

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from kvindex.interface import KVIndex
 from kvindex.redis_index import RedisIndex
 from kvindex.reference import ReferenceIndex
-from kvroute.embedded_redis import RedisServer
+from kvroute.devstack.embedded_redis import RedisServer
 from tests.conftest import server_kinds
 
 

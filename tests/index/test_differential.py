@@ -1,5 +1,7 @@
 """Random operation sequences applied to the reference index and to RedisIndex on a real server
-must give identical results at every step (store/remove/clear/re-register/expiry/gc/match)."""
+must give identical results at every step (store/remove/clear/re-register/deregister/expiry/gc/
+match, and writes through a handle that a re-registration closed). Writes go through each
+worker's handle, as the agent makes them."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from kvindex.errors import KVIndexError
+from kvindex.interface import KVIndex, WorkerHandle
 from kvindex.redis_index import RedisIndex
 from kvindex.reference import ReferenceIndex
 from kvindex.types import StoredRun, WorkerInfo
@@ -53,6 +56,8 @@ operation = st.one_of(
     st.tuples(st.just("remove"), st.sampled_from(WORKERS), st.lists(st.integers(0, 39), max_size=5), st.just(0)),
     st.tuples(st.just("clear"), st.sampled_from(WORKERS), st.just(0), st.just(0)),
     st.tuples(st.just("register"), st.sampled_from(WORKERS), st.just(0), st.just(0)),
+    st.tuples(st.just("deregister"), st.sampled_from(WORKERS), st.just(0), st.just(0)),
+    st.tuples(st.just("stale_store"), st.sampled_from(WORKERS), st.integers(0, 39), st.integers(1, 3)),
     st.tuples(st.just("expire"), st.sampled_from(WORKERS), st.just(0), st.just(0)),
     st.tuples(st.just("revive"), st.sampled_from(WORKERS), st.just(0), st.just(0)),
     st.tuples(st.just("gc"), st.just(""), st.integers(1, 50), st.just(0)),
@@ -67,49 +72,73 @@ async def outcome(call):
         return ("rejected", None)
 
 
-async def apply(index, model, forest, nodes, op):
-    kind, worker_id, arg, extra = op
-    if kind == "store":
-        path = path_to(forest, nodes[arg])[-extra:]
-        return await outcome(index.store(model, worker_id, [StoredRun(forest[path[0]], tuple(path))]))
-    if kind == "remove":
-        return await outcome(index.remove(model, worker_id, [nodes[i] for i in arg]))
-    if kind == "clear":
-        return await outcome(index.clear(model, worker_id))
-    if kind == "register":
-        status, registration = await outcome(
-            index.register(WorkerInfo(worker_id, model, f"http://{worker_id}", 16), LONG_TTL)
+class Backend:
+    """One index and its workers' handles: the current one, and the one before (closed)."""
+
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+        self.handles: dict[str, WorkerHandle] = {}
+        self.previous: dict[str, WorkerHandle] = {}
+
+    async def register(self, model: str, worker_id: str) -> tuple[str, int | None]:
+        status, handle = await outcome(
+            self.index.register(WorkerInfo(worker_id, model, f"http://{worker_id}", 16), LONG_TTL)
         )
-        return status, registration.epoch if registration else None  # gids are backend-specific
+        if handle is None:
+            return status, None
+        if worker_id in self.handles:
+            self.previous[worker_id] = self.handles[worker_id]
+        self.handles[worker_id] = handle
+        assert handle.active
+        return status, handle.registration.epoch  # gids are backend-specific
+
+
+async def apply(backend: Backend, model, forest, nodes, op):
+    kind, worker_id, arg, extra = op
+    handle = backend.handles.get(worker_id)
+    if kind in ("store", "stale_store"):
+        if kind == "stale_store":
+            handle = backend.previous.get(worker_id)
+            if handle is None:
+                return ("no previous handle", None)
+        path = path_to(forest, nodes[arg])[-extra:]
+        return await outcome(handle.store([StoredRun(forest[path[0]], tuple(path))]))
+    if kind == "remove":
+        return await outcome(handle.remove([nodes[i] for i in arg]))
+    if kind == "clear":
+        return await outcome(handle.clear())
+    if kind == "deregister":
+        result = await outcome(handle.deregister())
+        return (*result, handle.active)
+    if kind == "register":
+        return await backend.register(model, worker_id)
     if kind in ("expire", "revive"):
-        ttl = 0 if kind == "expire" else LONG_TTL
-        return await outcome(index.heartbeat(model, worker_id, ttl))
+        return await outcome(handle.heartbeat(0 if kind == "expire" else LONG_TTL))
     if kind == "gc":
-        result = await index.gc(model, budget=arg, grace_ms=0)
+        result = await backend.index.gc(model, budget=arg, grace_ms=0)
         return ("ok", result.workers_retired)
     chain = path_to(forest, nodes[arg]) + random_tail(arg, extra)
-    return ("ok", await index.match(model, chain))
+    return ("ok", await backend.index.match(model, chain))
 
 
 async def compare(redis_url: str, model: str, seed: int, ops) -> None:
     forest = random_forest(seed)
     nodes = list(forest)
-    reference = ReferenceIndex()
     client = Redis.from_url(redis_url)
-    redis_index = RedisIndex(client)
+    reference, redis = Backend(ReferenceIndex()), Backend(RedisIndex(client))
     try:
         for worker_id in WORKERS:
-            for index in (reference, redis_index):
-                await index.register(WorkerInfo(worker_id, model, f"http://{worker_id}", 16), LONG_TTL)
+            for backend in (reference, redis):
+                await backend.register(model, worker_id)
         for step, op in enumerate(ops):
             expected = await apply(reference, model, forest, nodes, op)
-            actual = await apply(redis_index, model, forest, nodes, op)
+            actual = await apply(redis, model, forest, nodes, op)
             assert actual == expected, f"step {step} {op}: redis {actual} != reference {expected}"
             full = path_to(forest, nodes[step % len(nodes)])
-            assert await redis_index.match(model, full) == await reference.match(model, full), f"after step {step}"
-        assert (await redis_index.stats(model)).entries == (await reference.stats(model)).entries
+            assert await redis.index.match(model, full) == await reference.index.match(model, full), f"after {step}"
+        assert (await redis.index.stats(model)).entries == (await reference.index.stats(model)).entries
         for block in nodes:
-            assert await redis_index.owners(model, block) == await reference.owners(model, block)
+            assert await redis.index.owners(model, block) == await reference.index.owners(model, block)
     finally:
         await client.aclose()
 

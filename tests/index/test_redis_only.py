@@ -13,8 +13,8 @@ from kvindex.errors import ScriptArgumentError, StaleGenerationError
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RELOG_SLACK, RedisIndex
 from kvindex.settings import RedisSettings
-from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo
-from kvroute.embedded_redis import RedisServer, available_servers
+from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo, WorkerLoad
+from kvroute.devstack.embedded_redis import RedisServer, available_servers
 
 LONG_TTL = 60_000
 CHAIN = sequence_hashes(list(range(256)), 16)  # 16 blocks
@@ -206,19 +206,49 @@ async def test_writes_while_redis_is_down_reach_it_through_reassert(unique_name)
     client = RedisSettings(url=server.url, socket_timeout_s=0.5).client()
     try:
         index = RedisIndex(client)
-        await index.register(worker(unique_name), LONG_TTL)
-        await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
+        handle = await index.register(worker(unique_name), LONG_TTL)
+        await handle.store([StoredRun(None, tuple(CHAIN[:4]))])
         server.stop(kill=True)
         with pytest.raises(ConnectionError):
-            await index.store(unique_name, "a", [StoredRun(CHAIN[3], tuple(CHAIN[4:6]))])
-        assert index.needs_reassert(unique_name, "a")
+            await handle.store([StoredRun(CHAIN[3], tuple(CHAIN[4:6]))])
+        assert handle.needs_reassert() and index.needs_reassert(unique_name, "a")
         # While dirty, writes only update the mirror (no waiting on a dead server).
-        await index.remove(unique_name, "a", [CHAIN[5]])
-        await index.store(unique_name, "a", [StoredRun(CHAIN[4], tuple(CHAIN[5:8]))])
+        await handle.remove([CHAIN[5]])
+        await handle.store([StoredRun(CHAIN[4], tuple(CHAIN[5:8]))])
         server = RedisServer(binary=server.binary, port=server.port).start()
-        await index.reassert(unique_name, "a")
-        assert not index.needs_reassert(unique_name, "a")
+        await handle.reassert()
+        assert not handle.needs_reassert()
         assert await index.match(unique_name, CHAIN) == {"a": 8}
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_reassert_renews_the_same_handle_in_place(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    handle = await index.register(worker(unique_name), LONG_TTL)
+    await handle.store([StoredRun(None, tuple(CHAIN[:6]))])
+    await handle.report_load(WorkerLoad(1, 2, 0.5))
+    before = handle.registration
+    assert handle.op == 1 and await handle.indexed_blocks() == 6 == handle.mirror.indexed_count
+    await redis_client.delete(index.keys(unique_name).block(CHAIN[5]))  # drift: Redis lost a block
+    assert await handle.indexed_blocks() == 6  # the record's count does not know
+    after = await handle.reassert()
+    assert handle.registration == after and after.gid != before.gid and after.epoch == before.epoch + 1
+    assert handle.op == 1  # one apply: the op counter starts again with the generation
+    assert index.handle(unique_name, "a") is handle and handle.active
+    assert await index.match(unique_name, CHAIN) == {"a": 6}
+    assert (await index.workers(unique_name))[0].load == WorkerLoad(1, 2, 0.5)
+    assert await handle.indexed_blocks() == 6
+
+
+async def test_a_handle_superseded_by_another_client_is_refused_by_redis(redis_client, unique_name):
+    mine = await RedisIndex(redis_client).register(worker(unique_name), LONG_TTL)
+    theirs = await RedisIndex(redis_client).register(worker(unique_name), LONG_TTL)
+    assert mine.active  # only Redis knows
+    assert await mine.heartbeat() == HeartbeatStatus.SUPERSEDED
+    assert await mine.indexed_blocks() is None
+    with pytest.raises(StaleGenerationError):
+        await mine.clear()
+    await theirs.store([StoredRun(None, tuple(CHAIN[:2]))])
+    assert await theirs.indexed_blocks() == 2

@@ -1,12 +1,11 @@
 """Behaviour every index backend must have (runs against the reference and each Redis kind)."""
 
-import asyncio
-
 import pytest
 
 from kvindex.errors import BlockSizeMismatchError, KVIndexError, NotRegisteredError
 from kvindex.hashing import sequence_hashes
 from kvindex.types import HeartbeatStatus, RemovedBlocks, StoredRun, WorkerInfo, WorkerLoad
+from tests.support import wait_until
 
 LONG_TTL = 60_000
 
@@ -87,11 +86,14 @@ async def test_dead_workers_never_count(index, unique_name):
 
 
 async def test_heartbeat_ttl_expires_in_real_time(index, unique_name):
-    await index.register(worker(unique_name, "a"), 150)
+    await index.register(worker(unique_name, "a"), 1_000)
     await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
     assert await index.match(unique_name, CHAIN) == {"a": 4}
-    await asyncio.sleep(0.3)
-    assert await index.match(unique_name, CHAIN) == {}
+
+    async def expired() -> bool:
+        return await index.match(unique_name, CHAIN) == {}
+
+    assert await wait_until(expired, 5) < 4.0
     assert [w.alive for w in await index.workers(unique_name)] == [False]
 
 
@@ -111,11 +113,59 @@ async def test_gc_forgets_long_dead_workers(index, unique_name):
 
 
 async def test_reregistering_starts_empty(index, unique_name):
-    first = await index.register(worker(unique_name, "a"), LONG_TTL)
+    first = (await index.register(worker(unique_name, "a"), LONG_TTL)).registration
     await index.store(unique_name, "a", [run(CHAIN, 0, 8)])
-    second = await index.register(worker(unique_name, "a"), LONG_TTL)
+    second = (await index.register(worker(unique_name, "a"), LONG_TTL)).registration
     assert second.epoch == first.epoch + 1 and second.gid != first.gid
     assert await index.match(unique_name, CHAIN) == {"a": 0}
+
+
+async def test_the_handle_register_returns_writes_its_worker(index, unique_name):
+    a = await index.register(worker(unique_name, "a"), LONG_TTL)
+    assert a.active and a.info == worker(unique_name, "a")
+    result = await a.apply([run(CHAIN, 0, 6), RemovedBlocks((CHAIN[5],))])
+    assert (result.applied, result.skipped, result.missing) == (7, 0, 0)
+    await a.store([run(CHAIN, 5, 8)])
+    await a.remove([CHAIN[7]])
+    assert await index.match(unique_name, CHAIN) == {"a": 7}
+    assert await a.report_load(WorkerLoad(2, 0, 0.5)) == HeartbeatStatus.OK
+    gid = a.registration.gid
+    await a.clear()
+    assert a.registration.gid != gid and a.registration.epoch == 1  # a fresh generation, same registration
+    assert await index.match(unique_name, CHAIN) == {"a": 0}
+    assert await a.heartbeat() == HeartbeatStatus.OK  # the TTL it registered with
+    assert [w.ttl_ms for w in await index.workers(unique_name)] == [LONG_TTL]
+    await a.deregister()
+    assert not a.active and await index.match(unique_name, CHAIN) == {}
+    for write in (a.store([run(CHAIN, 0, 1)]), a.clear(), a.heartbeat(), a.deregister()):
+        with pytest.raises(NotRegisteredError):
+            await write
+
+
+async def test_registering_again_closes_the_previous_handle(index, unique_name):
+    first = await index.register(worker(unique_name, "a"), LONG_TTL)
+    await first.store([run(CHAIN, 0, 4)])
+    second = await index.register(worker(unique_name, "a"), LONG_TTL)
+    assert not first.active and second.active
+    with pytest.raises(NotRegisteredError):
+        await first.store([run(CHAIN, 0, 8)])
+    await second.store([run(CHAIN, 0, 2)])
+    assert await index.match(unique_name, CHAIN) == {"a": 2}
+    await index.store(unique_name, "a", [run(CHAIN, 2, 3)])  # the shorthand writes the current one
+    assert await index.match(unique_name, CHAIN) == {"a": 3}
+    await index.deregister(unique_name, "a")
+    assert not second.active
+
+
+async def test_a_worker_gc_forgot_answers_missing_through_its_handle(index, unique_name):
+    a = await index.register(worker(unique_name, "a"), LONG_TTL)
+    await a.heartbeat(0)
+    assert (await index.gc(unique_name, grace_ms=0)).workers_retired == 1
+    assert a.active  # the client was not told
+    assert await a.heartbeat(LONG_TTL) == HeartbeatStatus.MISSING
+    with pytest.raises(KVIndexError):
+        await a.store([run(CHAIN, 0, 1)])
+    assert (await index.register(worker(unique_name, "a"), LONG_TTL)).active and not a.active
 
 
 async def test_one_block_size_per_model(index, unique_name):

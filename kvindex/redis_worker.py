@@ -1,0 +1,258 @@
+"""One worker's registration in the Redis index, held by the client that registered it.
+
+:meth:`RedisIndex.register <kvindex.redis_index.RedisIndex.register>` returns a
+:class:`RedisWorker`: the one owner of what this client knows about the worker - the
+:class:`~kvindex.mirror.BlockMirror` of its blocks, its current gid and epoch, the op id of its
+last write, the length of its block log, whether Redis may lack part of the mirror
+(:meth:`RedisWorker.needs_reassert`) and the load it last reported. Every write of the worker
+goes through it (the index's ``(model, worker_id)`` methods look the handle up and call it).
+
+A handle stops working (:attr:`RedisWorker.active` is False, writes raise
+:class:`~kvindex.errors.NotRegisteredError`) once the worker is deregistered or evicted, or
+registered again through the same index (the new registration has its own handle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from kvindex.codec import encode_ops, pack_hashes
+from kvindex.errors import NotRegisteredError, StaleGenerationError
+from kvindex.keys import KeySchema, ModelKeys
+from kvindex.mirror import BlockMirror, IndexOp
+from kvindex.replies import decode
+from kvindex.scripts import Scripts
+from kvindex.types import (
+    BlockChange,
+    HeartbeatStatus,
+    Registration,
+    RemovedBlocks,
+    StoredRun,
+    WorkerInfo,
+    WorkerLoad,
+    WriteResult,
+)
+
+# Items per apply.lua call: keeps each script run around a few milliseconds.
+MAX_ITEMS_PER_CALL = 4096
+# Rewrite a gid's block log once it lists this many more entries than the gid holds.
+RELOG_SLACK = 1024
+
+
+async def register_worker(
+    client: Redis, scripts: Scripts, schema: KeySchema, worker: WorkerInfo, ttl_ms: int
+) -> Registration:
+    """register.lua (a fresh, empty generation; any previous one is retired), then the model
+    joins the ``models`` set."""
+    keys = schema.for_model(worker.model)
+    record = keys.worker(worker.worker_id)  # validates the id
+    gid, epoch = await scripts.run(
+        "register",
+        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record],
+        [worker.worker_id, worker.url, worker.model, worker.block_size, worker.dp_rank, ttl_ms],
+    )
+    await client.sadd(schema.models, worker.model)
+    return Registration(int(gid), int(epoch))
+
+
+async def retire(scripts: Scripts, keys: ModelKeys, worker_id: str, mode: str, gid: int | str) -> list[object]:
+    """clear.lua: ``keep`` (a fresh empty gid) or ``leave`` (the record goes); gid '' = any."""
+    return await scripts.run(  # type: ignore[no-any-return]
+        "clear",
+        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)],
+        [worker_id, gid, mode],
+    )
+
+
+class RedisWorker:
+    """A registered worker's writer state and writes (:class:`kvindex.interface.WorkerHandle`)."""
+
+    def __init__(
+        self,
+        client: Redis,
+        scripts: Scripts,
+        schema: KeySchema,
+        info: WorkerInfo,
+        ttl_ms: int,
+        registration: Registration,
+        on_close: Callable[[RedisWorker], None] | None = None,
+    ) -> None:
+        self.info = info
+        self.keys = schema.for_model(info.model)
+        self.ttl_ms = ttl_ms
+        self.gid, self.epoch = registration.gid, registration.epoch
+        self.op = 0  # the id of the last write sent under this gid
+        self.mirror = BlockMirror()
+        self.log_entries = 0
+        self.dirty = False  # a write failed: Redis may lack part of the mirror until reassert()
+        self.load: WorkerLoad | None = None
+        self.active = True
+        self._client = client
+        self._scripts = scripts
+        self._schema = schema
+        self._on_close = on_close
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "closed"
+        return f"RedisWorker({self.info.worker_id!r}, model={self.info.model!r}, gid={self.gid}, {state})"
+
+    @property
+    def model(self) -> str:
+        return self.info.model
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def registration(self) -> Registration:
+        return Registration(self.gid, self.epoch)
+
+    def close(self) -> None:
+        """Stop using this handle (no Redis call): deregistered, evicted, or superseded."""
+        if self.active:
+            self.active = False
+            if self._on_close is not None:
+                self._on_close(self)
+
+    def _check_open(self) -> None:
+        if not self.active:
+            raise NotRegisteredError(
+                f"worker {self.worker_id!r} of model {self.model!r} was deregistered or registered again; "
+                "this handle is closed"
+            )
+
+    def _next_op(self) -> int:
+        self.op += 1
+        return self.op
+
+    # --- writes -----------------------------------------------------------------------------
+
+    async def store(self, runs: Sequence[StoredRun]) -> WriteResult:
+        return await self.apply(runs)
+
+    async def remove(self, blocks: Sequence[int]) -> WriteResult:
+        return await self.apply([RemovedBlocks(tuple(blocks))])
+
+    async def apply(self, changes: Sequence[BlockChange]) -> WriteResult:
+        """Apply stores and removals in order: one apply.lua call (unless above
+        MAX_ITEMS_PER_CALL items), so readers see all of it or none of it.
+
+        The mirror is updated first. If Redis cannot be reached, the handle is marked dirty:
+        later calls only update the mirror, and :meth:`reassert` (which the agent retries until
+        it succeeds) writes everything back. A StaleGenerationError (Redis lost data, or another
+        registration took over) is raised and also calls for :meth:`reassert`."""
+        self._check_open()
+        ops, result = self.mirror.apply(changes)
+        if self.dirty:
+            return result
+        try:
+            await self._send(ops)
+        except (RedisError, OSError) as exc:
+            if not isinstance(exc, ResponseError):
+                self.dirty = True  # unknown whether Redis applied it
+            raise
+        return result
+
+    async def clear(self) -> None:
+        """Drop all of the worker's blocks (it stays registered, under a fresh generation)."""
+        self._check_open()
+        self.mirror.clear()
+        if self.dirty:
+            return
+        try:
+            status, gid = await retire(self._scripts, self.keys, self.worker_id, "keep", self.gid)
+        except (RedisError, OSError) as exc:
+            if not isinstance(exc, ResponseError):
+                self.dirty = True
+            raise
+        if decode(status) != "ok":  # type: ignore[arg-type]
+            raise StaleGenerationError(f"worker {self.worker_id!r} is {decode(status)} in the index")  # type: ignore[arg-type]
+        self.gid, self.op, self.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
+
+    def needs_reassert(self) -> bool:
+        """True after a write failed: Redis may lack changes the mirror has."""
+        return self.dirty
+
+    async def reassert(self) -> Registration:
+        """Register again under a fresh generation and write the whole mirror back: used when
+        Redis lost data (restart, failover, flush), a write failed, or to heal drift."""
+        self._check_open()
+        registration = await register_worker(self._client, self._scripts, self._schema, self.info, self.ttl_ms)
+        self.gid, self.epoch = registration.gid, registration.epoch
+        self.op, self.log_entries, self.dirty = 0, 0, False
+        try:
+            await self._send(list(self.mirror.indexed_in_order()))
+            if self.load is not None:
+                await self.report_load(self.load)
+        except (RedisError, OSError, StaleGenerationError):
+            self.dirty = True
+            raise
+        return registration
+
+    async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
+        """Keep the worker alive for ``ttl_ms`` (default: the TTL it registered with, or the last
+        one given here) from now, on the Redis server's clock."""
+        self._check_open()
+        if ttl_ms is not None:
+            self.ttl_ms = ttl_ms
+        keys = [self.keys.worker(self.worker_id), self.keys.alive]
+        status = await self._scripts.run("heartbeat", keys, [self.gid, self.ttl_ms])
+        return HeartbeatStatus(decode(status))
+
+    async def report_load(self, load: WorkerLoad) -> HeartbeatStatus:
+        self._check_open()
+        self.load = load
+        status = await self._scripts.run(
+            "load", [self.keys.worker(self.worker_id)], [self.gid, load.running, load.waiting, repr(load.kv_usage)]
+        )
+        return HeartbeatStatus(decode(status))
+
+    async def deregister(self) -> None:
+        """Leave the index (the worker's entries stop counting at once); closes the handle."""
+        self._check_open()
+        await retire(self._scripts, self.keys, self.worker_id, "leave", self.gid)
+        self.close()
+
+    async def indexed_blocks(self) -> int | None:
+        """How many blocks Redis indexes for this generation (None when the record is gone or
+        belongs to another generation): compared with the mirror to find drift."""
+        self._check_open()
+        gid, blocks = await self._client.hmget(self.keys.worker(self.worker_id), ["gid", "blocks"])
+        if gid is None or int(gid) != self.gid:
+            return None
+        return int(blocks or 0)
+
+    # --- sending ----------------------------------------------------------------------------
+
+    async def _send(self, ops: Sequence[IndexOp]) -> None:
+        keys = self.keys
+        # Even an empty batch goes to Redis: it checks that this writer's generation is current.
+        for start in range(0, max(len(ops), 1), MAX_ITEMS_PER_CALL):
+            kinds, args = encode_ops(ops[start : start + MAX_ITEMS_PER_CALL])
+            reply = await self._scripts.run(
+                "apply",
+                [keys.worker(self.worker_id), keys.log(self.gid), keys.meta],
+                [self.gid, self._next_op(), keys.block_prefix, kinds, *args],
+            )
+            skipped, log_entries, missing = int(reply[2]), int(reply[4]), int(reply[6])
+            if skipped or missing:
+                raise StaleGenerationError(
+                    f"Redis lacks {skipped + missing} blocks that worker {self.worker_id!r} indexed "
+                    "before: the index lost data; re-assert the worker"
+                )
+            self.log_entries = log_entries
+        if self.log_entries > 2 * self.mirror.indexed_count + RELOG_SLACK:
+            await self._relog()
+
+    async def _relog(self) -> None:
+        blocks = [add.block for add in self.mirror.indexed_in_order()]
+        reply = await self._scripts.run(
+            "relog",
+            [self.keys.worker(self.worker_id), self.keys.log(self.gid)],
+            [self.gid, self._next_op(), pack_hashes(blocks)],
+        )
+        self.log_entries = int(reply[1])
