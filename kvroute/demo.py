@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 
 from kvindex.settings import RedisSettings
-from kvroute.embedded_redis import redis_url_or_private
-from kvroute.stack import MODEL, Stack, stream_completion
+from kvroute.devstack.embedded_redis import redis_url_or_private
+from kvroute.devstack.stack import MODEL, Stack, stream_completion
 from router.scoring import Policy
 
 SYSTEM_PROMPTS = [

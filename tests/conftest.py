@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.embedded_redis import RedisServer, available_servers
+from kvroute.devstack.embedded_redis import RedisServer, available_servers
 
 # Real-vLLM captures and the tiny model's weights, copied into the repository (tests/fixtures/README.md).
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"

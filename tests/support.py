@@ -23,7 +23,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.embedded_redis import free_port
+from kvroute.devstack.embedded_redis import free_port
 from sim_engine.kv_events import KVEventPublisher
 
 ROOT = Path(__file__).resolve().parents[1]

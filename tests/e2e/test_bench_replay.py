@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from kvindex.settings import RedisSettings
-from kvroute.embedded_redis import RedisServer
-from kvroute.stack import Stack
+from kvroute.devstack.embedded_redis import RedisServer
+from kvroute.devstack.stack import Stack
 from router.scoring import Policy
 from tests.support import ROOT
 

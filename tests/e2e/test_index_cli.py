@@ -89,16 +89,3 @@ def test_bad_arguments_get_a_clear_message(args, message):
     result = kvroute(*args)
     assert result.returncode == 2
     assert message in result.stderr
-
-
-def test_unreachable_redis_is_reported_without_a_traceback():
-    result = kvroute("index", "workers", "--redis-url", "redis://:hunter2@127.0.0.1:1/0", "--json")
-    assert result.returncode == 1
-    assert "cannot use Redis at redis://:***@127.0.0.1:1/0" in result.stderr
-    assert "hunter2" not in result.stderr and "Traceback" not in result.stderr
-
-
-def test_lookup_of_an_unknown_model_says_what_to_do(redis_server, unique_name):
-    result = kvroute("index", "lookup", "--redis-url", redis_server.url, "--model", unique_name, "--tokens", "1,2")
-    assert result.returncode == 1
-    assert "has no registered workers; pass --block-size" in result.stderr

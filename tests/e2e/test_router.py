@@ -17,7 +17,7 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
-from kvroute.embedded_redis import RedisServer, available_servers, free_port
+from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
 from router.main import RunningRouter, running_router
 from router.settings import RouterSettings
 from router.shared_load import SharedLoad

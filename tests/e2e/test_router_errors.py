@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
-from kvroute.embedded_redis import RedisServer, available_servers, free_port
+from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
 from router.main import running_router
 from router.settings import RouterSettings
 from tests.support import ROOT, SimFleet, wait_until

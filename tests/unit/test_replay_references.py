@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvroute.replay_workload import (
+from kvroute.bench.replay_workload import (
     SYNTHETIC,
     TRACE_BLOCK,
     TraceRequest,
@@ -46,8 +46,8 @@ def test_synthetic_workloads_share_prefixes(kind):
 
 
 def test_text_prompts_tokenize_block_for_block_like_the_token_ids():
+    from kvroute.bench.replay_workload import TextPrompts
     from router.tokenizer import ModelPrompts
-    from kvroute.replay_workload import TextPrompts
     from sim_engine.settings import TINY_MODEL_DIR
 
     prompts = ModelPrompts(TINY_MODEL_DIR)
@@ -63,7 +63,7 @@ def test_text_prompts_tokenize_block_for_block_like_the_token_ids():
 
 
 def test_summary_ratios_and_hit_rate_over_time():
-    from kvroute.bench_replay import summarize
+    from kvroute.bench.replay import summarize
 
     def done(prompt: int, cached: int, ttft: float) -> dict:
         usage = {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -79,7 +79,7 @@ def test_summary_ratios_and_hit_rate_over_time():
 
 
 def test_a_malformed_trace_row_is_named(tmp_path):
-    from kvroute.replay_workload import load_trace
+    from kvroute.bench.replay_workload import load_trace
 
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n{"timestamp": 5, "hash_ids": [1]}\n')

@@ -38,8 +38,8 @@ def load_trace(path: Path, limit: int, max_input: int) -> list[TraceRequest]:
             try:
                 row = json.loads(line)
                 hash_ids = tuple(int(h) for h in row["hash_ids"])
-                request = TraceRequest(row["timestamp"] / 1000, int(row["input_length"]),
-                                       int(row.get("output_length", 1)), hash_ids)  # fmt: skip
+                lengths = int(row["input_length"]), int(row.get("output_length", 1))
+                request = TraceRequest(row["timestamp"] / 1000, *lengths, hash_ids)
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a Mooncake trace row ({exc!r})") from None
             if request.input_length <= max_input:

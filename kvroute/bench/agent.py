@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import time
 from collections import deque
@@ -23,8 +22,18 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvroute.embedded_redis import free_port, redis_url_or_private
-from kvroute.stack import metric_value
+from kvroute.bench.common import (
+    exited,
+    poll_until,
+    print_fields,
+    remove_files,
+    serve_app,
+    start_logged,
+    stop_processes,
+)
+from kvroute.devstack.embedded_redis import free_port, redis_url_or_private
+from kvroute.devstack.stack import metric_value
+from kvservice.lifecycle import StartupError
 from sim_engine.kv_events import encode_batch, removed_event, stored_event
 
 MODEL = "bench-agent"
@@ -65,17 +74,16 @@ def build_workload(batches: int, blocks_per_batch: int, cache_blocks: int, block
     return Workload(frames, events_total)
 
 
-async def _health_server(port: int) -> web.AppRunner:
+async def _engine_stand_in(port: int) -> web.AppRunner:
+    """The engine's HTTP side as the agent sees it: /health and an empty /metrics."""
+
     async def ok(_: web.Request) -> web.Response:
         return web.Response(text="")
 
     app = web.Application()
     app.router.add_get("/health", ok)
     app.router.add_get("/metrics", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_app(app, port)
 
 
 async def _agent_metric(session: aiohttp.ClientSession, port: int, name: str) -> float | None:
@@ -85,46 +93,58 @@ async def _agent_metric(session: aiohttp.ClientSession, port: int, name: str) ->
         return None
 
 
-async def _wait_metric(session: aiohttp.ClientSession, port: int, name: str, value: float, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if await _agent_metric(session, port, name) == value:
-            return True
-        await asyncio.sleep(0.02)
-    return False
+def _agent_command(
+    args: argparse.Namespace, redis_url: str, http_port: int, events_port: int, metrics_port: int
+) -> list[str]:
+    command = [sys.executable, "-m", "worker_agent", "--engine-url", f"http://127.0.0.1:{http_port}"]
+    command += ["--events", f"tcp://127.0.0.1:{events_port}", "--topic", "kv", "--model", MODEL]
+    command += ["--block-size", str(args.block_size), "--redis-url", redis_url]
+    command += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1", "--log-level", "WARNING"]
+    return command
+
+
+async def _subscribed(pub: zmq.asyncio.Socket, within_s: float) -> None:
+    """Until a subscriber's subscription reaches ``pub`` (an XPUB sees it as a message)."""
+    async with asyncio.timeout(within_s):
+        while not (await pub.recv()).startswith(b"\x01"):
+            pass
 
 
 async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, float]:
     workload = build_workload(args.batches, args.blocks_per_batch, args.cache_blocks, args.block_size)
     http_port, metrics_port = free_port(), free_port()
-    runner = await _health_server(http_port)
+    runner = await _engine_stand_in(http_port)
     context = zmq.asyncio.Context()
-    pub = context.socket(zmq.PUB)
+    pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    command = [sys.executable, "-m", "worker_agent", "--engine-url", f"http://127.0.0.1:{http_port}",
-               "--events", f"tcp://127.0.0.1:{port}", "--topic", "kv", "--model", MODEL,
-               "--block-size", str(args.block_size), "--redis-url", redis_url, "--metrics-port", str(metrics_port),
-               "--metrics-host", "127.0.0.1", "--log-level", "WARNING"]  # fmt: skip
-    agent = subprocess.Popen(command)  # noqa: ASYNC220 - starting it does not block
+    agent, log = start_logged(_agent_command(args, redis_url, http_port, port, metrics_port), "bench-agent")
     try:
         async with aiohttp.ClientSession() as session:
-            if not await _wait_metric(session, metrics_port, "kvroute_agent_registered", 1.0, 30):
-                raise RuntimeError("the agent did not register within 30 s")
-            await asyncio.sleep(0.5)  # let the subscription reach the publisher
+
+            async def metric_is(name: str, value: float) -> bool:
+                if (failure := exited(agent, log, "the agent")) is not None:
+                    raise failure
+                return await _agent_metric(session, metrics_port, name) == value
+
+            await poll_until(lambda: metric_is("kvroute_agent_registered", 1.0), "the agent did not register", 30)
+            await _subscribed(pub, 30)
             started = time.perf_counter()
             for frames in workload.frames:
                 await pub.send_multipart(frames)
             sent = time.perf_counter() - started
             last = float(len(workload.frames) - 1)
-            if not await _wait_metric(session, metrics_port, "kvroute_agent_last_seq", last, 600):
-                raise RuntimeError("the agent did not apply every batch")
+
+            async def applied() -> bool:
+                return await metric_is("kvroute_agent_last_seq", last)
+
+            await poll_until(applied, "the agent did not apply every batch", 600, interval_s=0.02)
             elapsed = time.perf_counter() - started
             gaps = await _agent_metric(session, metrics_port, "kvroute_agent_gaps_total")
             indexed = await _agent_metric(session, metrics_port, "kvroute_agent_mirror_indexed_blocks")
     finally:
-        agent.terminate()
-        agent.wait(30)
+        stop_processes([agent], 30)
+        remove_files([log])
         pub.close(linger=0)
         context.destroy(linger=0)
         await runner.cleanup()
@@ -141,9 +161,9 @@ async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, f
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.cache_blocks < args.blocks_per_batch:
+        raise StartupError("--cache-blocks must hold at least one batch (--blocks-per-batch)")
     with redis_url_or_private(args.redis_url) as url:
         results = asyncio.run(run_benchmark(url, args))
-    width = max(len(k) for k in results)
-    for key, value in results.items():
-        print(f"{key.ljust(width)}  {value}")
+    print_fields(results)
     return 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+from kvroute.cli.argtypes import positive_int
 
 
 def add_parser(commands: Any) -> None:
@@ -13,17 +16,15 @@ def add_parser(commands: Any) -> None:
         "drive multi-turn chats through them with the kv policy and with round_robin, print a table and a chart.",
     )
     parser.add_argument("--redis-url", help="use this Redis instead of starting a private one")
-    parser.add_argument("--engines", type=int, default=4, help="simulated engines (default 4)")
-    parser.add_argument("--conversations", type=int, default=24, help="concurrent conversations (default 24)")
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
+    parser.add_argument("--engines", type=positive_int, default=4, help="simulated engines (default 4)")
+    parser.add_argument("--conversations", type=positive_int, default=24, help="concurrent conversations (default 24)")
+    parser.add_argument("--turns", type=positive_int, default=6, help="turns per conversation (default 6)")
     parser.add_argument("--chart", default="kvroute-demo.png", help="where to write the PNG chart")
     parser.add_argument("--json", help="also write the table as JSON here")
+    parser.set_defaults(handler=_run, prog=parser.prog)
 
-    def run(args: Any) -> int:
-        if args.engines < 1 or args.conversations < 1 or args.turns < 1:
-            parser.error("--engines, --conversations and --turns must be at least 1")
-        from kvroute.demo import run_from_args
 
-        return run_from_args(args)
+def _run(args: argparse.Namespace) -> int:
+    from kvroute.demo import run_from_args  # matplotlib and the stack: only when the demo runs
 
-    parser.set_defaults(handler=run)
+    return run_from_args(args)

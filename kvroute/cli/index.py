@@ -17,28 +17,15 @@ from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings, redact_url
+from kvindex.types import WorkerRecord
+from kvroute.bench.common import text_table
+from kvroute.cli.argtypes import positive_int, token_ids
+from kvroute.devstack.embedded_redis import redis_unusable, usable_redis_url
+from kvservice.lifecycle import StartupError
 
-
-def parse_tokens(text: str) -> list[int]:
-    """Token ids as '1,2,3' or a JSON list '[1, 2, 3]'."""
-    raw = text.strip()
-    try:
-        values = json.loads(raw) if raw.startswith("[") else [int(v) for v in raw.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"token ids must be integers like 1,2,3: {exc}") from None
-    if not isinstance(values, list) or not all(isinstance(v, int) and 0 <= v <= 0xFFFFFFFF for v in values):
-        raise argparse.ArgumentTypeError("token ids must be integers in 0..4294967295")
-    return values
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+WORKER_COLUMNS = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch",
+                  "heartbeat_age_ms", "running", "waiting", "kv_usage"]  # fmt: skip
+STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "block_keys", "gids_pending_gc"]
 
 
 def add_parser(commands: Any) -> None:
@@ -48,7 +35,7 @@ def add_parser(commands: Any) -> None:
     def view(name: str, help_text: str, handler: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-        p.set_defaults(handler=handler)
+        p.set_defaults(handler=handler, prog=p.prog)
         return p
 
     def with_redis(p: argparse.ArgumentParser) -> None:
@@ -56,7 +43,7 @@ def add_parser(commands: Any) -> None:
         p.add_argument("--prefix", help="key prefix (env KVROUTE_PREFIX; default kvr)")
 
     def identity(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--tokens", type=parse_tokens, required=True, help="token ids: 1,2,3 or [1,2,3]")
+        p.add_argument("--tokens", type=token_ids, required=True, help="token ids: 1,2,3 or [1,2,3]")
         p.add_argument("--salt", help="the request's cache_salt")
         p.add_argument("--lora", help="the LoRA adapter name")
 
@@ -90,48 +77,65 @@ def _emit(args: argparse.Namespace, data: Any, table: Callable[[Any], str]) -> i
     return 0
 
 
-def _run_with_index(args: argparse.Namespace, body: Callable[[RedisIndex], Awaitable[Any]]) -> Any:
-    settings = RedisSettings.from_env(url=args.redis_url, prefix=args.prefix)
+def _settings(args: argparse.Namespace) -> RedisSettings:
+    """The flags over KVROUTE_REDIS_URL / KVROUTE_PREFIX, checked as every kvroute process checks them."""
+    try:
+        return RedisSettings.from_env(url=args.redis_url, prefix=args.prefix)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _where(settings: RedisSettings) -> str:
+    return f"under prefix {settings.prefix!r} on {redact_url(settings.url)}"
+
+
+def _run_with_index(args: argparse.Namespace, body: Callable[[RedisIndex, RedisSettings], Awaitable[Any]]) -> Any:
+    """Run ``body`` against the index. A Redis that cannot be used is a :class:`StartupError` (one
+    line, exit status 2); an index that cannot answer (an unknown model) one line, exit status 1."""
+    settings = _settings(args)
+    usable_redis_url(settings.url)
 
     async def run() -> Any:
         client = settings.client()
         try:
-            return await body(RedisIndex(client, KeySchema(settings.prefix)))
+            return await body(RedisIndex(client, KeySchema(settings.prefix)), settings)
         finally:
             await client.aclose()
 
     try:
         return asyncio.run(run())
-    except RedisError as exc:
-        print(f"kvroute: cannot use Redis at {redact_url(settings.url)}: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    except RedisError as exc:  # it went away while we read
+        raise redis_unusable(settings.url, exc) from None
     except KVIndexError as exc:
-        print(f"kvroute: {exc}", file=sys.stderr)
+        print(f"{args.prog}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers, *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+def _hint_if_empty(found: bool, what: str, settings: RedisSettings) -> None:
+    """Nothing found is a valid answer, but mostly a wrong server or prefix: say where we looked."""
+    if not found:
+        print(f"no {what} found {_where(settings)} (is this the right --redis-url / --prefix?)", file=sys.stderr)
 
 
 def _run_hash(args: argparse.Namespace) -> int:
     hashes = sequence_hashes(args.tokens, args.block_size, lora_name=args.lora, cache_salt=args.salt)
     data = {"block_size": args.block_size, "hashes": hashes}
-    return _emit(
-        args, data, lambda d: _table(["index", "hash", "hex"], [[i, h, f"{h:016x}"] for i, h in enumerate(d["hashes"])])
-    )
+    rows = [[i, h, f"{h:016x}"] for i, h in enumerate(hashes)]
+    return _emit(args, data, lambda _: text_table(["index", "hash", "hex"], rows))
 
 
 def _run_lookup(args: argparse.Namespace) -> int:
-    async def body(index: RedisIndex) -> dict[str, Any]:
+    async def body(index: RedisIndex, settings: RedisSettings) -> dict[str, Any]:
         block_size = args.block_size or await index.block_size(args.model)
         if block_size is None:
-            raise KVIndexError(f"model {args.model!r} has no registered workers; pass --block-size")
+            raise KVIndexError(
+                f"model {args.model!r} has no registered workers; pass --block-size "
+                f"(looked {_where(settings)}: is this the right --redis-url / --prefix?)"
+            )
         chain = sequence_hashes(args.tokens, block_size, lora_name=args.lora, cache_salt=args.salt)
         owners = await index.owners_of_chain(args.model, chain)
         matches = await index.match(args.model, chain)
+        _hint_if_empty(bool(await index.workers(args.model)), f"workers of model {args.model!r}", settings)
         keys = index.keys(args.model)
         return {
             "model": args.model,
@@ -145,52 +149,67 @@ def _run_lookup(args: argparse.Namespace) -> int:
         }
 
     def table(d: dict[str, Any]) -> str:
-        blocks = _table(
+        blocks = text_table(
             ["block", "hash", "owners"],
             [[b["index"], f"{b['hash']:016x}", ",".join(b["owners"]) or "-"] for b in d["blocks"]],
         )
-        workers = _table(["worker", "matched_blocks"], [[w["id"], w["matched_blocks"]] for w in d["workers"]])
+        workers = text_table(["worker", "matched_blocks"], [[w["id"], w["matched_blocks"]] for w in d["workers"]])
         return f"model {d['model']}, block size {d['block_size']}, {len(d['blocks'])} blocks\n\n{blocks}\n\n{workers}"
 
     return _emit(args, _run_with_index(args, body), table)
 
 
-def _record_json(record: Any) -> dict[str, Any]:
+def _record_json(record: WorkerRecord) -> dict[str, Any]:
+    load = record.load
     return {
-        "id": record.worker_id, "model": record.model, "url": record.url, "alive": record.alive,
-        "blocks": record.blocks, "block_size": record.block_size, "dp_rank": record.dp_rank,
-        "gid": record.gid, "epoch": record.epoch, "heartbeat_age_ms": record.heartbeat_age_ms,
+        "id": record.worker_id,
+        "model": record.model,
+        "url": record.url,
+        "alive": record.alive,
+        "blocks": record.blocks,
+        "block_size": record.block_size,
+        "dp_rank": record.dp_rank,
+        "gid": record.gid,
+        "epoch": record.epoch,
+        "heartbeat_age_ms": record.heartbeat_age_ms,
         "ttl_ms": record.ttl_ms,
-        "running": record.load.running if record.load else None,
-        "waiting": record.load.waiting if record.load else None,
-        "kv_usage": record.load.kv_usage if record.load else None,
+        "running": load.running if load else None,
+        "waiting": load.waiting if load else None,
+        "kv_usage": load.kv_usage if load else None,
         "load_age_ms": record.load_age_ms,
-    }  # fmt: skip
+    }
+
+
+def _models_in_view(args: argparse.Namespace) -> str:
+    return f"workers of model {args.model!r}" if args.model else "workers"
 
 
 def _run_workers(args: argparse.Namespace) -> int:
-    async def body(index: RedisIndex) -> list[dict[str, Any]]:
+    async def body(index: RedisIndex, settings: RedisSettings) -> list[dict[str, Any]]:
         models = [args.model] if args.model else await index.models()
-        return [_record_json(r) for model in models for r in await index.workers(model)]
+        workers = [_record_json(r) for model in models for r in await index.workers(model)]
+        _hint_if_empty(bool(workers), _models_in_view(args), settings)
+        return workers
 
-    headers = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch", "heartbeat_age_ms",
-               "running", "waiting", "kv_usage"]  # fmt: skip
-    return _emit(args, _run_with_index(args, body), lambda d: _table(headers, [[w[h] for h in headers] for w in d]))
+    def table(workers: list[dict[str, Any]]) -> str:
+        return text_table(WORKER_COLUMNS, [[w[c] for c in WORKER_COLUMNS] for w in workers])
+
+    return _emit(args, _run_with_index(args, body), table)
 
 
 def _run_stats(args: argparse.Namespace) -> int:
-    async def body(index: RedisIndex) -> dict[str, Any]:
+    async def body(index: RedisIndex, settings: RedisSettings) -> dict[str, Any]:
         models = [args.model] if args.model else await index.models()
         out = [vars(await index.stats(m)) for m in models]
+        _hint_if_empty(any(s["workers"] for s in out), _models_in_view(args), settings)
         return {
             "models": [{k: v for k, v in s.items() if k != "extra"} for s in out],
             "redis": await index.server_memory(),
         }
 
     def table(d: dict[str, Any]) -> str:
-        headers = ["model", "block_size", "workers", "alive_workers", "entries", "block_keys", "gids_pending_gc"]
         mem = d["redis"]
-        return _table(headers, [[s[h] for h in headers] for s in d["models"]]) + (
+        return text_table(STATS_COLUMNS, [[s[c] for c in STATS_COLUMNS] for s in d["models"]]) + (
             f"\n\nRedis used_memory {mem['used_memory']} bytes, {mem['keys']} keys in the database"
         )
 
@@ -198,7 +217,8 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 
 def _run_gc(args: argparse.Namespace) -> int:
-    async def body(index: RedisIndex) -> dict[str, Any]:
+    async def body(index: RedisIndex, settings: RedisSettings) -> dict[str, Any]:
+        _hint_if_empty(bool(await index.workers(args.model)), f"workers of model {args.model!r}", settings)
         return vars(await index.gc(args.model, budget=args.budget, grace_ms=args.grace_ms))
 
-    return _emit(args, _run_with_index(args, body), lambda d: _table(list(d), [list(d.values())]))
+    return _emit(args, _run_with_index(args, body), lambda d: text_table(list(d), [list(d.values())]))

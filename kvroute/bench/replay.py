@@ -1,6 +1,6 @@
 """``kvroute bench replay TRACE``: routing quality on a real trace, routers side by side.
 
-Replays a Mooncake-format trace (or a built-in workload, :mod:`kvroute.replay_workload`) through a
+Replays a Mooncake-format trace (or a built-in workload, :mod:`kvroute.bench.replay_workload`) through a
 self-started stack: simulated engines whose caches together hold ``--cache-fraction`` of the
 replayed requests' distinct blocks, an agent per engine, and N kvroute router replicas per policy,
 optionally the SGLang router in front of the same engines (``--peer sglang``, N independent
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -30,12 +29,10 @@ from typing import Any
 
 import aiohttp
 
-from router.tokenizer import ModelPrompts
 from kvindex.settings import RedisSettings
-from kvroute.embedded_redis import RedisServer
-from kvroute.peers import SglangRouters
-from kvroute.replay_chart import chart
-from kvroute.replay_workload import (
+from kvroute.bench.common import cached_tokens, percentile, write_json
+from kvroute.bench.replay_chart import chart
+from kvroute.bench.replay_workload import (
     TRACE_BLOCK,
     TextPrompts,
     TraceRequest,
@@ -44,8 +41,12 @@ from kvroute.replay_workload import (
     synthetic_trace,
     tokens_of,
 )
-from kvroute.stack import MODEL, Stack, stream_completion
+from kvroute.devstack.embedded_redis import RedisServer
+from kvroute.devstack.peers import SglangRouters
+from kvroute.devstack.stack import MODEL, Stack, stream_completion
+from kvservice.lifecycle import StartupError
 from router.scoring import Policy
+from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 
@@ -68,15 +69,16 @@ class RunResult:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
-    reply = await stream_completion(session, url, "/v1/completions",
-                                    {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})  # fmt: skip
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+    reply = await stream_completion(session, url, "/v1/completions", body)
     if reply.status != 200:
         return {"failed": True}
     return {"failed": False, "ttft": reply.ttft_s, "usage": reply.usage or {}, "worker": reply.worker}
 
 
-async def send_all(urls: list[str], requests: list[TraceRequest], prompts: list[Any],
-                   args: argparse.Namespace) -> list[dict[str, Any]]:  # fmt: skip
+async def send_all(
+    urls: list[str], requests: list[TraceRequest], prompts: list[Any], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """Every request once, spread over ``urls`` in turn: open loop at the (scaled) timestamps, or
     ``args.concurrency`` at a time. Results come in completion order."""
     results: list[dict[str, Any]] = []
@@ -108,11 +110,12 @@ async def send_all(urls: list[str], requests: list[TraceRequest], prompts: list[
     return results
 
 
-def summarize(router: str, replicas: int, results: list[dict[str, Any]], per_worker: list[int],
-              lru: float) -> RunResult:  # fmt: skip
+def summarize(
+    router: str, replicas: int, results: list[dict[str, Any]], per_worker: list[int], lru: float
+) -> RunResult:
     done = [r for r in results if not r["failed"]]
     prompt = [r["usage"].get("prompt_tokens", 0) for r in done]
-    cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done]
+    cached = [cached_tokens(r["usage"]) for r in done]
     ttfts = sorted(1000 * r["ttft"] for r in done) or [0.0]
     hit_rate = sum(cached) / max(sum(prompt), 1)
     window = max(1, len(done) // TIME_WINDOWS)
@@ -126,7 +129,7 @@ def summarize(router: str, replicas: int, results: list[dict[str, Any]], per_wor
         hit_rate=hit_rate,
         of_lru_reference=hit_rate / max(lru, 1e-9),
         ttft_mean_ms=statistics.mean(ttfts),
-        ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        ttft_p99_ms=percentile(ttfts, 0.99),
         busiest_worker_vs_mean=max(per_worker, default=0) / max(mean_share, 1e-9),
         ttft_ms=[round(t, 2) for t in ttfts],
         hit_rate_over_time=[round(h, 4) for h in over_time],
@@ -145,8 +148,15 @@ async def _router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterato
         await stack.stop_routers()
 
 
-async def _replay_on_stack(stack: Stack, router: str, replicas: int, requests: list[TraceRequest],
-                           prompts: list[Any], args: argparse.Namespace, lru: float) -> RunResult:  # fmt: skip
+async def _replay_on_stack(
+    stack: Stack,
+    router: str,
+    replicas: int,
+    requests: list[TraceRequest],
+    prompts: list[Any],
+    args: argparse.Namespace,
+    lru: float,
+) -> RunResult:
     await stack.reset_caches()
     before = await stack.requests_per_engine()
     async with _router_urls(stack, router, replicas) as urls:
@@ -176,20 +186,45 @@ def _capacity(requests: list[TraceRequest], distinct: int, args: argparse.Namesp
     if per_engine_blocks < needed:
         # An engine must fit the largest request: grow the caches and say so (the references use
         # the same, effective capacity).
-        print(f"note: {args.cache_fraction:.0%} of the distinct blocks gives each engine {per_engine_blocks} blocks, "
-              f"less than the largest request's {needed}: using {needed}", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: {args.cache_fraction:.0%} of the distinct blocks gives each engine {per_engine_blocks} blocks, "
+            f"less than the largest request's {needed}: using {needed}",
+            file=sys.stderr,
+        )
         per_engine_blocks = needed
         capacity_trace_blocks = per_engine_blocks * args.engines * args.block_size // TRACE_BLOCK
     return capacity_trace_blocks, per_engine_blocks, needed * args.block_size
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    if args.synthetic:
-        requests = synthetic_trace(args.synthetic, args.limit)
-    else:
-        requests = load_trace(Path(args.trace), args.limit, args.max_input)
+def check_args(args: argparse.Namespace) -> None:
+    """Combinations argparse cannot check: a :class:`StartupError` (one line, exit status 2)."""
+    if (args.trace is None) == (args.synthetic is None):
+        raise StartupError("give a TRACE file or --synthetic KIND (one of them)")
+    if args.concurrency < 0 or args.limit <= 0 or args.time_scale <= 0 or not 0 < args.cache_fraction <= 1:
+        raise StartupError(
+            "--concurrency >= 0, --limit > 0, --time-scale > 0 and 0 < --cache-fraction <= 1 are required"
+        )
+    if args.router_url and args.peer:
+        raise StartupError("--peer needs the self-started stack, not --router-url")
+
+
+def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
+    """The requests to replay; a missing or malformed trace is a :class:`StartupError` (file:line)."""
+    try:
+        if args.synthetic:
+            requests = synthetic_trace(args.synthetic, args.limit)
+        else:
+            requests = load_trace(Path(args.trace), args.limit, args.max_input)
+    except OSError as exc:
+        raise StartupError(f"cannot read the trace {args.trace}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a malformed row: file:line and what is wrong
+        raise StartupError(str(exc)) from None
     if not requests:
-        raise ValueError("no request to replay (check --limit and --max-input)")
+        raise StartupError("no request to replay (check --limit and --max-input)")
+    return requests
+
+
+async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, Any]:
     text = args.prompts == "text" or bool(args.peer)  # the peer takes text only: every run gets text
     prompts = _prompts(requests, text)
     distinct = len({h for r in requests for h in r.hash_ids})
@@ -205,20 +240,37 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         runs = [summarize("external", len(urls), results, list(per_worker.values()), lru)]
     else:
         runs = await _run_on_stack(requests, prompts, args, per_engine_blocks, max_model_len, lru)
-    return {"requests": len(requests), "distinct_trace_blocks": distinct, "prompts": "text" if text else "token ids",
-            "cache_fraction": capacity / distinct, "engines": engines, "lru_reference_hit_rate": lru,
-            "infinite_cache_hit_rate": infinite, "runs": [asdict(r) for r in runs]}  # fmt: skip
+    return {
+        "requests": len(requests),
+        "distinct_trace_blocks": distinct,
+        "prompts": "text" if text else "token ids",
+        "cache_fraction": capacity / distinct,
+        "engines": engines,
+        "lru_reference_hit_rate": lru,
+        "infinite_cache_hit_rate": infinite,
+        "runs": [asdict(r) for r in runs],
+    }
 
 
-async def _run_on_stack(requests: list[TraceRequest], prompts: list[Any], args: argparse.Namespace,
-                        per_engine_blocks: int, max_model_len: int, lru: float) -> list[RunResult]:  # fmt: skip
-    timing = TimingModel(prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, decode_ms_per_step=5,
-                         max_running=args.max_running, speedup=args.time_scale)  # fmt: skip
+async def _run_on_stack(
+    requests: list[TraceRequest],
+    prompts: list[Any],
+    args: argparse.Namespace,
+    per_engine_blocks: int,
+    max_model_len: int,
+    lru: float,
+) -> list[RunResult]:
+    timing = TimingModel(
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k,
+        decode_ms_per_step=5,
+        max_running=args.max_running,
+        speedup=args.time_scale,
+    )
     runs = []
     with RedisServer() as server:
-        stack = Stack(RedisSettings(url=server.url), engines=args.engines, num_blocks=per_engine_blocks,
-                      block_size=args.block_size, timing=timing, max_model_len=max_model_len)  # fmt: skip
-        async with stack:
+        redis = RedisSettings(url=server.url)
+        sizes = {"num_blocks": per_engine_blocks, "block_size": args.block_size, "max_model_len": max_model_len}
+        async with Stack(redis, engines=args.engines, timing=timing, **sizes) as stack:
             for replicas in (int(r) for r in args.replicas.split(",")):
                 for router in _routers(args):
                     print(f"replaying {len(requests)} requests: {router}, {replicas} replica(s)", file=sys.stderr)
@@ -227,22 +279,27 @@ async def _run_on_stack(requests: list[TraceRequest], prompts: list[Any], args: 
 
 
 def render(results: dict[str, Any]) -> str:
-    lines = [f"{results['requests']} requests ({results['prompts']}), {results['engines']} engines, caches = "
-             f"{results['cache_fraction']:.0%} of {results['distinct_trace_blocks']} distinct blocks; references: "
-             f"shared LRU {results['lru_reference_hit_rate']:.1%}, infinite {results['infinite_cache_hit_rate']:.1%}",
-             "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed"]  # fmt: skip
+    lines = [
+        f"{results['requests']} requests ({results['prompts']}), {results['engines']} engines, caches = "
+        f"{results['cache_fraction']:.0%} of {results['distinct_trace_blocks']} distinct blocks; references: "
+        f"shared LRU {results['lru_reference_hit_rate']:.1%}, infinite {results['infinite_cache_hit_rate']:.1%}",
+        "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed",
+    ]
     for r in results["runs"]:
-        lines.append(f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
-                     f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
-                     f"{r['failed']}")  # fmt: skip
+        lines.append(
+            f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
+            f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
+            f"{r['failed']}"
+        )
     return "\n".join(lines)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    results = asyncio.run(run_benchmark(args))
+    check_args(args)
+    results = asyncio.run(run_benchmark(args, load_requests(args)))
     print(render(results))
     chart(results, Path(args.chart))
     print(f"chart written to {Path(args.chart).resolve()}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 0

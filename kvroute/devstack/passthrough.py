@@ -3,19 +3,22 @@
 It forwards ``POST /v1/completions`` bodies to one upstream and returns the reply, with the same
 client, server and event loop as the router but no decoding, tokenizing, hashing or Redis. What
 the router adds beyond this is the cost of routing; what this adds is the cost of a Python hop.
-Run as ``python -m kvroute.passthrough PORT UPSTREAM_URL``.
+Run as ``python -m kvroute.devstack.passthrough PORT UPSTREAM_URL``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import aiohttp
-import uvloop
 from aiohttp import web
 
+from kvroute.bench.common import serve_app
+from kvservice.lifecycle import listening, run_service, serve_until_signal
+
+PROG = "python -m kvroute.devstack.passthrough"
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
@@ -29,13 +32,12 @@ async def completions_site(port: int, completions: Handler) -> web.AppRunner:
     app = web.Application(client_max_size=64 << 20)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_app(app, port)
 
 
-async def serve(port: int, upstream: str) -> None:
+@asynccontextmanager
+async def passthrough(port: int, upstream: str) -> AsyncIterator[web.AppRunner]:
+    """The pass-through on ``port`` until the block exits."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def completions(request: web.Request) -> web.Response:
@@ -45,19 +47,20 @@ async def serve(port: int, upstream: str) -> None:
                 data = await reply.read()
                 return web.Response(status=reply.status, body=data, content_type=reply.content_type)
 
-        runner = await completions_site(port, completions)
+        with listening("the pass-through", f"127.0.0.1:{port}", "PORT"):
+            runner = await completions_site(port, completions)
         try:
-            await asyncio.Event().wait()
+            yield runner
         finally:
             await runner.cleanup()
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or not argv[0].isdigit():
-        print("usage: python -m kvroute.passthrough PORT UPSTREAM_URL", file=sys.stderr)
+        print(f"usage: {PROG} PORT UPSTREAM_URL", file=sys.stderr)
         return 2
-    uvloop.run(serve(int(argv[0]), argv[1].rstrip("/")))
-    return 0
+    port, upstream = int(argv[0]), argv[1].rstrip("/")
+    return run_service(PROG, lambda: serve_until_signal(passthrough(port, upstream)))
 
 
 if __name__ == "__main__":

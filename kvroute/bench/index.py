@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -20,7 +19,8 @@ from redis.asyncio import Redis
 
 from kvindex.redis_index import RedisIndex
 from kvindex.types import StoredRun, WorkerInfo
-from kvroute.embedded_redis import redis_url_or_private
+from kvroute.bench.common import percentile, write_json
+from kvroute.devstack.embedded_redis import redis_url_or_private
 
 SYSTEM_PROMPTS = 8
 SYSTEM_BLOCKS = 32
@@ -44,10 +44,6 @@ class Fleet:
     conversations: list[list[int]]
     entries: int
     memory_bytes: int
-
-
-def _parse_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
 
 
 async def _redis_cpu_us_per_match(client: Redis) -> float:
@@ -94,9 +90,7 @@ async def time_matches(client: Redis, model: str, chains: list[list[int]]) -> tu
         start = time.perf_counter()
         await index.match(model, chain)
         samples.append((time.perf_counter() - start) * 1000)
-    samples.sort()
-    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
-    return statistics.median(samples), p99, await _redis_cpu_us_per_match(client)
+    return statistics.median(samples), percentile(samples, 0.99), await _redis_cpu_us_per_match(client)
 
 
 async def adversarial_chain(client: Redis, workers: int, blocks: int) -> tuple[str, list[int]]:
@@ -137,7 +131,7 @@ async def run_benchmark(url: str, args: argparse.Namespace) -> dict[str, object]
     rows: list[MatchRow] = []
     memory: list[dict[str, float]] = []
     rng = random.Random(11)
-    for workers in _parse_list(args.workers):
+    for workers in args.workers:
         fleet = await load_fleet(client, f"bench-w{workers}", workers, args.entries)
         memory.append(
             {"workers": workers, "entries": fleet.entries, "bytes_per_entry": fleet.memory_bytes / fleet.entries}
@@ -145,7 +139,7 @@ async def run_benchmark(url: str, args: argparse.Namespace) -> dict[str, object]
         print(
             f"loaded {fleet.entries} entries for {workers} workers ({fleet.memory_bytes / fleet.entries:.1f} B/entry)"
         )
-        for blocks in _parse_list(args.prompt_blocks):
+        for blocks in args.prompt_blocks:
             chains = [rng.choice(fleet.conversations)[:blocks] for _ in range(args.queries)]
             p50, p99, cpu = await time_matches(client, fleet.model, chains)
             rows.append(MatchRow(blocks, workers, "shared prefixes", p50, p99, cpu))
@@ -186,6 +180,5 @@ def run_from_args(args: argparse.Namespace) -> int:
     print()
     print(render(results))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        write_json(args.json, results)
     return 0

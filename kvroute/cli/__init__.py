@@ -1,0 +1,44 @@
+"""The ``kvroute`` command: one entry point, one module per subcommand.
+
+Each module adds its subcommand's parser and hands the parsed arguments to the package that does
+the work (``router``, ``worker_agent``, ``sim_engine``, :mod:`kvroute.bench`, :mod:`kvroute.demo`).
+A :class:`~kvservice.lifecycle.StartupError` raised by a handler (a bad setting, a Redis that
+cannot be used) is printed as one line, ``PROG: error: MESSAGE``, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvroute import __version__
+from kvroute.cli import agent, bench, demo, index, router, sim
+from kvservice.lifecycle import EXIT_BAD_SETTINGS, EXIT_INTERRUPTED, StartupError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute", description="KV-cache-aware routing for LLM inference fleets, with a shared index in Redis."
+    )
+    parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (demo, index, agent, sim, router, bench):
+        module.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except StartupError as exc:
+        print(f"{getattr(args, 'prog', parser.prog)}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Argument types shared by the subcommands: a bad value is argparse's usual error (exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive integers, e.g. '8,64,128'."""
+    values = [positive_int(v.strip()) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def token_ids(text: str) -> list[int]:
+    """Token ids as '1,2,3' or a JSON list '[1, 2, 3]'."""
+    raw = text.strip()
+    try:
+        values = json.loads(raw) if raw.startswith("[") else [int(v) for v in raw.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"token ids must be integers like 1,2,3: {exc}") from None
+    if not isinstance(values, list) or not all(isinstance(v, int) and 0 <= v <= 0xFFFFFFFF for v in values):
+        raise argparse.ArgumentTypeError("token ids must be integers in 0..4294967295")
+    return values

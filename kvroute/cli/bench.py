@@ -1,0 +1,128 @@
+"""``kvroute bench ...``: benchmarks whose figures go into docs/benchmarks.md.
+
+The flags of each benchmark; the work is in :mod:`kvroute.bench`'s module of the same name, imported
+only when that benchmark runs. A process a benchmark started that exits or never comes up ends the
+run with one message (exit status 1); bad settings are a ``StartupError`` (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from kvroute.cli.argtypes import positive_float, positive_int, positive_ints
+
+
+def add_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+
+    def benchmark(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(handler=_run, prog=p.prog)
+        return p
+
+    _index_flags(benchmark("index", "match latency, Redis CPU per match, ingest rate and memory of the index"))
+    _agent_flags(benchmark("agent", "block events per second one agent process applies"))
+    _sim_flags(benchmark("sim", "memory, idle CPU and throughput of N simulated engines"))
+    _router_flags(benchmark("router", "latency the router adds, and requests/s of one router process"))
+    _replay_flags(benchmark("replay", "routing quality on a Mooncake-format trace, policies side by side"))
+
+
+def _index_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    p.add_argument(
+        "--entries", type=positive_int, default=1_000_000, help="(block, worker) entries to load per worker count"
+    )
+    p.add_argument(
+        "--prompt-blocks", type=positive_ints, default="64,512,2048", help="comma-separated prompt lengths in blocks"
+    )
+    p.add_argument("--workers", type=positive_ints, default="8,64,128", help="comma-separated worker counts")
+    p.add_argument("--queries", type=positive_int, default=2000, help="matches timed per cell")
+    p.add_argument("--writers", type=positive_int, default=8, help="concurrent writers for the ingest test")
+    p.add_argument("--json", help="also write the results to this JSON file")
+
+
+def _agent_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    p.add_argument("--batches", type=positive_int, default=20_000, help="engine batches to publish")
+    p.add_argument(
+        "--blocks-per-batch", type=positive_int, default=8, help="blocks stored (and, once full, evicted) per batch"
+    )
+    p.add_argument(
+        "--cache-blocks", type=positive_int, default=20_000, help="the simulated engine's cache size in blocks"
+    )
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+
+
+def _sim_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=positive_int, default=16, help="simulated engine processes")
+    p.add_argument("--idle-seconds", type=positive_float, default=10.0, help="how long idle CPU is measured")
+    p.add_argument("--load-seconds", type=positive_float, default=10.0, help="how long the load runs")
+    p.add_argument("--concurrency", type=positive_int, default=32, help="concurrent clients during the load")
+    p.add_argument("--speedup", type=positive_float, default=20.0, help="the engines' --speedup")
+
+
+def _router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=positive_float, default=200.0, help="open-loop requests/s for the latency runs")
+    p.add_argument("--requests", type=positive_int, default=1000, help="requests per latency run")
+    p.add_argument("--seconds", type=positive_float, default=10.0, help="duration of the max-throughput run")
+    p.add_argument("--concurrency", type=positive_int, default=64, help="clients in the max-throughput run")
+    p.add_argument("--sglang", action="store_true", help="also measure the SGLang router (pip install sglang-router)")
+
+
+def _replay_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", help="a Mooncake-format trace (JSON lines: timestamp, input_length, hash_ids)")
+    p.add_argument(
+        "--synthetic",
+        choices=["shared-prefix", "multi-turn", "documents"],
+        help="a built-in workload instead of a trace",
+    )
+    p.add_argument("--limit", type=positive_int, default=1000, help="replay the first N requests (default 1000)")
+    p.add_argument("--max-input", type=positive_int, default=32_768, help="skip requests longer than this (tokens)")
+    p.add_argument("--max-output", type=positive_int, default=8, help="cap output tokens (default 8)")
+    p.add_argument("--engines", type=positive_int, default=8, help="simulated engines (default 8)")
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="fleet cache / distinct blocks (default 0.1)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
+    p.add_argument("--time-scale", type=positive_float, default=20.0, help="replay this many times faster (default 20)")
+    p.add_argument("--prefill-ms-per-1k", type=float, default=50.0, help="engines' prefill cost (default 50)")
+    p.add_argument("--max-running", type=positive_int, default=32, help="engines' batch limit (default 32)")
+    p.add_argument("--policies", default="kv,round_robin", help="comma-separated policies")
+    p.add_argument("--replicas", default="1,4", help="comma-separated router replica counts")
+    p.add_argument(
+        "--peer",
+        choices=["sglang"],
+        help="also run the SGLang router (cache_aware) on the same engines; "
+        "sends text prompts to every router (sglang-router from $KVROUTE_SGLANG_PYTHON or python3)",
+    )
+    p.add_argument(
+        "--prompts",
+        choices=["tokens", "text"],
+        default="tokens",
+        help="send token ids (default) or text (one word per token)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=0, help="send at this fixed concurrency instead of at the trace's timestamps"
+    )
+    p.add_argument(
+        "--router-url",
+        help="replay through running routers (comma-separated replica URLs) instead of "
+        "a self-started stack; the LRU reference then assumes --cache-fraction",
+    )
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--chart", default="kvroute-replay.png", help="where to write the PNG chart")
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run ``kvroute.bench.<name>``; a process it needed that failed is one message, exit status 1."""
+    from kvroute.bench.common import ProcessFailed
+    from kvroute.devstack.peers import PeerError
+
+    module = importlib.import_module(f"kvroute.bench.{args.bench_command}")
+    try:
+        return int(module.run_from_args(args))
+    except (ProcessFailed, PeerError) as exc:
+        print(f"{args.prog}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,292 @@
+"""A whole kvroute stack on one machine: simulated engines, an agent per engine and router replicas,
+each a process of its own. Used by ``kvroute demo`` and ``kvroute bench replay``.
+
+Every wait is on observable state (an engine's /health, the workers registered in Redis, a router
+that sees every engine, the agents' emptied index after a cache reset), and a process that exits
+while it is awaited ends the wait with the tail of its log. Everything started is stopped when the
+``async with`` block exits, whatever the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvindex.keys import KeySchema
+from kvindex.redis_index import RedisIndex
+from kvindex.settings import RedisSettings
+from kvindex.types import WorkerRecord
+from kvroute.bench.common import exited, poll_until, remove_files, start_logged, stop_processes, wait_healthy
+from kvroute.devstack.embedded_redis import free_port
+from router.scoring import Policy
+from sim_engine.engine import TimingModel
+from sim_engine.settings import TINY_MODEL_DIR
+
+MODEL = "tiny"
+TINY_PROMPT = [7, 8, 9]  # a request that publishes an engine's pending KV events
+
+
+@dataclass
+class StreamedReply:
+    """What a streamed completion through a router told us."""
+
+    status: int
+    text: str = ""  # the body, when the status is not 200
+    ttft_s: float = 0.0  # time to the first streamed event
+    usage: dict[str, Any] | None = None
+    worker: str = ""  # x-kvroute-worker
+    predicted_cached_tokens: int = 0  # x-kvroute-cached-tokens
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> StreamedReply:
+    """POST ``body`` with streaming and usage on; time the first event and keep the usage."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    async with session.post(url + path, json=body) as response:
+        if response.status != 200:
+            return StreamedReply(response.status, text=(await response.text())[:300])
+        headers = response.headers  # peers (SGLang's router) send neither of kvroute's headers
+        predicted = int(headers.get("x-kvroute-cached-tokens", 0))
+        reply = StreamedReply(200, worker=headers.get("x-kvroute-worker", ""), predicted_cached_tokens=predicted)
+        async for line in response.content:
+            if not reply.ttft_s and line.startswith(b"data:"):
+                reply.ttft_s = time.perf_counter() - started
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                reply.usage = json.loads(line[6:]).get("usage") or reply.usage
+    return reply
+
+
+async def metric_value(session: aiohttp.ClientSession, base_url: str, name: str) -> float | None:
+    """The first sample called ``name`` on ``base_url``'s Prometheus page (None: no such sample)."""
+    async with session.get(base_url + "/metrics") as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
+
+
+@dataclass
+class Child:
+    """A process of the stack and the file its stderr goes to."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log: str
+
+    def failure(self) -> Exception | None:
+        return exited(self.process, self.log, self.name)
+
+
+@dataclass
+class EngineProcess(Child):
+    url: str = ""
+    events_port: int = 0
+    replay_port: int = 0
+
+
+@dataclass(frozen=True)
+class CacheCensus:
+    """Which blocks the engines' prefix caches hold, counted across engines."""
+
+    per_engine: list[int]  # blocks each engine holds
+    distinct: int  # distinct blocks held anywhere
+    shared: int  # of those, blocks held by more than one engine
+
+    @property
+    def duplication(self) -> float:
+        """Distinct cached blocks held by more than one engine, as a fraction of all distinct ones."""
+        return self.shared / max(self.distinct, 1)
+
+
+class Stack:
+    def __init__(
+        self,
+        redis: RedisSettings,
+        engines: int = 4,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        timing: TimingModel | None = None,
+        max_model_len: int = 4096,
+    ) -> None:
+        self.redis = redis
+        self.engines = engines
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._max_model_len = max_model_len
+        self._timing = timing or TimingModel(prefill_ms_per_1k_tokens=200, decode_ms_per_step=5, step_overhead_ms=1)
+        self.running: list[EngineProcess] = []
+        self._agents: list[Child] = []
+        self._routers: list[Child] = []
+        self._ports: set[int] = set()
+        self._logs: list[str] = []
+
+    async def __aenter__(self) -> Stack:
+        try:
+            self.running = [self._start_engine(n) for n in range(self.engines)]
+            async with aiohttp.ClientSession() as session:
+                for engine in self.running:
+                    await wait_healthy(session, engine.url + "/health", engine.process, engine.log, name=engine.name)
+            self._agents = [self._start_agent(engine) for engine in self.running]
+            await self._wait_registered()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    def _port(self) -> int:
+        """A free port not handed to another process of this stack yet (free_port() may repeat)."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
+    def _start(self, name: str, command: list[str]) -> Child:
+        process, log = start_logged(command, name.split()[0])  # kvroute-router-XXXX.log and the like
+        self._logs.append(log)
+        return Child(name, process, log)
+
+    def _start_engine(self, number: int) -> EngineProcess:
+        port, events, replay = self._port(), self._port(), self._port()
+        t = self._timing
+        command = [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", MODEL]
+        command += ["--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}"]
+        command += ["--topic", "kv", "--num-blocks", str(self._num_blocks), "--block-size", str(self._block_size)]
+        command += ["--max-model-len", str(self._max_model_len), "--max-running", str(t.max_running)]
+        command += ["--prefill-ms-per-1k-tokens", str(t.prefill_ms_per_1k_tokens)]
+        command += ["--decode-ms-per-step", str(t.decode_ms_per_step), "--step-overhead-ms", str(t.step_overhead_ms)]
+        command += ["--speedup", str(t.speedup)]
+        child = self._start(f"simulated engine {number}", command)
+        return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
+
+    def _start_agent(self, engine: EngineProcess) -> Child:
+        command = [sys.executable, "-m", "worker_agent", "--engine-url", engine.url]
+        command += ["--events", f"tcp://127.0.0.1:{engine.events_port}"]
+        command += ["--replay", f"tcp://127.0.0.1:{engine.replay_port}", "--topic", "kv"]
+        command += ["--redis-url", self.redis.url, "--prefix", self.redis.prefix, "--log-level", "WARNING"]
+        return self._start(f"agent of {engine.name}", command)
+
+    def _raise_if_any_exited(self, children: list[Child]) -> None:
+        for child in children:
+            if (failure := child.failure()) is not None:
+                raise failure
+
+    async def _index_workers(
+        self, check: Callable[[list[WorkerRecord]], bool], what: str, within_s: float = 60.0
+    ) -> None:
+        """Poll ``check(workers of MODEL)`` until True; an agent that exits ends the wait."""
+        client = self.redis.client()
+        index = RedisIndex(client, KeySchema(self.redis.prefix))
+
+        async def done() -> bool:
+            self._raise_if_any_exited(self._agents)
+            return check(await index.workers(MODEL))
+
+        try:
+            await poll_until(done, what, within_s)
+        finally:
+            await client.aclose()
+
+    async def _wait_registered(self) -> None:
+        await self._index_workers(
+            lambda workers: len([w for w in workers if w.alive]) >= self.engines,
+            f"the {self.engines} agents did not register",
+        )
+
+    async def start_routers(self, policy: Policy, replicas: int = 2) -> list[str]:
+        """``replicas`` router processes (each its own interpreter, as deployed), ready and seeing
+        every engine; their URLs."""
+        started = [self._start_router(policy, n) for n in range(replicas)]
+        self._routers += [child for child, _ in started]
+        async with aiohttp.ClientSession() as session:
+            for child, url in started:
+                await self._wait_router(session, child, url)
+        return [url for _, url in started]
+
+    def _start_router(self, policy: Policy, number: int) -> tuple[Child, str]:
+        port = self._port()
+        command = [sys.executable, "-m", "router", "--redis-url", self.redis.url, "--prefix", self.redis.prefix]
+        command += ["--port", str(port), "--policy", policy.value, "--replica-id", f"stack-{number}-{port}"]
+        command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]
+        return self._start(f"router replica {number}", command), f"http://127.0.0.1:{port}"
+
+    async def _wait_router(self, session: aiohttp.ClientSession, router: Child, url: str) -> None:
+        """Until the router's /debug/route lists every engine (it sees the whole fleet)."""
+        probe = {"model": MODEL, "prompt": [1, 2, 3]}
+
+        async def sees_every_engine() -> bool:
+            self._raise_if_any_exited([router])
+            try:
+                async with session.post(url + "/debug/route", json=probe) as response:
+                    return response.status == 200 and len((await response.json())["workers"]) >= self.engines
+            except aiohttp.ClientError:
+                return False
+
+        await poll_until(sees_every_engine, f"{router.name} at {url} did not see the {self.engines} engines")
+
+    async def stop_routers(self) -> None:
+        routers, self._routers = self._routers, []
+        stop_processes(child.process for child in routers)
+
+    async def reset_caches(self) -> None:
+        """Empty every engine's prefix cache, and wait until the agents have emptied the index too:
+        a tiny request per engine publishes the clear (it caches a block only when blocks are tiny)."""
+        async with aiohttp.ClientSession() as session:
+            for engine in self.running:
+                async with session.post(engine.url + "/reset_prefix_cache") as response:
+                    response.raise_for_status()
+                body = {"model": MODEL, "prompt": TINY_PROMPT, "max_tokens": 1}
+                async with session.post(engine.url + "/v1/completions", json=body) as response:
+                    response.raise_for_status()
+        tiny_blocks = (len(TINY_PROMPT) + 1) // self._block_size  # its prompt and output token
+        await self._index_workers(
+            lambda workers: all(w.blocks <= tiny_blocks for w in workers),
+            "the agents did not apply the cache resets",
+        )
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [engine.url for engine in self.running]
+
+    async def requests_per_engine(self) -> list[int]:
+        """Each engine's finished requests so far (its ``vllm:request_success`` counter)."""
+        counts = []
+        async with aiohttp.ClientSession() as session:
+            for engine in self.running:
+                counts.append(int(await metric_value(session, engine.url, "vllm:request_success_total") or 0))
+        return counts
+
+    async def cache_census(self) -> CacheCensus:
+        """The blocks in every engine's prefix cache now (the engines' own /debug/cache)."""
+        holders: Counter[str] = Counter()
+        per_engine = []
+        async with aiohttp.ClientSession() as session:
+            for engine in self.running:
+                async with session.get(engine.url + "/debug/cache") as response:
+                    blocks = set((await response.json())["cached_blocks"])
+                per_engine.append(len(blocks))
+                holders.update(blocks)
+        return CacheCensus(per_engine, len(holders), sum(1 for n in holders.values() if n > 1))
+
+    async def duplication(self) -> float:
+        """Distinct cached blocks held by more than one engine, as a fraction of all distinct ones."""
+        return (await self.cache_census()).duplication
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        children = [*self._routers, *self._agents, *self.running]
+        stop_processes(child.process for child in children)
+        self._routers = []
+        remove_files(self._logs)
