@@ -15,7 +15,7 @@ from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
-from kvroute.embedded_redis import RedisServer, available_servers, free_port
+from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
 from sim_engine.kv_events import cleared_event, removed_event, stored_event
 from tests.conftest import server_kinds
 from tests.support import ROOT, AgentProcess, EngineStandIn, wait_until

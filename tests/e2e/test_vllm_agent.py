@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
-from kvroute.embedded_redis import RedisServer
+from kvroute.devstack.embedded_redis import RedisServer
 from tests.conftest import server_kinds
 from tests.support import ROOT, AgentProcess, wait_until
 from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
