@@ -60,6 +60,8 @@ class ReplayClient:
         if not result.complete:
             log.warning(
                 "replay from %s (start seq %d) ended without its end marker after %d messages",
-                self.endpoint, start_seq, len(result.messages),
-            )  # fmt: skip
+                self.endpoint,
+                start_seq,
+                len(result.messages),
+            )
         return result

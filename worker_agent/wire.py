@@ -21,9 +21,23 @@ REPLAY_END_SEQ = 0xFFFFFFFFFFFFFFFF
 MAX_TOKEN_ID = 0xFFFFFFFF  # token ids are hashed as u32
 
 # Field order of each event type after "type" (the positional encoding uses this order).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-                  "locality", "ownership", "session_id", "lookahead_token_ids")  # fmt: skip
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
 

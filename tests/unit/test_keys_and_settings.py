@@ -7,8 +7,17 @@ from kvindex.settings import RedisSettings
 
 def test_every_model_key_shares_the_model_hash_tag():
     keys = KeySchema("kvr").for_model("meta-llama/Llama-3.1-8B")
-    names = [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.gc_cursors,
-             keys.worker("http://10.0.0.1:8000#0"), keys.log(17), keys.block(2**64 - 1)]  # fmt: skip
+    names = [
+        keys.meta,
+        keys.workers,
+        keys.gids,
+        keys.alive,
+        keys.retired,
+        keys.gc_cursors,
+        keys.worker("http://10.0.0.1:8000#0"),
+        keys.log(17),
+        keys.block(2**64 - 1),
+    ]
     assert {key_slot(n.encode()) for n in names} == {key_slot(b"meta-llama/Llama-3.1-8B")}
     assert keys.block(255) == "kvr:{meta-llama/Llama-3.1-8B}:b:00000000000000ff"
 
