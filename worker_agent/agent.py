@@ -1,15 +1,17 @@
 """The agent's lifecycle: one per engine (per data-parallel rank).
 
-Start: subscribe to the events first (so nothing published from then on is lost), wait for the
-engine's /health, learn the model and block size, register, rebuild from the replay buffer, then
-run the loops below until SIGTERM, which deregisters the worker (its entries stop counting at once).
+Start (:mod:`worker_agent.main`): subscribe to the events first (so nothing published from then
+on is lost), then here: wait for the engine's /health, learn the model and block size, register,
+rebuild from the replay buffer, then run the loops below until stopped (SIGTERM), which
+deregisters the worker (its entries stop counting at once).
 
 * events: receive, and apply in order (:mod:`worker_agent.pipeline`).
 * liveness: heartbeat each second; re-assert everything when Redis lost the record, restarted
   (run_id changed), missed a write, or holds a different block count than the mirror, and
   periodically anyway.
 * engine: /health (down for a few checks -> leave the index; back -> a new, empty cache) and
-  /metrics every 250 ms -> the load signal in the index.
+  /metrics every 250 ms -> the load signal in the index, and the events watch
+  (:class:`worker_agent.events.EventsWatch`).
 * gc: a bounded step of the index's garbage collection now and then.
 """
 
@@ -25,28 +27,21 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Histogram
 
-from kvindex.errors import KVIndexError
 from kvindex.redis_index import RedisIndex
 from kvindex.types import HeartbeatStatus, WorkerInfo
 from worker_agent.engine import EngineClient
+from worker_agent.events import EventsWatch
 from worker_agent.metrics import AgentCounters, Gauges
 from worker_agent.pipeline import EventPipeline, Received
 from worker_agent.replay import ReplayClient
 from worker_agent.settings import AgentSettings
-from worker_agent.translate import Translator
-from worker_agent.wire import BlockStored
 from worker_agent.writer import REDIS_FAILURES, WorkerWriter
 
 log = logging.getLogger(__name__)
 MAX_MESSAGES_PER_STEP = 512  # queued messages applied with one Lua call when the agent lags
 EXIT_SUPERSEDED = 3
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM binds its PUB to wildcard endpoints (tcp://*:5557) and connects to a specific host;
-    the agent does the opposite: it connects to tcp://engine:5557, and binds tcp://*:5557."""
-    return "*" in endpoint or "::" in endpoint
 
 
 class Agent:
@@ -55,22 +50,24 @@ class Agent:
         settings: AgentSettings,
         index: RedisIndex,
         engine: EngineClient,
-        context: zmq.asyncio.Context,
-        pipeline_factory: Callable[[WorkerWriter, Translator, ReplayClient | None], EventPipeline],
+        subscriber: zmq.asyncio.Socket,
+        replay: ReplayClient | None,
         counters: AgentCounters,
+        latency: Histogram,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.settings = settings
         self.index = index
         self.engine = engine
         self.counters = counters
         self.writer = WorkerWriter(index, counters, settings.ttl_ms)
-        replay = ReplayClient(context, settings.replay, settings.replay_timeout_s) if settings.replay else None
-        self.pipeline = pipeline_factory(self.writer, Translator(settings.block_size), replay)
+        self.pipeline = EventPipeline(self.writer, replay, settings.topic, counters, latency, settings.block_size)
+        self.watch = EventsWatch(settings.events, settings.topic, settings.events_warn_after_s)
         self.engine_up = False
         self.exit_code = 0
-        self._context = context
+        self._subscriber = subscriber
         self._lock = asyncio.Lock()  # one writer at a time: op ids must reach Redis in order
-        self._stop = asyncio.Event()
+        self._stop = stop or asyncio.Event()
         self._model = settings.model
         self._run_id: str | None = None
 
@@ -80,15 +77,15 @@ class Agent:
         self._stop.set()
 
     async def run(self) -> int:
-        subscriber = self._subscribe()
+        """Start, run the loops until stopped (or one crashes: exit 1), then deregister."""
         tasks: list[asyncio.Task[None]] = []
         try:
             if not await self._start():
                 return self.exit_code
             loops: list[Callable[[], Coroutine[Any, Any, None]]] = [
-                lambda: self._events_loop(subscriber),
+                self._events_loop,
                 self._liveness_loop,
-                self._load_loop,
+                self._engine_loop,
                 self._health_loop,
                 self._gc_loop,
             ]
@@ -107,19 +104,7 @@ class Agent:
             if self.exit_code != EXIT_SUPERSEDED:
                 async with self._lock:
                     await self.writer.deregister()
-            subscriber.close(linger=0)
         return self.exit_code
-
-    def _subscribe(self) -> zmq.asyncio.Socket:
-        socket = self._context.socket(zmq.SUB)
-        socket.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's own send HWM: ride out bursts
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
-        if binds(self.settings.events):
-            socket.bind(self.settings.events)  # the engine was given tcp://<this host>:port: it connects
-        else:
-            socket.connect(self.settings.events)
-        return socket
 
     async def _start(self) -> bool:
         """Wait for the engine, learn what is needed, register and catch up. False if stopped."""
@@ -131,9 +116,9 @@ class Agent:
         if self._stop.is_set():
             return False
         self.engine_up = True
-        if self.pipeline.translator.block_size is None:
+        if self.pipeline.block_size is None:  # not in the settings: the engine's /metrics may say
             metrics = await self.engine.metrics()
-            self.pipeline.translator.block_size = metrics.block_size if metrics else None
+            self.pipeline.block_size = metrics.block_size if metrics else None
         async with self._lock:
             await self._register_and_catch_up()
         return not self._stop.is_set()
@@ -152,19 +137,16 @@ class Agent:
     async def _register_and_catch_up(self) -> None:
         """Register (retrying while Redis is down) and rebuild from the replay buffer. Needs the
         block size; without one the first BlockStored brings it (see _events_loop)."""
-        block_size = self.pipeline.translator.block_size
-        if block_size is None or self._model is None:
+        block_size = self.pipeline.block_size
+        if block_size is None or self._model is None or self._stop.is_set():
             return
-        info = WorkerInfo(
-            self.settings.resolved_worker_id, self._model, self.settings.engine_root, block_size, self.settings.dp_rank
-        )
+        settings = self.settings
+        info = WorkerInfo(settings.resolved_worker_id, self._model, settings.engine_root, block_size, settings.dp_rank)
         while not await self.writer.register(info):
-            if await self._sleep(self.settings.heartbeat_interval_s):
+            if await self._sleep(settings.heartbeat_interval_s):
                 return
         with contextlib.suppress(*REDIS_FAILURES):
             self._run_id = await self.index.server_run_id()
-        self.pipeline.translator.reset()
-        self.pipeline.sequencer.reset()
         await self.pipeline.catch_up()
 
     async def _sleep(self, seconds: float) -> bool:
@@ -175,17 +157,23 @@ class Agent:
 
     # --- loops ----------------------------------------------------------------------------
 
-    async def _events_loop(self, subscriber: zmq.asyncio.Socket) -> None:
+    async def _receive(self) -> list[Received]:
+        """The next message, and any queued behind it (up to MAX_MESSAGES_PER_STEP)."""
+        messages = [Received(await self._subscriber.recv_multipart())]
+        while len(messages) < MAX_MESSAGES_PER_STEP:
+            try:
+                messages.append(Received(await self._subscriber.recv_multipart(flags=zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        self.watch.message()
+        return messages
+
+    async def _events_loop(self) -> None:
         while True:
-            messages = [Received(await subscriber.recv_multipart())]
-            while len(messages) < MAX_MESSAGES_PER_STEP:
-                try:
-                    messages.append(Received(await subscriber.recv_multipart(flags=zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
+            messages = await self._receive()
             async with self._lock:
                 if not self.writer.registered:
-                    if not self.engine_up or not self._learn_block_size(messages):
+                    if not self.engine_up or not self.pipeline.learn_block_size(messages):
                         continue  # the engine is down, or nothing here to index yet
                     await self._register_and_catch_up()
                 try:
@@ -194,17 +182,6 @@ class Agent:
                     self.counters.internal_errors += 1
                     log.exception("failed to apply engine batches; rebuilding this worker's entries")
                     await self.pipeline.reset_worker()
-
-    def _learn_block_size(self, messages: list[Received]) -> bool:
-        if self.pipeline.translator.block_size is not None:
-            return True
-        for message in messages:
-            decoded = self.pipeline.decode(message.frames)
-            for event in decoded[0].events if decoded else ():
-                if isinstance(event, BlockStored):
-                    self.pipeline.translator.block_size = event.block_size
-                    return True
-        return False
 
     async def _liveness_loop(self) -> None:
         last_verify = time.monotonic()
@@ -230,7 +207,7 @@ class Agent:
         if status is HeartbeatStatus.SUPERSEDED:
             log.error("another agent registered worker %s: stopping (exit %d)", self.writer.worker_id, EXIT_SUPERSEDED)
             self.exit_code = EXIT_SUPERSEDED
-            self.writer.registered = False
+            self.writer.superseded()
             self._stop.set()
             return None
         if status is HeartbeatStatus.MISSING:
@@ -245,9 +222,13 @@ class Agent:
             return "redis_restart"
         return "write_failed" if self.writer.needs_reassert() else None
 
-    async def _load_loop(self) -> None:
+    async def _engine_loop(self) -> None:
+        """The engine's /metrics: its load into the index, its work counters into the watch."""
         while not await self._sleep(self.settings.load_interval_s):
             metrics = await self.engine.metrics()
+            if metrics is not None and self.engine_up:
+                self.watch.engine_up(metrics.work)
+                self.watch.check()
             if metrics is not None and metrics.load is not None and self.writer.registered:
                 await self.writer.report_load(metrics.load)
 
@@ -266,11 +247,11 @@ class Agent:
             if failures == self.settings.health_failures and self.engine_up:
                 self.engine_up = False
                 self.counters.engine_down += 1
+                self.watch.engine_down()
                 log.warning("engine /health failed %d times: leaving the index until it is back", failures)
                 async with self._lock:
                     await self.writer.deregister()
-                    self.pipeline.translator.reset()
-                    self.pipeline.sequencer.reset()
+                    self.pipeline.reset()
 
     async def _gc_loop(self) -> None:
         while not await self._sleep(self.settings.gc_interval_s):
@@ -281,16 +262,14 @@ class Agent:
     # --- views ----------------------------------------------------------------------------
 
     def gauges(self) -> Gauges:
-        mirror_blocks = indexed = 0
-        if self.writer.registered:
-            with contextlib.suppress(KVIndexError):
-                mirror = self.index.mirror(self.writer.model, self.writer.worker_id)
-                mirror_blocks, indexed = len(mirror), mirror.indexed_count
+        mirror = self.writer.mirror
         return Gauges(
-            mirror_blocks=mirror_blocks,
-            mirror_indexed_blocks=indexed,
-            engine_hashes=len(self.pipeline.translator),
+            mirror_blocks=len(mirror) if mirror is not None else 0,
+            mirror_indexed_blocks=mirror.indexed_count if mirror is not None else 0,
+            engine_hashes=self.pipeline.engine_hashes,
             registered=self.writer.registered,
             engine_up=self.engine_up,
             last_seq=self.pipeline.last_seq,
+            events_silent=self.watch.silent,
+            last_event_timestamp_seconds=self.watch.last_message_time or 0.0,
         )

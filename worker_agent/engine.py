@@ -1,5 +1,6 @@
-"""The engine's HTTP side as the agent sees it: /health, /metrics (load signal and block size)
-and /v1/models. Parsing is pure and tested on the real server's /metrics capture."""
+"""The engine's HTTP side as the agent sees it: /health, /metrics (load signal, block size, and
+how much work it has done) and /v1/models. Parsing is pure and tested on the real server's
+/metrics capture."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
+# Counters that grow as the engine serves requests (so its KV events should be arriving).
+WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:request_success_total")
 
 
 @dataclass(frozen=True)
 class EngineMetrics:
     load: WorkerLoad | None  # None when the page lacks the load gauges
     block_size: int | None  # from vllm:cache_config_info, when present
+    work: float | None = None  # the sum of WORK_COUNTERS; None when the page has neither
 
 
 def root_url(engine_url: str) -> str:
@@ -34,6 +38,7 @@ def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
     sums: dict[str, float] = {}
     seen: set[str] = set()
     block_size: int | None = None
+    work: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             engine = sample.labels.get("engine")
@@ -42,13 +47,15 @@ def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
             if sample.name in (RUNNING, WAITING, KV_USAGE):
                 seen.add(sample.name)
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+            elif sample.name in WORK_COUNTERS:
+                work = (work or 0.0) + sample.value
             elif sample.name == CACHE_CONFIG and sample.labels.get("block_size", "").isdigit():
                 block_size = int(sample.labels["block_size"])
     load = None
     if {RUNNING, WAITING, KV_USAGE} <= seen:
         usage = min(max(sums[KV_USAGE], 0.0), 1.0)
         load = WorkerLoad(int(sums[RUNNING]), int(sums[WAITING]), usage)
-    return EngineMetrics(load, block_size)
+    return EngineMetrics(load, block_size, work)
 
 
 class EngineClient:

@@ -1,35 +1,61 @@
 """The agent's own HTTP endpoints: GET /health (JSON; 200 while the worker is in the index,
-503 otherwise) and GET /metrics (Prometheus text)."""
+503 otherwise) and GET /metrics (Prometheus text). Each request is logged at DEBUG: scrapes and
+health checks come every few seconds and would drown the agent's own INFO lines."""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from worker_agent.agent import Agent
 
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _log_at_debug(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    response = await handler(request)
+    if log.isEnabledFor(logging.DEBUG):
+        took_ms = 1000 * (time.perf_counter() - started)
+        log.debug("%s %s %d in %.1f ms", request.method, request.path, response.status, took_ms)
+    return response
+
+
+def health_body(agent: Agent) -> dict[str, object]:
+    gauges = agent.gauges()
+    since = agent.watch.seconds_since_message()
+    return {
+        "status": "ok" if gauges.registered else ("engine_down" if not agent.engine_up else "starting"),
+        "worker_id": agent.settings.resolved_worker_id,
+        "engine_url": agent.settings.engine_root,
+        "registered": gauges.registered,
+        "engine_up": gauges.engine_up,
+        "last_seq": gauges.last_seq,
+        "mirror_blocks": gauges.mirror_blocks,
+        "indexed_blocks": gauges.mirror_indexed_blocks,
+        "events_endpoint": agent.settings.events,
+        "events_silent": gauges.events_silent,
+        "seconds_since_event": round(since, 3) if since is not None else None,
+    }
+
 
 def create_app(agent: Agent, registry: CollectorRegistry) -> web.Application:
     async def health(_: web.Request) -> web.Response:
-        gauges = agent.gauges()
-        body = {
-            "status": "ok" if gauges.registered else ("engine_down" if not agent.engine_up else "starting"),
-            "worker_id": agent.settings.resolved_worker_id,
-            "engine_url": agent.settings.engine_root,
-            "registered": gauges.registered,
-            "engine_up": gauges.engine_up,
-            "last_seq": gauges.last_seq,
-            "mirror_blocks": gauges.mirror_blocks,
-            "indexed_blocks": gauges.mirror_indexed_blocks,
-        }
-        return web.json_response(body, status=200 if gauges.registered else 503)
+        body = health_body(agent)
+        return web.json_response(body, status=200 if body["registered"] else 503)
 
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 
-    app = web.Application()
+    app = web.Application(middlewares=[_log_at_debug])
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -1,27 +1,36 @@
-"""``kvroute agent`` / ``python -m worker_agent``: wires settings, clients and the agent together."""
+"""``kvroute agent`` / ``python -m worker_agent``: wires settings, clients and the agent together.
+
+Start-up is one :class:`contextlib.AsyncExitStack`: every resource is registered for closing as
+soon as it exists, so a step that fails (a port already in use) closes everything started
+before it, in reverse order. Such a failure is a :class:`kvservice.lifecycle.StartupError`:
+one line on stderr and exit status 2 (:func:`kvservice.lifecycle.run_service`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 import aiohttp
-import uvloop
+import zmq
 import zmq.asyncio
 from aiohttp import web
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
+from kvservice.lifecycle import EXIT_BAD_SETTINGS, listening, on_signals, run_service
+from kvservice.logs import LogSettings, configure_logging
 from worker_agent.agent import Agent
 from worker_agent.engine import EngineClient
+from worker_agent.events import subscribe
 from worker_agent.http import create_app
 from worker_agent.metrics import AgentCollector, AgentCounters, new_registry
-from worker_agent.pipeline import EventPipeline
+from worker_agent.replay import ReplayClient
 from worker_agent.settings import AgentSettings, add_arguments, settings_from_args
 
 log = logging.getLogger("worker_agent")
@@ -36,52 +45,65 @@ def build_parser(prog: str = "kvroute agent") -> argparse.ArgumentParser:
     return parser
 
 
+async def _serve_http(stack: contextlib.AsyncExitStack, app: web.Application, settings: AgentSettings) -> None:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    address = f"{settings.metrics_host}:{settings.metrics_port}"
+    with listening("the agent's /health and /metrics", address, "--metrics-port"):
+        await web.TCPSite(runner, settings.metrics_host, settings.metrics_port).start()
+
+
 async def run_agent(settings: AgentSettings) -> int:
-    counters = AgentCounters()
-    registry, latency = new_registry()
-    client = settings.redis.client()
-    index = RedisIndex(client, KeySchema(settings.redis.prefix))
-    context = zmq.asyncio.Context()
-    async with aiohttp.ClientSession() as session:
+    """Start everything, run the agent until SIGTERM/SIGINT (or it stops itself), close all."""
+    stop = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.enter_context(on_signals(stop.set))
+        client = settings.redis.client()
+        stack.push_async_callback(client.aclose)
+        context = zmq.asyncio.Context()
+        stack.callback(context.destroy, linger=0)
+        subscriber = context.socket(zmq.SUB)
+        stack.callback(subscriber.close, linger=0)
+        subscribe(subscriber, settings.events, settings.topic)  # first: nothing published from now on is lost
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        counters = AgentCounters()
+        registry, latency = new_registry()
         agent = Agent(
             settings,
-            index,
+            RedisIndex(client, KeySchema(settings.redis.prefix)),
             EngineClient(session, settings.engine_url, settings.dp_rank),
-            context,
-            lambda writer, translator, replay: EventPipeline(
-                writer, translator, replay, settings.topic, counters, latency
-            ),
+            subscriber,
+            ReplayClient(context, settings.replay, settings.replay_timeout_s) if settings.replay else None,
             counters,
+            latency,
+            stop,
         )
-        registry.register(AgentCollector(counters, lambda: agent.pipeline.translator.counters, agent.gauges))
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, agent.stop)
-        runner = web.AppRunner(create_app(agent, registry), access_log=None)
-        await runner.setup()
+        registry.register(AgentCollector(counters, lambda: agent.pipeline.translate_counters, agent.gauges))
         if settings.metrics_port:
-            await web.TCPSite(runner, settings.metrics_host, settings.metrics_port).start()
+            await _serve_http(stack, create_app(agent, registry), settings)
         log.info(
             "agent for %s (worker %s): events %s, replay %s, redis %s, metrics port %s",
-            settings.engine_root, settings.resolved_worker_id, settings.events, settings.replay or "none",
-            redact_url(settings.redis.url), settings.metrics_port or "off",
-        )  # fmt: skip
-        try:
-            return await agent.run()
-        finally:
-            await runner.cleanup()
-            await client.aclose()
-            context.destroy(linger=0)
+            settings.engine_root,
+            settings.resolved_worker_id,
+            settings.events,
+            settings.replay or "none",
+            redact_url(settings.redis.url),
+            settings.metrics_port or "off",
+        )
+        return await agent.run()
 
 
 def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Settings from ``args`` (a mistake: one line, exit 2), logging, then the agent."""
     try:
         settings = settings_from_args(args)
+        log_settings = LogSettings.from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))  # exits 2 with the message
-    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=args.log_level, format=log_format, stream=sys.stderr)
-    return uvloop.run(run_agent(settings))
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    configure_logging(log_settings)
+    return run_service(parser.prog, lambda: run_agent(settings))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvroute agent") -> int:

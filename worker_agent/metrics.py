@@ -34,6 +34,7 @@ class AgentCounters:
     engine_down: int = 0
     redis_errors: int = 0
     internal_errors: int = 0
+    verifications: int = 0  # block-count checks (index vs mirror)
     reasserts: Counter[str] = field(default_factory=Counter)  # by reason
 
 
@@ -45,6 +46,8 @@ class Gauges:
     registered: bool
     engine_up: bool
     last_seq: int
+    events_silent: bool = False
+    last_event_timestamp_seconds: float = 0.0
 
 
 _HELP = {
@@ -64,6 +67,17 @@ _HELP = {
     "engine_down": "Times the engine's /health failed long enough to take the worker out",
     "redis_errors": "Redis calls that failed (the mirror keeps the truth; re-assert heals)",
     "internal_errors": "Unexpected errors applying batches (the worker was rebuilt from replay)",
+    "verifications": "Checks of the index's block count for this worker against the mirror",
+}
+_GAUGE_HELP = {
+    "mirror_blocks": "Blocks the engine holds, as the agent's mirror knows them",
+    "mirror_indexed_blocks": "Blocks of the mirror that are indexed (their whole prefix is held)",
+    "engine_hashes": "Engine block hashes the agent maps to its own",
+    "registered": "1 while the worker is registered in the index",
+    "engine_up": "1 while the engine's /health answers",
+    "last_seq": "Seq of the last engine batch applied (-1: none yet)",
+    "events_silent": "1 while the engine serves requests but no KV event arrives (check --events and --topic)",
+    "last_event_timestamp_seconds": "Unix time of the last KV-event message received (0: none yet)",
 }
 _TRANSLATE_HELP = {
     "blocks_stored": "Blocks stored by the engine and translated",
@@ -105,7 +119,7 @@ class AgentCollector(Collector):
         gauges = self._gauges()
         for item in fields(gauges):
             value = float(getattr(gauges, item.name))
-            yield GaugeMetricFamily(PREFIX + item.name, item.name.replace("_", " "), value=value)
+            yield GaugeMetricFamily(PREFIX + item.name, _GAUGE_HELP[item.name], value=value)
 
 
 def new_registry() -> tuple[CollectorRegistry, Histogram]:

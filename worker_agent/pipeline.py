@@ -5,6 +5,10 @@ step: readers never see part of a batch). A gap is repaired from the engine's re
 when the missing batches are gone, the worker is cleared and rebuilt from the batches that are
 still there and from new ones (a "resync"), because an index that might list evicted blocks is
 worse than one that temporarily lists too few.
+
+The pipeline owns the stream's state: the translator (engine hash -> ours, the block size) and
+the sequencer (which seq comes next). The agent only ever asks it to :meth:`EventPipeline.reset`,
+to learn the block size, or to catch up.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from kvindex.types import BlockChange
 from worker_agent.metrics import AgentCounters
 from worker_agent.replay import ReplayClient
 from worker_agent.sequencer import Action, Sequencer
-from worker_agent.translate import Translator
-from worker_agent.wire import EventBatch, WireError, decode_message
+from worker_agent.translate import TranslateCounters, Translator
+from worker_agent.wire import BlockStored, EventBatch, WireError, decode_message
 from worker_agent.writer import WorkerWriter
 
 log = logging.getLogger(__name__)
@@ -45,21 +49,60 @@ class EventPipeline:
     def __init__(
         self,
         writer: WorkerWriter,
-        translator: Translator,
         replay: ReplayClient | None,
         topic: str,
         counters: AgentCounters,
         latency: Histogram,
+        block_size: int | None = None,
     ) -> None:
         self.writer = writer
-        self.translator = translator
-        self.sequencer = Sequencer()
+        self._translator = Translator(block_size)
+        self._sequencer = Sequencer()
         self._replay = replay
         self._topic = topic
         self._counters = counters
         self._latency = latency
         self._last_decode_log = 0.0
         self.last_seq = -1
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per block: from the settings, the engine's /metrics, or the first BlockStored."""
+        return self._translator.block_size
+
+    @block_size.setter
+    def block_size(self, value: int | None) -> None:
+        self._translator.block_size = value
+
+    def learn_block_size(self, messages: list[Received]) -> bool:
+        """Take the block size from the first BlockStored among ``messages`` unless it is known;
+        True when it is known afterwards."""
+        if self.block_size is not None:
+            return True
+        for message in messages:
+            decoded = self.decode(message.frames)
+            for event in decoded[0].events if decoded else ():
+                if isinstance(event, BlockStored):
+                    self.block_size = event.block_size
+                    return True
+        return False
+
+    @property
+    def translate_counters(self) -> TranslateCounters:
+        return self._translator.counters
+
+    @property
+    def engine_hashes(self) -> int:
+        """Engine block hashes the translator maps to ours (the blocks the engine holds)."""
+        return len(self._translator)
+
+    def reset(self) -> None:
+        """Forget the stream (translation map and expected seq): the engine's cache is empty, or
+        this worker's entries are about to be rebuilt. Counters and the block size stay."""
+        self._translator.reset()
+        self._sequencer.reset()
 
     def decode(self, frames: list[bytes]) -> tuple[EventBatch, int] | None:
         """The batch and its payload digest, or None (counted, logged) when it is not one."""
@@ -85,6 +128,8 @@ class EventPipeline:
             self._last_decode_log = now
             log.warning("skipped a malformed KV-event message (%d so far): %s", self._counters.decode_errors, reason)
 
+    # --- applying -------------------------------------------------------------------------
+
     async def process(self, messages: list[Received]) -> None:
         """Apply live messages in order (the caller holds the agent's lock)."""
         pending = _Pending()
@@ -94,15 +139,15 @@ class EventPipeline:
             if decoded is None:
                 continue
             batch, digest = decoded
-            decision = self.sequencer.classify(batch.seq, digest)
+            decision = self._sequencer.classify(batch.seq, digest)
             if decision.action is Action.DUPLICATE:
                 self._counters.duplicates += 1
                 continue
             if decision.action is not Action.APPLY:
                 await self._flush(pending)
                 if decision.action is Action.RESTART:
-                    await self.engine_restarted(f"seq went back from {self.sequencer.expected} to {batch.seq}")
-                    decision = self.sequencer.classify(batch.seq, digest)
+                    await self.engine_restarted(f"seq went back from {self._sequencer.expected} to {batch.seq}")
+                    decision = self._sequencer.classify(batch.seq, digest)
                 if decision.action is Action.GAP:
                     self._counters.gaps += 1
                     log.info("seq gap: expected %d, got %d", decision.missing_from, batch.seq)
@@ -117,25 +162,26 @@ class EventPipeline:
         await self.reset_worker()
 
     async def reset_worker(self) -> None:
-        self.translator.reset()
-        self.sequencer.reset()
-        if self.writer.registered:
-            await self.writer.clear()
+        """Start over: forget the stream and clear this worker's entries."""
+        self.reset()
+        await self.writer.clear()
 
     async def catch_up(self) -> None:
-        """On (re)registration: rebuild from every batch the engine still buffers."""
+        """On (re)registration (the worker is empty): forget the old stream and rebuild from every
+        batch the engine still buffers."""
+        self.reset()
         if self._replay is not None:
             await self._repair(0, None)
 
     async def _accept(self, batch: EventBatch, digest: int, received_at: float, pending: _Pending) -> None:
-        translated = self.translator.translate(batch.events)
+        translated = self._translator.translate(batch.events)
         if translated.clear:
             pending.changes.clear()  # the clear wipes them anyway
             await self._flush(pending)
             await self.writer.clear()
         pending.changes.extend(translated.changes)
         pending.received_at.append(received_at)
-        self.sequencer.applied(batch.seq, digest)
+        self._sequencer.applied(batch.seq, digest)
         self.last_seq = batch.seq
         self._counters.batches_applied += 1
         self._counters.events_applied += len(batch.events)
@@ -178,10 +224,9 @@ class EventPipeline:
     async def _resync(self, why: str) -> None:
         self._counters.resyncs += 1
         log.warning("cannot repair the event stream (%s): rebuilding this worker's entries from new events", why)
-        had_state = len(self.translator) > 0
-        self.translator.reset()
-        self.sequencer.reset()
-        if had_state and self.writer.registered:
+        had_state = self.engine_hashes > 0
+        self.reset()
+        if had_state:
             await self.writer.clear()
 
 

@@ -1,4 +1,5 @@
-"""The agent's settings: one frozen dataclass, from flags and KVROUTE_* environment variables."""
+"""The agent's settings: one frozen dataclass, from flags and KVROUTE_* environment variables.
+Logging (``--log-level``, ``--log-format``) is :mod:`kvservice.logs`'s, added to the same parser."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvindex.settings import RedisSettings
+from kvservice.logs import add_log_arguments
 from worker_agent.engine import root_url
 
 # flag dest -> environment variable (flags win over the environment)
@@ -23,7 +25,10 @@ ENV_VARS = {
     "worker_id": "KVROUTE_WORKER_ID",
     "metrics_port": "KVROUTE_METRICS_PORT",
     "metrics_host": "KVROUTE_METRICS_HOST",
+    "events_warn_after": "KVROUTE_EVENTS_WARN_AFTER",
 }
+_INTS = ("block_size", "dp_rank", "metrics_port")
+_FLOATS = ("events_warn_after",)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class AgentSettings:
     reassert_interval_s: float = 3600.0  # rewrite everything anyway, so any drift heals
     gc_interval_s: float = 10.0
     replay_timeout_s: float = 2.0
+    # Warn when the engine keeps serving requests this long with no KV event arriving (0: never).
+    events_warn_after_s: float = 30.0
 
     def __post_init__(self) -> None:
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
@@ -55,6 +62,10 @@ class AgentSettings:
         for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
             if endpoint is not None and "://" not in endpoint:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://host:5557, got {endpoint!r}")
+        if self.replay is not None and "*" in self.replay:
+            raise ValueError(
+                f"--replay must name the engine's host (the agent connects to its replay socket), got {self.replay!r}"
+            )
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.dp_rank < 0:
@@ -67,6 +78,8 @@ class AgentSettings:
             raise ValueError("--reassert-interval and --verify-interval must be positive")
         if self.worker_id is not None and not self.worker_id:
             raise ValueError("--worker-id must not be empty")
+        if not self.events_warn_after_s >= 0:  # NaN too
+            raise ValueError(f"--events-warn-after must be >= 0 (0: never warn), got {self.events_warn_after_s}")
 
     @property
     def engine_root(self) -> str:
@@ -88,6 +101,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--worker-id", str, "worker id in the index (default <engine url>#<rank>)"),
     ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),
     ("--metrics-host", str, "address for /health and /metrics (default 0.0.0.0)"),
+    (
+        "--events-warn-after",
+        float,
+        "seconds the engine may serve requests with no KV event arriving before the agent warns "
+        "(a wrong --events or --topic; default 30, 0: never)",
+    ),
 )
 
 
@@ -100,16 +119,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
     parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 3600)")
     parser.add_argument("--verify-interval", type=float, help="seconds between block-count checks (default 5)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_arguments(parser)
 
 
 def _coerce(name: str, value: str) -> object:
-    if name in ("block_size", "dp_rank", "metrics_port"):
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{ENV_VARS[name]} must be an integer, got {value!r}") from None
-    return value
+    if name not in _INTS and name not in _FLOATS:
+        return value
+    kind, what = (int, "an integer") if name in _INTS else (float, "a number")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{ENV_VARS[name]} must be {what}, got {value!r}") from None
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentSettings:
@@ -132,5 +152,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         values["reassert_interval_s"] = args.reassert_interval
     if args.verify_interval is not None:
         values["verify_interval_s"] = args.verify_interval
+    if "events_warn_after" in values:
+        values["events_warn_after_s"] = values.pop("events_warn_after")
     values["redis"] = RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix)
     return AgentSettings(**values)  # type: ignore[arg-type]

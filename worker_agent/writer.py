@@ -1,9 +1,10 @@
 """One worker's writes to the index, as the agent makes them.
 
-The agent's mirror (inside :class:`~kvindex.redis_index.RedisIndex`) is the truth it knows; Redis
-is a copy that can fall behind (unreachable), lose data (restart, failover, flush) or drift. Every
-failure here is counted and logged, never raised into the event path: the mirror keeps the
-changes and a re-assert writes them back as soon as Redis answers again.
+The worker's handle (:class:`~kvindex.redis_worker.RedisWorker`, from ``RedisIndex.register``)
+owns its registration: the mirror of its blocks (the truth the agent knows), gid and op ids.
+Redis is a copy that can fall behind (unreachable), lose data (restart, failover, flush) or
+drift. Every failure here is counted and logged, never raised into the event path: the mirror
+keeps the changes and a re-assert writes them back as soon as Redis answers again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import time
 from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError, StaleGenerationError
+from kvindex.mirror import BlockMirror
 from kvindex.redis_index import RedisIndex
+from kvindex.redis_worker import RedisWorker
 from kvindex.types import BlockChange, HeartbeatStatus, WorkerInfo, WorkerLoad
 from worker_agent.metrics import AgentCounters
 
@@ -23,46 +26,71 @@ REDIS_FAILURES = (RedisError, OSError, KVIndexError)
 
 
 class WorkerWriter:
+    """The agent's side of its worker's handle: registration, writes, and what failed. Writes
+    while not registered are dropped (there is nothing to write to)."""
+
     def __init__(self, index: RedisIndex, counters: AgentCounters, ttl_ms: int) -> None:
         self.index = index
-        self.info: WorkerInfo | None = None
-        self.registered = False
+        self.handle: RedisWorker | None = None
         self.ttl_ms = ttl_ms
         self._counters = counters
         self._last_error_log = 0.0
 
     @property
+    def registered(self) -> bool:
+        return self.handle is not None and self.handle.active
+
+    @property
+    def info(self) -> WorkerInfo | None:
+        return self.handle.info if self.handle is not None else None
+
+    @property
     def model(self) -> str:
-        assert self.info is not None
-        return self.info.model
+        assert self.handle is not None
+        return self.handle.model
 
     @property
     def worker_id(self) -> str:
-        assert self.info is not None
-        return self.info.worker_id
+        assert self.handle is not None
+        return self.handle.worker_id
+
+    @property
+    def mirror(self) -> BlockMirror | None:
+        """The worker's blocks as the agent knows them (None while not registered)."""
+        handle = self._live()
+        return handle.mirror if handle is not None else None
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self._counters.redis_errors += 1
         now = time.monotonic()
         if now - self._last_error_log > 5.0:  # one line per 5 s while Redis is down
             self._last_error_log = now
-            log.warning("index %s failed (%s: %s); the mirror keeps the truth, re-assert will heal it",
-                        what, type(exc).__name__, exc)  # fmt: skip
+            log.warning(
+                "index %s failed (%s: %s); the mirror keeps the truth, re-assert will heal it",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _live(self) -> RedisWorker | None:
+        return self.handle if self.handle is not None and self.handle.active else None
 
     async def register(self, info: WorkerInfo) -> bool:
         """Register with an empty block set; False (logged) when Redis refuses or is down."""
         try:
-            await self.index.register(info, self.ttl_ms)
+            self.handle = await self.index.register(info, self.ttl_ms)
         except REDIS_FAILURES as exc:
             self._failed("register", exc)
             return False
-        self.info, self.registered = info, True
         log.info("registered worker %s for model %s (block size %d)", info.worker_id, info.model, info.block_size)
         return True
 
     async def apply(self, changes: list[BlockChange]) -> None:
+        handle = self._live()
+        if handle is None:
+            return
         try:
-            await self.index.apply(self.model, self.worker_id, changes)
+            await handle.apply(changes)
         except StaleGenerationError as exc:
             log.warning("the index lost this worker's data (%s); re-asserting", exc)
             await self.reassert("lost_data")
@@ -70,49 +98,66 @@ class WorkerWriter:
             self._failed("write", exc)
 
     async def clear(self) -> None:
+        handle = self._live()
+        if handle is None:
+            return
         try:
-            await self.index.clear(self.model, self.worker_id)
+            await handle.clear()
         except StaleGenerationError:
             await self.reassert("lost_data")  # the mirror is empty now: this registers afresh
         except REDIS_FAILURES as exc:
             self._failed("clear", exc)
 
     async def reassert(self, reason: str) -> bool:
+        handle = self._live()
+        if handle is None:
+            return False
         self._counters.reasserts[reason] += 1
         started = time.monotonic()
         try:
-            await self.index.reassert(self.model, self.worker_id)
+            await handle.reassert()
         except REDIS_FAILURES as exc:
             self._failed(f"re-assert ({reason})", exc)
             return False
-        blocks = self.index.mirror(self.model, self.worker_id).indexed_count
+        blocks = handle.mirror.indexed_count
         log.info("re-asserted %d blocks (%s) in %.0f ms", blocks, reason, 1000 * (time.monotonic() - started))
         return True
 
     async def heartbeat(self) -> HeartbeatStatus | None:
+        handle = self._live()
+        if handle is None:
+            return None
         try:
-            return await self.index.heartbeat(self.model, self.worker_id, self.ttl_ms)
+            return await handle.heartbeat(self.ttl_ms)
         except REDIS_FAILURES as exc:
             self._failed("heartbeat", exc)
             return None
 
     async def report_load(self, load: WorkerLoad) -> None:
+        handle = self._live()
+        if handle is None:
+            return
         try:
-            await self.index.report_load(self.model, self.worker_id, load)
+            await handle.report_load(load)
         except REDIS_FAILURES as exc:
             self._failed("load report", exc)
 
     def needs_reassert(self) -> bool:
-        return self.index.needs_reassert(self.model, self.worker_id)
+        handle = self._live()
+        return handle is not None and handle.needs_reassert()
 
     async def drifted(self) -> bool:
         """True when Redis indexes a different number of blocks than the mirror."""
+        handle = self._live()
+        if handle is None:
+            return False
+        self._counters.verifications += 1
         try:
-            blocks = await self.index.indexed_blocks(self.model, self.worker_id)
+            blocks = await handle.indexed_blocks()
         except REDIS_FAILURES as exc:
             self._failed("verify", exc)
             return False
-        expected = self.index.mirror(self.model, self.worker_id).indexed_count
+        expected = handle.mirror.indexed_count
         if blocks != expected:
             log.warning("index holds %s blocks for this worker, the mirror %d: re-asserting", blocks, expected)
             return True
@@ -120,11 +165,20 @@ class WorkerWriter:
 
     async def deregister(self) -> None:
         """Leave the index (graceful shutdown, or the engine went down)."""
-        if not self.registered:
+        handle, self.handle = self._live(), None
+        if handle is None:
             return
-        self.registered = False
         try:
-            await self.index.deregister(self.model, self.worker_id)
-            log.info("deregistered worker %s", self.worker_id)
+            await handle.deregister()
+            log.info("deregistered worker %s", handle.worker_id)
         except REDIS_FAILURES as exc:
             self._failed("deregister", exc)  # it expires after its TTL anyway
+        finally:
+            handle.close()
+
+    def superseded(self) -> None:
+        """Another agent registered this worker: stop writing it, without deregistering (the
+        registration in Redis is the other agent's now)."""
+        handle, self.handle = self._live(), None
+        if handle is not None:
+            handle.close()

@@ -1,42 +1,21 @@
-"""The worker agent as a process, between a real ZMQ publisher (+ engine HTTP) and a real Redis."""
+"""The worker agent as a process, between a real ZMQ publisher (+ engine HTTP) and a real Redis:
+the event stream, its faults, and the index it keeps."""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
-from sim_engine.kv_events import cleared_event, removed_event, stored_event
+from sim_engine.kv_events import cleared_event
+from tests.agent_support import BS, CHAIN, agent_args, registered, removed, stored, wait_for_match
 from tests.conftest import server_kinds
-from tests.support import ROOT, AgentProcess, EngineStandIn, wait_until
-
-BS = 4
-TOKENS = list(range(100, 164))  # 16 blocks
-CHAIN = sequence_hashes(TOKENS, BS)
-
-
-def engine_hashes(start: int, stop: int) -> list[int]:
-    """The stand-in engine's own block hashes: deliberately unrelated to ours."""
-    return [7_000_000 + i for i in range(start, stop)]
-
-
-def stored(start: int, stop: int) -> dict:
-    parent = engine_hashes(start - 1, start)[0] if start else None
-    return stored_event(engine_hashes(start, stop), parent, TOKENS[start * BS : stop * BS], BS)
-
-
-def removed(*blocks: int) -> dict:
-    return removed_event([engine_hashes(b, b + 1)[0] for b in blocks])
+from tests.support import AgentProcess, EngineStandIn, wait_until
 
 
 @pytest.fixture
@@ -58,14 +37,6 @@ async def engine(unique_name: str) -> AsyncIterator[EngineStandIn]:
     await stand_in.stop()
 
 
-def agent_args(engine: EngineStandIn, redis_url: str, replay: bool = True) -> list[str]:
-    assert engine.publisher is not None
-    args = ["--engine-url", f"{engine.url}/v1", "--events", engine.publisher.endpoint, "--topic", "kv"]
-    if replay:
-        args += ["--replay", engine.publisher.replay_endpoint or ""]
-    return [*args, "--redis-url", redis_url]
-
-
 @pytest.fixture
 async def agent(engine: EngineStandIn, server: RedisServer) -> AsyncIterator[AgentProcess]:
     process = AgentProcess([*agent_args(engine, server.url), "--verify-interval", "0.2"]).start()
@@ -73,17 +44,6 @@ async def agent(engine: EngineStandIn, server: RedisServer) -> AsyncIterator[Age
     process.kill()
     if process.process is not None and process.process.returncode not in (0, -9):
         print(process.log())
-
-
-async def matched(index: RedisIndex, model: str) -> list[int]:
-    return list((await index.match(model, CHAIN)).values())
-
-
-async def wait_for_match(index: RedisIndex, model: str, expected: list[int], within: float = 10.0) -> float:
-    async def check() -> bool:
-        return await matched(index, model) == expected
-
-    return await wait_until(check, within)
 
 
 async def test_stores_and_removals_reach_the_index_in_our_hashing(engine, agent, index, unique_name):
@@ -99,7 +59,12 @@ async def test_stores_and_removals_reach_the_index_in_our_hashing(engine, agent,
     await wait_for_match(index, unique_name, [6])
     (record,) = await index.workers(unique_name)
     assert (record.worker_id, record.url, record.block_size) == (f"{engine.url}#0", engine.url, BS)
-    await asyncio.sleep(1.5)  # several block-count checks (every 0.2 s here) pass without a re-assert
+    checks = await agent.metric("kvroute_agent_verifications_total")
+
+    async def checked_again() -> bool:  # block-count checks (every 0.2 s here) pass without a re-assert
+        return await agent.metric("kvroute_agent_verifications_total") >= checks + 2
+
+    await wait_until(checked_again, 10)
     metrics = await agent.metrics()
     assert not [k for k in metrics if k.startswith("kvroute_agent_reasserts_total")], metrics
     assert metrics["kvroute_agent_batches_applied_total"] == 5
@@ -185,7 +150,7 @@ async def test_a_gap_without_replay_clears_and_rebuilds(unique_name, server, ind
     process = AgentProcess(agent_args(engine, server.url, replay=False)).start()
     try:
         pub = engine.publisher
-        await wait_until(lambda: _registered(index, unique_name), 10)
+        await wait_until(lambda: registered(index, unique_name), 10)
         await pub.publish([stored(0, 8)])
         await wait_for_match(index, unique_name, [8])
         await pub.publish([removed(7, 6, 5, 4)], deliver=False)
@@ -198,14 +163,10 @@ async def test_a_gap_without_replay_clears_and_rebuilds(unique_name, server, ind
         await engine.stop()
 
 
-async def _registered(index: RedisIndex, model: str) -> bool:
-    return any(r.alive for r in await index.workers(model))
-
-
 @pytest.mark.faults
 async def test_garbage_frames_are_counted_and_skipped(engine, agent, index, unique_name):
     pub = engine.publisher
-    await wait_until(lambda: _registered(index, unique_name), 10)
+    await wait_until(lambda: registered(index, unique_name), 10)
     garbage = [
         [b"kv", b"\x00" * 8, b"\xc1\xc1 not msgpack"],
         [b"kv", b"short", b"\x93\x00\x90\x00"],
@@ -273,7 +234,14 @@ async def test_a_redis_killed_and_replaced_empty_is_complete_again_within_5s(eng
         await wait_for_match(index, unique_name, [12])
         server.stop(kill=True)
         await pub.publish([stored(12, 15), removed(14)])  # while Redis is down: kept in the mirror
-        await asyncio.sleep(1.5)
+
+        async def in_the_mirror_only() -> bool:
+            metrics = await process.metrics()
+            return (
+                metrics["kvroute_agent_mirror_indexed_blocks"] == 14 and metrics["kvroute_agent_redis_errors_total"] > 0
+            )
+
+        await wait_until(in_the_mirror_only, 10)
         server = RedisServer(binary=binary, port=server.port).start()  # empty, same port
         took = await wait_for_match(index, unique_name, [14], within=5.0)  # no new engine event
         print(f"index complete again {took:.2f} s after the new server started")
@@ -295,23 +263,18 @@ async def test_an_agent_binds_for_an_engine_that_connects(unique_name, server, i
     args[args.index("--events") + 1] = f"tcp://*:{port}"
     process = AgentProcess(args).start()
     try:
-        await wait_until(lambda: _registered(index, unique_name), 10)
-        await asyncio.sleep(0.3)  # a connecting PUB drops what it sends before the connection is up
+        await wait_until(lambda: registered(index, unique_name), 10)
+
+        async def connected() -> bool:  # a connecting PUB drops what it sends before it is connected
+            await engine.publisher.publish([])  # an empty batch: it changes nothing
+            return await process.metric("kvroute_agent_batches_received_total") > 0
+
+        await wait_until(connected, 10, interval=0.1)
         await engine.publisher.publish([stored(0, 4)])
         await wait_for_match(index, unique_name, [4])
     finally:
         process.kill()
         await engine.stop()
-
-
-@pytest.mark.parametrize("entry", [["-m", "kvroute", "agent"], ["-m", "worker_agent"]])
-def test_bad_arguments_exit_2_with_a_message(entry):
-    result = subprocess.run(
-        [sys.executable, *entry, "--engine-url", "localhost:8000", "--events", "tcp://127.0.0.1:5557"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "--engine-url must be an http(s) URL, got 'localhost:8000'" in result.stderr
 
 
 @pytest.mark.faults
@@ -328,30 +291,3 @@ async def test_a_block_key_lost_in_redis_heals_at_the_next_store_below_it(engine
     await pub.publish([stored(6, 8)])  # Redis refuses block 6 (its parent is gone): re-assert
     await wait_for_match(index, unique_name, [8])
     assert await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
-
-
-async def test_an_agent_follows_a_simulated_engine_process(unique_name, server, index):
-    """`kvroute sim-engine` + `kvroute agent`, both real processes: what the demo runs."""
-    port, events, replay = free_port(), free_port(), free_port()
-    engine = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
-        [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", unique_name,
-         "--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}", "--topic", "kv",
-         "--block-size", str(BS), "--num-blocks", "64", "--speedup", "50"],
-        cwd=ROOT,
-    )  # fmt: skip
-    args = ["--engine-url", f"http://127.0.0.1:{port}/v1", "--events", f"tcp://127.0.0.1:{events}",
-            "--replay", f"tcp://127.0.0.1:{replay}", "--topic", "kv", "--redis-url", server.url]  # fmt: skip
-    process = AgentProcess(args).start()  # learns the model and the block size from the engine
-    try:
-        await wait_until(lambda: _registered(index, unique_name), 30)
-        body = {"model": unique_name, "prompt": TOKENS[: 10 * BS + 2], "max_tokens": 2}
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-            assert response.status == 200
-        await wait_for_match(index, unique_name, [10])
-        (record,) = await index.workers(unique_name)
-        assert record.block_size == BS and record.url == f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        engine.terminate()
-        engine.wait(10)

@@ -24,7 +24,6 @@ from tests.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
 from worker_agent.metrics import AgentCounters, new_registry
 from worker_agent.pipeline import EventPipeline, Received
 from worker_agent.replay import ReplayClient
-from worker_agent.translate import Translator
 from worker_agent.writer import WorkerWriter
 
 _models = itertools.count()
@@ -49,7 +48,7 @@ async def _run(redis_url: str, steps: list[tuple], delivered: list[bool], with_r
     counters = AgentCounters()
     writer = WorkerWriter(RedisIndex(client), counters, ttl_ms=60_000)
     replay = ReplayClient(context, publisher.replay_endpoint, 2.0) if publisher.replay_endpoint else None
-    pipeline = EventPipeline(writer, Translator(BS), replay, "kv", counters, new_registry()[1])
+    pipeline = EventPipeline(writer, replay, "kv", counters, new_registry()[1], block_size=BS)
     engine = ToyEngine()
     lost = 0
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ import aiohttp
 import pytest
 import zmq
 from redis.asyncio import Redis
+from zmq.utils.monitor import recv_monitor_message
 
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
@@ -98,8 +98,13 @@ def observer(vllm: VllmServer) -> Iterator[Observer]:
     context = zmq.Context()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+    handshakes = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     socket.connect(f"tcp://127.0.0.1:{vllm.events_port}")
-    time.sleep(0.5)  # the subscription must reach the PUB before the first request
+    # The subscription goes out with the handshake; it must reach the PUB before the first request.
+    assert handshakes.poll(10_000), "no ZMQ handshake with vLLM's publisher within 10 s"
+    assert recv_monitor_message(handshakes)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    socket.disable_monitor()
+    handshakes.close(linger=0)
     yield Observer(socket)
     socket.close(linger=0)
     context.term()
@@ -111,9 +116,9 @@ def redis(redis_servers: dict[str, RedisServer]) -> RedisServer:
 
 
 def agent_args(server: VllmServer, redis: RedisServer) -> list[str]:
-    return ["--engine-url", f"{server.url}/v1", "--events", f"tcp://127.0.0.1:{server.events_port}",
-            "--replay", f"tcp://127.0.0.1:{server.replay_port}", "--topic", "kv", "--redis-url", redis.url,
-            "--prefix", "vllmtest"]  # fmt: skip
+    events, replay = f"tcp://127.0.0.1:{server.events_port}", f"tcp://127.0.0.1:{server.replay_port}"
+    args = f"--engine-url {server.url}/v1 --events {events} --replay {replay} --topic kv --prefix vllmtest"
+    return [*args.split(), "--redis-url", redis.url]
 
 
 @pytest.fixture(scope="module")
@@ -182,11 +187,15 @@ async def test_shared_prefix_prompts_are_indexed_exactly(vllm, observer, agents,
     await converged(index, observer, worker_id(vllm))
     assert observer.held_blocks(base, "tenant-a") == 3 and observer.held_blocks(base) == 3
 
+    redis_url = agents[0].args[-1]  # agent_args ends with the --redis-url
+    lookup_args = ["index", "lookup", "--redis-url", redis_url, "--prefix", "vllmtest", "--model", MODEL, "--json"]
     lookup = subprocess.run(  # noqa: ASYNC221 - a short CLI call; nothing else runs meanwhile
-        [sys.executable, "-m", "kvroute", "index", "lookup", "--redis-url", agents[0].args[-3], "--prefix", "vllmtest",
-         "--model", MODEL, "--tokens", json.dumps([*base, 5, 6, 7]), "--json"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "kvroute", *lookup_args, "--tokens", json.dumps([*base, 5, 6, 7])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     workers = {w["id"]: w["matched_blocks"] for w in json.loads(lookup.stdout)["workers"]}
     assert workers == {worker_id(vllm): 3}
 

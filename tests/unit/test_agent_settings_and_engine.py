@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
 from kvindex.types import WorkerLoad
 from tests.conftest import CAPTURES
 from worker_agent.engine import parse_metrics, root_url
+from worker_agent.events import EventsWatch
 from worker_agent.settings import add_arguments, settings_from_args
 
 CAPTURE = CAPTURES / "run1_metrics.txt"
@@ -21,13 +23,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_flags_win_over_environment_and_defaults_fill_the_rest():
-    env = {"KVROUTE_ENGINE_URL": "http://env:8000", "KVROUTE_EVENTS": "tcp://env:5557", "KVROUTE_DP_RANK": "2",
-           "KVROUTE_REDIS_URL": "redis://:secret@redis:6379/0"}  # fmt: skip
+    env = {
+        "KVROUTE_ENGINE_URL": "http://env:8000",
+        "KVROUTE_EVENTS": "tcp://env:5557",
+        "KVROUTE_DP_RANK": "2",
+        "KVROUTE_REDIS_URL": "redis://:secret@redis:6379/0",
+        "KVROUTE_EVENTS_WARN_AFTER": "12.5",
+    }
     settings = settings_from_args(parse(["--engine-url", "http://flag:8000/v1", "--block-size", "32"]), env)
     assert settings.engine_url == "http://flag:8000/v1" and settings.engine_root == "http://flag:8000"
     assert settings.events == "tcp://env:5557" and settings.dp_rank == 2 and settings.block_size == 32
     assert settings.resolved_worker_id == "http://flag:8000#2"
+    assert settings.events_warn_after_s == 12.5
     assert "secret" not in repr(settings)
+    assert settings_from_args(parse(["--events-warn-after", "0"]), env).events_warn_after_s == 0
+    assert settings_from_args(parse([]), {**env, "KVROUTE_EVENTS_WARN_AFTER": ""}).events_warn_after_s == 30
 
 
 @pytest.mark.parametrize(
@@ -39,6 +49,13 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--block-size", "0"], {}, "--block-size"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1"], {"KVROUTE_DP_RANK": "x"}, "KVROUTE_DP_RANK"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--ttl-ms", "500"], {}, "two heartbeat"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--replay", "tcp://*:2"], {}, "engine's host"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--events-warn-after", "-1"], {}, ">= 0"),
+        (
+            ["--engine-url", "http://e:8000", "--events", "tcp://e:1"],
+            {"KVROUTE_EVENTS_WARN_AFTER": "soon"},
+            "KVROUTE_EVENTS_WARN_AFTER must be a number",
+        ),
     ],
 )
 def test_bad_settings_are_rejected_with_a_message_naming_them(argv, env, message):
@@ -46,10 +63,79 @@ def test_bad_settings_are_rejected_with_a_message_naming_them(argv, env, message
         settings_from_args(parse(argv), env)
 
 
-def test_the_real_servers_metrics_page_gives_load_and_block_size():
+def test_the_real_servers_metrics_page_gives_load_block_size_and_work():
     metrics = parse_metrics(CAPTURE.read_text(), dp_rank=0)
     assert metrics.block_size == 32
     assert metrics.load == WorkerLoad(0, 0, 0.0)
+    assert metrics.work == 826 + 8  # vllm:prompt_tokens_total + vllm:request_success_total
+    assert parse_metrics("nothing_here 1\n").work is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watch_for(seconds: float = 5.0) -> tuple[EventsWatch, Clock]:
+    clock = Clock()
+    return EventsWatch("tcp://engine:5557", "kv", seconds, clock), clock
+
+
+def test_an_engine_that_keeps_working_unanswered_makes_the_watch_warn_once(caplog):
+    watch, clock = watch_for()
+    work = 1000.0
+    for _ in range(30):  # an idle engine (counters flat) never does
+        watch.engine_up(work)
+        clock.now += 0.25
+        assert not watch.check()
+    for _ in range(20):  # 4.75 s of work with no message: not yet
+        work += 50
+        watch.engine_up(work)
+        assert not watch.check()
+        clock.now += 0.25
+    watch.engine_up(work + 50)
+    with caplog.at_level(logging.WARNING, logger="worker_agent.events"):
+        assert watch.check() and watch.check()
+    (record,) = caplog.records
+    assert "tcp://engine:5557" in record.getMessage() and "--topic 'kv'" in record.getMessage()
+    assert record.fields == {"endpoint": "tcp://engine:5557", "topic": "kv", "seconds": 5.0}
+    watch.message()
+    assert not watch.silent and watch.seconds_since_message() == 0
+
+
+def test_one_burst_of_work_or_a_message_that_overtook_the_counters_is_no_reason_to_warn():
+    watch, clock = watch_for()
+    watch.engine_up(10.0)
+    watch.message()  # the events of a request arrive before the agent sees the counters move
+    clock.now += 0.25
+    watch.engine_up(60.0)
+    for _ in range(100):  # then the engine idles
+        clock.now += 0.25
+        watch.engine_up(60.0)
+        assert not watch.check()
+
+
+def test_without_work_counters_silence_while_the_engine_is_up_counts():
+    watch, clock = watch_for()
+    for _ in range(20):
+        watch.engine_up(None)
+        assert not watch.check()
+        clock.now += 0.25
+    watch.engine_up(None)
+    assert watch.check()
+    watch.engine_down()  # a new engine process: start over
+    assert not watch.silent and not watch.check()
+
+
+def test_a_zero_delay_turns_the_watch_off():
+    watch, clock = watch_for(0)
+    for _ in range(100):
+        watch.engine_up(None)
+        clock.now += 1
+        assert not watch.check()
 
 
 def test_data_parallel_ranks_are_told_apart_by_the_engine_label():

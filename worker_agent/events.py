@@ -1,0 +1,120 @@
+"""The agent's end of the engine's KV-event stream: the SUB socket, and a watch that notices
+when nothing arrives on it although the engine is working.
+
+vLLM binds its PUB to wildcard endpoints (``tcp://*:5557``) and connects to a named host; the
+agent does the opposite: it connects to ``tcp://engine:5557`` and binds ``tcp://*:5557`` (for a
+vLLM told to connect to ``tcp://<agent host>:5557``).
+
+A wrong ``--events`` (or ``--topic``, or an engine started without KV events) looks like an idle
+engine: the subscription simply stays quiet. :class:`EventsWatch` tells the two apart with the
+engine's own counters (``vllm:prompt_tokens_total``, ``vllm:request_success_total``): when they
+keep growing for ``--events-warn-after`` seconds and no message arrives meanwhile, it logs a
+warning and the agent shows it (``events_silent`` in /health, ``kvroute_agent_events_silent`` in /metrics). An
+engine whose /metrics has neither counter cannot say whether it is working: then any silence of
+that length while it is up counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvservice.lifecycle import StartupError, listening
+
+log = logging.getLogger(__name__)
+RECEIVE_HWM = 100_000  # vLLM's own send HWM: ride out bursts
+
+
+def binds(endpoint: str) -> bool:
+    """True when the agent binds ``endpoint`` (a wildcard host) rather than connecting to it."""
+    return "*" in endpoint or "::" in endpoint
+
+
+def subscribe(socket: zmq.asyncio.Socket, endpoint: str, topic: str) -> None:
+    """Set up ``socket`` (a SUB) for ``topic`` and bind or connect it to ``endpoint``. A bind that
+    fails (the port is taken) or an endpoint ZMQ rejects is a :class:`StartupError`."""
+    socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    try:
+        if binds(endpoint):
+            with listening("the engine's KV events", endpoint, "--events"):
+                socket.bind(endpoint)  # the engine was given tcp://<this host>:port: it connects
+        else:
+            socket.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot use --events {endpoint}: {exc.strerror}") from None
+
+
+class EventsWatch:
+    """Is the engine working while no KV-event message arrives? See the module's docstring."""
+
+    def __init__(
+        self, endpoint: str, topic: str, warn_after_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.endpoint = endpoint
+        self.topic = topic
+        self.warn_after_s = warn_after_s
+        self.silent = False
+        self.last_message_time: float | None = None  # wall clock (for /metrics)
+        self._clock = clock
+        self._last_message: float | None = None
+        self._work: float | None = None  # the engine's work counters at the last look
+        # The first and the latest look that saw the engine working since the last message: the
+        # engine must keep working that long unanswered (one request, or a message that overtook
+        # the counters, never makes it warn).
+        self._first_work: float | None = None
+        self._latest_work: float | None = None
+
+    def message(self) -> None:
+        """A message arrived (any: even one that fails to decode shows the endpoint is right)."""
+        self._last_message = self._clock()
+        self.last_message_time = time.time()
+        self._first_work = self._latest_work = None
+        if self.silent:
+            self.silent = False
+            log.info("KV events arrive again from %s", self.endpoint, extra={"fields": {"endpoint": self.endpoint}})
+
+    def seconds_since_message(self) -> float | None:
+        return None if self._last_message is None else self._clock() - self._last_message
+
+    def engine_up(self, work: float | None) -> None:
+        """The engine answered /metrics; ``work`` is its work counters' sum (None: it has none, and
+        being up is all it can say)."""
+        grew = work is None or (self._work is not None and work > self._work)
+        self._work = work
+        if grew:
+            now = self._clock()
+            self._first_work = now if self._first_work is None else self._first_work
+            self._latest_work = now
+
+    def engine_down(self) -> None:
+        """The engine is down: nothing to expect from it (a new process starts its counters at 0)."""
+        self._work = self._first_work = self._latest_work = None
+        self.silent = False
+
+    def check(self) -> bool:
+        """Warn once when the engine has been working for ``warn_after_s`` with no message since;
+        True while that lasts (until a message arrives or the engine goes down)."""
+        if self.silent or self.warn_after_s <= 0 or self._first_work is None or self._latest_work is None:
+            return self.silent
+        waited = self._latest_work - self._first_work
+        if waited < self.warn_after_s:
+            return False
+        self.silent = True
+        doing = "was up" if self._work is None else "kept serving requests (its vllm: request counters grew)"
+        log.warning(
+            "no KV events from %s for %.0f s while the engine %s: check that --events is the engine's ZMQ "
+            "publisher as seen from here (vLLM's kv-events-config endpoint), that --topic %r is its topic, "
+            "and that the engine runs with enable_kv_cache_events",
+            self.endpoint,
+            waited,
+            doing,
+            self.topic,
+            extra={"fields": {"endpoint": self.endpoint, "topic": self.topic, "seconds": round(waited, 1)}},
+        )
+        return True
