@@ -82,16 +82,20 @@ async def run_agent(settings: AgentSettings) -> int:
         registry.register(AgentCollector(counters, lambda: agent.pipeline.translate_counters, agent.gauges))
         if settings.metrics_port:
             await _serve_http(stack, create_app(agent, registry), settings)
-        log.info(
-            "agent for %s (worker %s): events %s, replay %s, redis %s, metrics port %s",
-            settings.engine_root,
-            settings.resolved_worker_id,
-            settings.events,
-            settings.replay or "none",
-            redact_url(settings.redis.url),
-            settings.metrics_port or "off",
-        )
+        _log_start(settings)
         return await agent.run()
+
+
+def _log_start(settings: AgentSettings) -> None:
+    fields = {
+        "engine": settings.engine_root,
+        "worker_id": settings.resolved_worker_id,
+        "events": settings.events,
+        "replay": settings.replay or "none",
+        "redis": redact_url(settings.redis.url),
+        "metrics_port": settings.metrics_port or "off",
+    }
+    log.info("agent started", extra={"fields": fields})
 
 
 def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

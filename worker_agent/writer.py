@@ -82,7 +82,8 @@ class WorkerWriter:
         except REDIS_FAILURES as exc:
             self._failed("register", exc)
             return False
-        log.info("registered worker %s for model %s (block size %d)", info.worker_id, info.model, info.block_size)
+        fields = {"worker_id": info.worker_id, "model": info.model, "block_size": info.block_size}
+        log.info("registered worker", extra={"fields": fields})
         return True
 
     async def apply(self, changes: list[BlockChange]) -> None:
