@@ -5,18 +5,24 @@ an agent process each, and 2 router replicas; drives multi-turn chats over a few
 prompts through the routers with the ``kv`` policy, then again (caches reset) with
 ``round_robin``; prints a table and writes a PNG chart. Everything it started is stopped on exit,
 also on Ctrl-C.
+
+Both policies get the same requests (each conversation's script is drawn from its own seed), and
+each engine's cache is sized to hold the whole workload: nothing is evicted, so the duplication
+read from the engines at the end of a policy's run counts every block each engine computed in
+that run. It then measures only where the policy sent each conversation (``turns moved``: how
+often a conversation's next turn went to another engine than its last one).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import itertools
 import random
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,19 +30,34 @@ from typing import Any
 import aiohttp
 
 from kvindex.settings import RedisSettings
+from kvroute.bench.common import ProcessFailed, cached_tokens, hit_rate, percentile, text_table, write_json
 from kvroute.devstack.embedded_redis import redis_url_or_private
-from kvroute.devstack.stack import MODEL, Stack, stream_completion
+from kvroute.devstack.stack import MODEL, CacheCensus, Stack, stream_completion
 from router.scoring import Policy
+from router.tokenizer import ModelPrompts
+from sim_engine.settings import TINY_MODEL_DIR
 
 SYSTEM_PROMPTS = [
     "You are a meticulous travel planner. Always answer with an itinerary, a budget and a packing list. " * 4,
     "You are a senior Python reviewer. Point out bugs, then style, then performance, citing lines. " * 4,
     "You are a patient maths tutor. Explain each step, then give one practice problem with answers. " * 4,
 ]
-WORDS = ["budget", "museum", "function", "variable", "integral", "train", "hotel", "refactor", "matrix", "ferry",
-         "lambda", "theorem", "beach", "closure", "vector", "castle", "async", "proof", "market", "cache"]  # fmt: skip
-QUESTIONS = ["Where should I start?", "What about the weekend?", "Can you go deeper?", "Summarise that for me.",
-             "What would you change?", "Give me an example.", "And the costs?", "What are the risks?"]  # fmt: skip
+WORDS = ["budget", "museum", "function", "variable", "integral", "train", "hotel", "refactor", "matrix", "ferry"]
+WORDS += ["lambda", "theorem", "beach", "closure", "vector", "castle", "async", "proof", "market", "cache"]
+QUESTIONS = [
+    "Where should I start?",
+    "What about the weekend?",
+    "Can you go deeper?",
+    "Summarise that for me.",
+    "What would you change?",
+    "Give me an example.",
+    "And the costs?",
+    "What are the risks?",
+]
+MAX_TOKENS = 24
+BLOCK_SIZE = 16  # the stack's engines' block size
+COLUMNS = ["policy", "hit rate", "TTFT mean ms", "TTFT p99 ms", "req/s", "duplication", "prediction exact"]
+COLUMNS += ["busiest worker / mean", "turns moved"]
 
 
 @dataclass
@@ -50,83 +71,142 @@ class PolicyResult:
     duplication: float
     prediction_accuracy: float
     max_worker_share: float
+    turns_moved: float  # of the turns after a conversation's first, those sent to another engine than the last
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every conversation's user messages, fixed before the run (the answers are fixed too)."""
+
+    scripts: list[list[str]]
+
+    def messages(self, conversation: int, turn: int) -> list[dict[str, str]]:
+        """What the client sends at ``turn`` (0-based): the system prompt, the turns before it with
+        their answers, and this turn's question."""
+        messages = [{"role": "system", "content": SYSTEM_PROMPTS[conversation % len(SYSTEM_PROMPTS)]}]
+        for earlier, question in enumerate(self.scripts[conversation][: turn + 1]):
+            if earlier:
+                messages.append({"role": "assistant", "content": f"Here is my answer number {earlier - 1} for you."})
+            messages.append({"role": "user", "content": question})
+        return messages
+
+    @property
+    def turns(self) -> int:
+        return len(self.scripts[0])
+
+
+def workload(conversations: int, turns: int) -> Workload:
+    def question(rng: random.Random) -> str:
+        detail = " ".join(rng.choice(WORDS) for _ in range(40))  # pasted notes: history outweighs the system prompt
+        return f"{rng.choice(QUESTIONS)} Notes: {detail}"
+
+    rngs = [random.Random(f"kvroute-demo-{i}") for i in range(conversations)]
+    return Workload([[question(rng) for _ in range(turns)] for rng in rngs])
+
+
+def engine_sizes(work: Workload) -> tuple[int, int]:
+    """(blocks per engine, max model length): each engine can hold every conversation's longest
+    prompt and its answer, so no placement makes an engine evict."""
+    prompts = ModelPrompts(TINY_MODEL_DIR)
+    last = work.turns - 1
+    longest = [len(prompts.chat_tokens(work.messages(c, last))) + MAX_TOKENS for c in range(len(work.scripts))]
+    blocks = sum(-(-tokens // BLOCK_SIZE) + 1 for tokens in longest)
+    return blocks, max(4096, max(longest) + BLOCK_SIZE)
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     """One streamed chat completion: time to first token, usage, the routing headers."""
-    reply = await stream_completion(session, url, "/v1/chat/completions",
-                                    {"model": MODEL, "messages": messages, "max_tokens": 24})  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}
+    reply = await stream_completion(session, url, "/v1/chat/completions", body)
     if reply.status != 200:
         raise RuntimeError(f"the router answered {reply.status}: {reply.text}")
-    return {"ttft": reply.ttft_s, "usage": reply.usage or {}, "worker": reply.worker,
-            "predicted": reply.predicted_cached_tokens}  # fmt: skip
+    usage = reply.usage or {}
+    return {"ttft": reply.ttft_s, "usage": usage, "worker": reply.worker, "predicted": reply.predicted_cached_tokens}
 
 
-async def _conversation(session: aiohttp.ClientSession, urls: list[str], index: int, turns: int,
-                        rng: random.Random, out: list[dict[str, Any]]) -> None:  # fmt: skip
-    messages = [{"role": "system", "content": SYSTEM_PROMPTS[index % len(SYSTEM_PROMPTS)]}]
-    for turn in range(turns):
-        detail = " ".join(rng.choice(WORDS) for _ in range(40))  # pasted notes: history outweighs the system prompt
-        messages.append({"role": "user", "content": f"{rng.choice(QUESTIONS)} Notes: {detail}"})
-        result = await _chat(session, urls[(index + turn) % len(urls)], messages)
-        out.append(result)
-        messages.append({"role": "assistant", "content": f"Here is my answer number {turn} for you."})
+async def _conversation(
+    session: aiohttp.ClientSession, urls: list[str], work: Workload, index: int, out: list[dict[str, Any]]
+) -> None:
+    """One conversation's turns, one after the other, alternating between the router replicas."""
+    for turn in range(work.turns):
+        result = await _chat(session, urls[(index + turn) % len(urls)], work.messages(index, turn))
+        out.append({**result, "conversation": index, "turn": turn})
 
 
-async def run_policy(stack: Stack, policy: Policy, conversations: int, turns: int) -> PolicyResult:
-    await stack.reset_caches()
-    urls = await stack.start_routers(policy, replicas=2)
+async def _drive(policy: Policy, urls: list[str], work: Workload) -> tuple[list[dict[str, Any]], float]:
+    """Every conversation at once; (each request's result, seconds taken)."""
     results: list[dict[str, Any]] = []
-    rng = random.Random(42)
     started = time.perf_counter()
     async with aiohttp.ClientSession() as session:
-        tasks = [_conversation(session, urls, i, turns, rng, results) for i in range(conversations)]
-        progress = asyncio.create_task(_progress(policy, results, conversations * turns))
-        await asyncio.gather(*tasks)
-        progress.cancel()
-    elapsed = time.perf_counter() - started
-    duplication = await stack.duplication()
-    await stack.stop_routers()
-    prompt = sum(r["usage"].get("prompt_tokens", 0) for r in results)
-    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
-    exact = sum(
-        1 for r in results if r["predicted"] == (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-    )
-    ttfts = sorted(1000 * r["ttft"] for r in results)
+        progress = asyncio.create_task(_progress(policy, results, len(work.scripts) * work.turns))
+        try:
+            await asyncio.gather(*(_conversation(session, urls, work, i, results) for i in range(len(work.scripts))))
+        finally:
+            progress.cancel()
+    return results, time.perf_counter() - started
+
+
+async def run_policy(stack: Stack, policy: Policy, work: Workload) -> PolicyResult:
+    """One policy from empty caches; the engines' caches are read before anything resets them."""
+    await stack.reset_caches()
+    try:
+        urls = await stack.start_routers(policy, replicas=2)
+        results, elapsed = await _drive(policy, urls, work)
+        census = await stack.cache_census()
+    finally:
+        await stack.stop_routers()
+    return summarize(policy, results, elapsed, census, stack.engines)
+
+
+def turns_moved(results: list[dict[str, Any]]) -> float:
+    """Of the turns after each conversation's first, the fraction sent to another worker than its last."""
+    workers: dict[int, dict[int, str]] = defaultdict(dict)
+    for r in results:
+        workers[r["conversation"]][r["turn"]] = r["worker"]
+    moves = later = 0
+    for by_turn in workers.values():
+        path = [by_turn[t] for t in sorted(by_turn)]
+        later += len(path) - 1
+        moves += sum(1 for a, b in itertools.pairwise(path) if a != b)
+    return moves / max(later, 1)
+
+
+def summarize(
+    policy: Policy, results: list[dict[str, Any]], elapsed: float, census: CacheCensus, engines: int
+) -> PolicyResult:
+    ttfts = [1000 * r["ttft"] for r in results]
+    exact = sum(1 for r in results if r["predicted"] == cached_tokens(r["usage"]))
     shares = Counter(r["worker"] for r in results)
     return PolicyResult(
         policy=policy.value,
         requests=len(results),
-        hit_rate=cached / max(prompt, 1),
+        hit_rate=hit_rate(r["usage"] for r in results),
         ttft_mean_ms=statistics.mean(ttfts),
-        ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        ttft_p99_ms=percentile(ttfts, 0.99),
         requests_per_s=len(results) / elapsed,
-        duplication=duplication,
+        duplication=census.duplication,
         prediction_accuracy=exact / max(len(results), 1),
-        max_worker_share=max(shares.values()) / (len(results) / stack.engines),
+        max_worker_share=max(shares.values()) / (len(results) / engines),
+        turns_moved=turns_moved(results),
     )
 
 
 async def _progress(policy: Policy, results: list[dict[str, Any]], total: int) -> None:
     while True:
-        await asyncio.sleep(2)
+        await asyncio.sleep(2)  # a progress line every 2 s, not a synchronization
         print(f"  {policy.value}: {len(results)}/{total} requests", file=sys.stderr, flush=True)
 
 
 def render(results: list[PolicyResult]) -> str:
-    headers = ["policy", "hit rate", "TTFT mean ms", "TTFT p99 ms", "req/s", "duplication", "prediction exact",
-               "busiest worker / mean"]  # fmt: skip
-    rows = [
-        [r.policy, f"{r.hit_rate:.1%}", f"{r.ttft_mean_ms:.1f}", f"{r.ttft_p99_ms:.1f}", f"{r.requests_per_s:.1f}",
-         f"{r.duplication:.1%}", f"{r.prediction_accuracy:.1%}", f"{r.max_worker_share:.2f}"]
-        for r in results
-    ]  # fmt: skip
-    widths = [max(len(x) for x in column) for column in zip(headers, *rows, strict=True)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [headers, *rows]]
-    return "\n".join(lines)
+    def row(r: PolicyResult) -> list[str]:
+        timing = [f"{r.ttft_mean_ms:.1f}", f"{r.ttft_p99_ms:.1f}", f"{r.requests_per_s:.1f}"]
+        shares = [f"{r.duplication:.1%}", f"{r.prediction_accuracy:.1%}", f"{r.max_worker_share:.2f}"]
+        return [r.policy, f"{r.hit_rate:.1%}", *timing, *shares, f"{r.turns_moved:.1%}"]
+
+    return text_table(COLUMNS, [row(r) for r in results])
 
 
-def chart(results: list[PolicyResult], path: Path) -> None:
+def chart(results: list[PolicyResult], path: Path, engines: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,21 +221,24 @@ def chart(results: list[PolicyResult], path: Path) -> None:
     ):
         axis.bar(names, values, color=["#2a7", "#888", "#c55"][: len(names)])
         axis.set_title(title, fontsize=10)
-    fig.suptitle("kvroute demo: 4 simulated engines, 2 router replicas, multi-turn chats")
+    fig.suptitle(f"kvroute demo: {engines} simulated engines, 2 router replicas, multi-turn chats")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 async def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
+    work = workload(args.conversations, args.turns)
+    num_blocks, max_model_len = engine_sizes(work)
     with redis_url_or_private(args.redis_url) as url:
-        async with Stack(RedisSettings(url=url), engines=args.engines) as stack:
+        stack = Stack(RedisSettings(url=url), engines=args.engines, num_blocks=num_blocks, max_model_len=max_model_len)
+        async with stack:
             print(f"started Redis at {url}, {args.engines} simulated engines with agents", file=sys.stderr)
             results = []
             for policy in (Policy.KV, Policy.ROUND_ROBIN):
-                print(f"running {args.conversations} conversations x {args.turns} turns with policy {policy.value}",
-                      file=sys.stderr)  # fmt: skip
-                results.append(await run_policy(stack, policy, args.conversations, args.turns))
+                what = f"{args.conversations} conversations x {args.turns} turns with policy {policy.value}"
+                print(f"running {what}", file=sys.stderr)
+                results.append(await run_policy(stack, policy, work))
             return results
 
 
@@ -165,10 +248,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: everything the demo started has been stopped", file=sys.stderr)
         return 130
+    except ProcessFailed as exc:
+        print(f"{args.prog}: {exc}", file=sys.stderr)
+        return 1
     print(render(results))
-    chart(results, Path(args.chart))
+    chart(results, Path(args.chart), args.engines)
     print(f"\nchart written to {Path(args.chart).resolve()}")
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
-        print(f"table written to {Path(args.json).resolve()}")
+        write_json(args.json, [asdict(r) for r in results], what="table")
     return 0

@@ -23,8 +23,8 @@ from kvroute.cli.argtypes import positive_int, token_ids
 from kvroute.devstack.embedded_redis import redis_unusable, usable_redis_url
 from kvservice.lifecycle import StartupError
 
-WORKER_COLUMNS = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch",
-                  "heartbeat_age_ms", "running", "waiting", "kv_usage"]  # fmt: skip
+WORKER_COLUMNS = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch", "heartbeat_age_ms"]
+WORKER_COLUMNS += ["running", "waiting", "kv_usage"]
 STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "block_keys", "gids_pending_gc"]
 
 

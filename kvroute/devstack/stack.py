@@ -185,13 +185,15 @@ class Stack:
     async def _index_workers(
         self, check: Callable[[list[WorkerRecord]], bool], what: str, within_s: float = 60.0
     ) -> None:
-        """Poll ``check(workers of MODEL)`` until True; an agent that exits ends the wait."""
+        """Poll ``check(this stack's alive workers)`` until True; an agent that exits ends the wait.
+        (A Redis given by the user may list other stacks' workers: they are not looked at.)"""
         client = self.redis.client()
         index = RedisIndex(client, KeySchema(self.redis.prefix))
+        ours = set(self.engine_urls)
 
         async def done() -> bool:
             self._raise_if_any_exited(self._agents)
-            return check(await index.workers(MODEL))
+            return check([w for w in await index.workers(MODEL) if w.alive and w.url.rstrip("/") in ours])
 
         try:
             await poll_until(done, what, within_s)
@@ -200,7 +202,7 @@ class Stack:
 
     async def _wait_registered(self) -> None:
         await self._index_workers(
-            lambda workers: len([w for w in workers if w.alive]) >= self.engines,
+            lambda workers: len(workers) >= self.engines,
             f"the {self.engines} agents did not register",
         )
 
@@ -251,7 +253,7 @@ class Stack:
                     response.raise_for_status()
         tiny_blocks = (len(TINY_PROMPT) + 1) // self._block_size  # its prompt and output token
         await self._index_workers(
-            lambda workers: all(w.blocks <= tiny_blocks for w in workers),
+            lambda workers: len(workers) == self.engines and all(w.blocks <= tiny_blocks for w in workers),
             "the agents did not apply the cache resets",
         )
 
@@ -278,10 +280,6 @@ class Stack:
                 per_engine.append(len(blocks))
                 holders.update(blocks)
         return CacheCensus(per_engine, len(holders), sum(1 for n in holders.values() if n > 1))
-
-    async def duplication(self) -> float:
-        """Distinct cached blocks held by more than one engine, as a fraction of all distinct ones."""
-        return (await self.cache_census()).duplication
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -21,15 +21,36 @@ from tests.support import ROOT
 @pytest.mark.slow
 def test_bench_replay_runs_a_trace_slice(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
-            for i in range(24)]  # fmt: skip
+    rows = [
+        {"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
+        for i in range(24)
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "replay.json"
     result = subprocess.run(
-        [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), "--engines", "2", "--cache-fraction", "1.0",
-         "--replicas", "1", "--json", str(out), "--chart", str(tmp_path / "replay.png")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvroute",
+            "bench",
+            "replay",
+            str(trace),
+            "--engines",
+            "2",
+            "--cache-fraction",
+            "1.0",
+            "--replicas",
+            "1",
+            "--json",
+            str(out),
+            "--chart",
+            str(tmp_path / "replay.png"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["router"] for r in report["runs"]] == ["kv", "round_robin"]
@@ -52,9 +73,27 @@ def test_bench_replay_text_prompts_at_fixed_concurrency_through_a_running_router
         with RedisServer() as server:
             async with Stack(RedisSettings(url=server.url), engines=2, num_blocks=8192, max_model_len=16384) as stack:
                 urls = await stack.start_routers(Policy.KV, 2)
-                command = [sys.executable, "-m", "kvroute", "bench", "replay", "--synthetic", "shared-prefix",
-                           "--limit", "30", "--prompts", "text", "--concurrency", "4", "--router-url", ",".join(urls),
-                           "--json", str(out), "--chart", str(tmp_path / "replay.png")]  # fmt: skip
+                command = [
+                    sys.executable,
+                    "-m",
+                    "kvroute",
+                    "bench",
+                    "replay",
+                    "--synthetic",
+                    "shared-prefix",
+                    "--limit",
+                    "30",
+                    "--prompts",
+                    "text",
+                    "--concurrency",
+                    "4",
+                    "--router-url",
+                    ",".join(urls),
+                    "--json",
+                    str(out),
+                    "--chart",
+                    str(tmp_path / "replay.png"),
+                ]
                 process = await asyncio.create_subprocess_exec(*command, cwd=ROOT, stderr=asyncio.subprocess.PIPE)
                 _, stderr = await asyncio.wait_for(process.communicate(), 300)
                 return subprocess.CompletedProcess(command, process.returncode or 0, "", stderr.decode())
@@ -69,13 +108,35 @@ def test_bench_replay_text_prompts_at_fixed_concurrency_through_a_running_router
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KVROUTE_SGLANG_PYTHON"), reason="set KVROUTE_SGLANG_PYTHON to a Python "
-                    "with sglang-router installed")  # fmt: skip
+@pytest.mark.skipif(
+    not os.environ.get("KVROUTE_SGLANG_PYTHON"),
+    reason="set KVROUTE_SGLANG_PYTHON to a Python with sglang-router installed",
+)
 def test_bench_replay_with_the_sglang_peer(tmp_path):
     out = tmp_path / "replay.json"
-    command = [sys.executable, "-m", "kvroute", "bench", "replay", "--synthetic", "shared-prefix", "--limit", "24",
-               "--engines", "2", "--replicas", "1,2", "--policies", "kv", "--peer", "sglang", "--json", str(out),
-               "--chart", str(tmp_path / "replay.png")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvroute",
+        "bench",
+        "replay",
+        "--synthetic",
+        "shared-prefix",
+        "--limit",
+        "24",
+        "--engines",
+        "2",
+        "--replicas",
+        "1,2",
+        "--policies",
+        "kv",
+        "--peer",
+        "sglang",
+        "--json",
+        str(out),
+        "--chart",
+        str(tmp_path / "replay.png"),
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())

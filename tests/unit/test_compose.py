@@ -46,10 +46,18 @@ def engine_endpoints(name: str) -> tuple[int, int, int, str]:
     if name.startswith("vllm-"):
         config = json.loads(flag(command, "--kv-events-config"))
         assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
-        return (int(flag(command, "--port")), int(config["endpoint"].rsplit(":", 1)[1]),
-                int(config["replay_endpoint"].rsplit(":", 1)[1]), config["topic"])  # fmt: skip
-    return (int(flag(command, "--port")), int(flag(command, "--events-endpoint").rsplit(":", 1)[1]),
-            int(flag(command, "--replay-endpoint").rsplit(":", 1)[1]), flag(command, "--topic"))  # fmt: skip
+        return (
+            int(flag(command, "--port")),
+            int(config["endpoint"].rsplit(":", 1)[1]),
+            int(config["replay_endpoint"].rsplit(":", 1)[1]),
+            config["topic"],
+        )
+    return (
+        int(flag(command, "--port")),
+        int(flag(command, "--events-endpoint").rsplit(":", 1)[1]),
+        int(flag(command, "--replay-endpoint").rsplit(":", 1)[1]),
+        flag(command, "--topic"),
+    )
 
 
 @pytest.mark.parametrize("name", kvroute_services())
@@ -81,8 +89,11 @@ def test_each_agent_points_at_an_engine_of_its_profile(name):
 
 def test_every_engine_has_one_agent():
     engines = [n for n in SERVICES if n.startswith(("vllm-", "sim-")) and not n.startswith("sim-agent")]
-    followed = [urlsplit(flag(SERVICES[n]["command"], "--engine-url")).hostname
-                for n in kvroute_services() if SERVICES[n]["command"][1] == "agent"]  # fmt: skip
+    followed = [
+        urlsplit(flag(SERVICES[n]["command"], "--engine-url")).hostname
+        for n in kvroute_services()
+        if SERVICES[n]["command"][1] == "agent"
+    ]
     assert sorted(followed) == sorted(engines)
 
 
