@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -224,15 +225,38 @@ def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
     return requests
 
 
+async def running_routers(flag: str) -> list[str]:
+    """The ``--router-url`` replicas, each checked to be an http(s) URL that answers: anything else is
+    a :class:`StartupError` naming it, before a request is sent."""
+    urls = [u.strip().rstrip("/") for u in flag.split(",") if u.strip()]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for url in urls:
+            if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
+                raise StartupError(f"--router-url must list http:// or https:// URLs, got {url!r}")
+            try:
+                async with session.get(url + "/health") as response:
+                    status = response.status
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                reason = str(exc) or type(exc).__name__
+                raise StartupError(
+                    f"cannot reach the router at {url}: {reason} (is it running? check --router-url)"
+                ) from None
+            if status != 200:
+                raise StartupError(f"{url}/health answered {status}: is it a router? (check --router-url)")
+    if not urls:
+        raise StartupError("--router-url lists no URL")
+    return urls
+
+
 async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, Any]:
+    urls = await running_routers(args.router_url) if args.router_url else []
     text = args.prompts == "text" or bool(args.peer)  # the peer takes text only: every run gets text
     prompts = _prompts(requests, text)
     distinct = len({h for r in requests for h in r.hash_ids})
     capacity, per_engine_blocks, max_model_len = _capacity(requests, distinct, args)
     lru, infinite = reference_hit_rates(requests, capacity)
     engines = args.engines
-    if args.router_url:
-        urls = [u for u in args.router_url.split(",") if u]
+    if urls:
         print(f"replaying {len(requests)} requests through {', '.join(urls)}", file=sys.stderr)
         results = await send_all(urls, requests, prompts, args)
         per_worker = Counter(r["worker"] for r in results if not r["failed"])
