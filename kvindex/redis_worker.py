@@ -206,9 +206,10 @@ class RedisWorker:
     async def report_load(self, load: WorkerLoad) -> HeartbeatStatus:
         self._check_open()
         self.load = load
-        status = await self._scripts.run(
-            "load", [self.keys.worker(self.worker_id)], [self.gid, load.running, load.waiting, repr(load.kv_usage)]
-        )
+        args: list[str | int] = [self.gid, load.running, load.waiting, repr(load.kv_usage)]
+        if load.capacity_blocks:
+            args.append(load.capacity_blocks)
+        status = await self._scripts.run("load", [self.keys.worker(self.worker_id)], args)
         return HeartbeatStatus(decode(status))
 
     async def deregister(self) -> None:

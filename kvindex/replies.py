@@ -37,7 +37,13 @@ def time_ms(server_time: tuple[int, int]) -> int:
 def load_of(record: dict[str, str]) -> WorkerLoad | None:
     if "load_ms" not in record:
         return None
-    return WorkerLoad(int(record["running"]), int(record["waiting"]), float(record["kv_usage"]))
+    capacity = record.get("capacity_blocks")
+    return WorkerLoad(
+        int(record["running"]),
+        int(record["waiting"]),
+        float(record["kv_usage"]),
+        int(capacity) if capacity else None,
+    )
 
 
 def gid_list(csv: bytes | str) -> list[int]:

@@ -44,6 +44,7 @@ class WorkerLoad:
     running: int
     waiting: int
     kv_usage: float  # 0..1
+    capacity_blocks: int | None = None  # the engine's KV-cache size in blocks (num_gpu_blocks)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 --
 -- KEYS[1] record  HASH  the worker's record
 -- ARGV[1] gid   ARGV[2] running requests (>= 0)   ARGV[3] waiting requests (>= 0)
--- ARGV[4] KV cache usage (0..1)
+-- ARGV[4] KV cache usage (0..1)   ARGV[5] optional: the engine's cache size in blocks (>= 1)
 -- Returns 'ok', 'missing' or 'superseded' (as heartbeat.lua).
 local record_key = KEYS[1]
 local gid = ARGV[1]
@@ -19,6 +19,10 @@ end
 if kv_usage == nil or kv_usage < 0 or kv_usage > 1 then
   return redis.error_reply('ERR kvroute: load kv_usage must be within 0..1, got ' .. tostring(ARGV[4]))
 end
+local capacity = ARGV[5]
+if capacity ~= nil and (tonumber(capacity) == nil or tonumber(capacity) < 1 or tonumber(capacity) % 1 ~= 0) then
+  return redis.error_reply('ERR kvroute: load capacity must be a positive integer, got ' .. tostring(capacity))
+end
 local current = redis.call('HGET', record_key, 'gid')
 if not current then
   return 'missing'
@@ -27,4 +31,7 @@ if current ~= gid then
   return 'superseded'
 end
 redis.call('HSET', record_key, 'running', ARGV[2], 'waiting', ARGV[3], 'kv_usage', ARGV[4], 'load_ms', now_ms)
+if capacity ~= nil then
+  redis.call('HSET', record_key, 'capacity_blocks', capacity)
+end
 return 'ok'

@@ -117,8 +117,12 @@ def _explain(decision: Decision) -> dict[str, Any]:
                     "inflight_uncached_tokens": s.candidate.inflight.uncached_tokens,
                     "engine": vars(s.candidate.engine) if s.candidate.engine else None,
                 },
-                "cost": round(s.cost, 3),
+                "cost": round(s.cost, 6),
                 "busy": s.busy,
+                "pending_blocks": s.candidate.pending_blocks,
+                "cached_blocks": s.candidate.cached_blocks,
+                "prefill_tokens": s.prefill_tokens,
+                "predicted_ttft_ms": round(s.ttft_s * 1000, 3),
             }
             for s in decision.choice.ranked
         ],
@@ -139,6 +143,7 @@ def _record_usage(state: RouterState, decision: Decision, candidate: Candidate, 
     if cached is None:
         return
     predicted = decision.predicted_cached_tokens(candidate)
+    state.decider.learner.note_usage(int(usage.get("prompt_tokens") or 0), int(cached))
     state.metrics.cached_tokens.labels(model).inc(int(cached))
     state.metrics.predicted_cached_tokens.labels(model).inc(predicted)
     outcome = "exact" if predicted == cached else ("over" if predicted > cached else "under")
@@ -166,7 +171,8 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
 
     state.metrics.inflight.inc()
     try:
-        with Booking(decision, state.load) as booking:
+        streamed = body.get("stream") is True
+        with Booking(decision, state.load, state.decider.learner, streamed) as booking:
             forwarded = await forward(
                 request, state.session, request.path, raw, decision.candidates, headers, booking, failed
             )

@@ -6,7 +6,9 @@ The single owner of a request's load lifecycle:
    prompt tokens, its uncached tokens) is booked on that worker, and the prompt's checkpoint
    blocks are marked "expected" there (this replica sees them at once, the others through Redis).
 2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
-   uncached tokens no longer queue ahead of other prompts on that worker.
+   uncached tokens no longer queue ahead of other prompts on that worker, and the time it took
+   teaches the TTFT model (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
+   its last token, so its prefill is released when it is predicted to be done instead.
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
    (the retry books the next worker).
 4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
@@ -15,19 +17,28 @@ The single owner of a request's load lifecycle:
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import TracebackType
 
 from router.decide import Decision
 from router.load import ReplicaLoad
 from router.scoring import Candidate
 from router.shared_load import InflightLoad
+from router.ttft import TtftLearner
 
 
 class Booking:
-    def __init__(self, decision: Decision, load: ReplicaLoad) -> None:
+    def __init__(
+        self, decision: Decision, load: ReplicaLoad, learner: TtftLearner | None = None, streamed: bool = True
+    ) -> None:
         self._decision = decision
         self._load = load
+        self._learner = learner
+        self._streamed = streamed
         self._held: dict[str, InflightLoad] = {}  # worker id -> what is booked there now
+        self._sent_at: dict[str, float] = {}  # worker id -> when the try started
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def held(self) -> dict[str, InflightLoad]:
@@ -41,21 +52,43 @@ class Booking:
         self._release(candidate.worker_id)  # a second try on the same worker books once
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
         self._held[candidate.worker_id] = load
+        self._sent_at[candidate.worker_id] = time.perf_counter()
+        if self._learner is not None:
+            self._learner.note_request(uncached)
+        if not self._streamed and uncached:
+            self._cancel_timer()
+            delay = decision.scored(candidate).ttft_s
+            self._timer = asyncio.get_running_loop().call_later(delay, self._release_prefill, candidate.worker_id)
 
     def prefilled(self, candidate: Candidate) -> None:
-        held = self._held.get(candidate.worker_id)
+        """The reply's first byte arrived."""
+        sent_at = self._sent_at.get(candidate.worker_id)
+        if self._streamed and self._learner is not None and sent_at is not None:
+            waited = self._decision.scored(candidate).prefill_tokens
+            self._learner.observe(candidate.worker_id, waited, time.perf_counter() - sent_at)
+        self._release_prefill(candidate.worker_id)
+
+    def _release_prefill(self, worker_id: str) -> None:
+        held = self._held.get(worker_id)
         if held is None or not held.uncached_tokens:
             return
         done = InflightLoad(0, 0, held.uncached_tokens)
-        self._load.release(self._decision.model, candidate.worker_id, done)
-        self._held[candidate.worker_id] = held + (-done)
+        self._load.release(self._decision.model, worker_id, done)
+        self._held[worker_id] = held + (-done)
 
     def failed(self, candidate: Candidate) -> None:
+        self._cancel_timer()
         self._release(candidate.worker_id)
 
     def close(self) -> None:
+        self._cancel_timer()
         for worker_id in list(self._held):
             self._release(worker_id)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _release(self, worker_id: str) -> None:
         held = self._held.pop(worker_id, None)

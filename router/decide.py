@@ -25,8 +25,9 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
 from router.fleet import Fleet
 from router.load import ReplicaLoad
-from router.scoring import Candidate, Choice, Policy, ScoringWeights, choose, predicted_cached_tokens
+from router.scoring import Candidate, Choice, Policy, Scored, ScoringWeights, choose, predicted_cached_tokens
 from router.shared_load import InflightLoad, parse_expected, parse_totals
+from router.ttft import TtftLearner
 
 log = logging.getLogger(__name__)
 REDIS_FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
@@ -53,6 +54,9 @@ class Decision:
     def predicted_cached_tokens(self, candidate: Candidate | None = None) -> int:
         chosen = candidate or self.choice.chosen
         return predicted_cached_tokens(chosen.matched_blocks, self.prompt_tokens, self.block_size)
+
+    def scored(self, candidate: Candidate) -> Scored:
+        return next(s for s in self.choice.ranked if s.candidate.worker_id == candidate.worker_id)
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -106,6 +110,7 @@ class Decider:
         self.degraded_count = 0
         self.degraded = False  # in degraded mode now: the last decision could not use Redis
         self.hash_memo = PrefixHashMemo()
+        self.learner = TtftLearner()
 
     async def decide(self, model: str, tokens: Sequence[int], cache_salt: str | None = None) -> Decision:
         started = time.perf_counter()
@@ -126,7 +131,16 @@ class Decider:
             return Decision(model, len(tokens), block_size, chain, choice, True, time.perf_counter() - started)
         self._leave_degraded()
         candidates = self._with_recent(model, chain, candidates)
-        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, self._rng, next(self._turns))
+        choice = choose(
+            candidates,
+            len(chain),
+            block_size,
+            self._weights,
+            self._policy,
+            self._rng,
+            next(self._turns),
+            self.learner.model,
+        )
         return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started)
 
     def _enter_degraded(self, exc: BaseException) -> None:
@@ -181,7 +195,14 @@ class Decider:
             if worker_id is not None:
                 expected_depth[worker_id] = max(expected_depth[worker_id], depth)
         candidates = [
-            Candidate(w.worker_id, w.url, matches.get(w.worker_id, 0), totals.get(w.worker_id, InflightLoad()), w.load)
+            Candidate(
+                w.worker_id,
+                w.url,
+                matches.get(w.worker_id, 0),
+                totals.get(w.worker_id, InflightLoad()),
+                w.load,
+                cached_blocks=w.blocks,
+            )
             for w in workers
         ]
         return [_expecting(c, expected_depth[c.worker_id]) for c in candidates]

@@ -1,17 +1,21 @@
 """Which worker gets a request: pure functions over what the index and the shared load say.
 
-Cost of sending a prompt of ``P`` blocks to a worker (lower wins), in the spirit of Dynamo's:
+The cost of sending a prompt to a worker is the time to its first token there, predicted:
 
-    prefill * (P - matched_blocks)           blocks this request would prefill there
-  + queued  * queued_prefill_blocks          prefill already booked there (it delays the first token),
-                                             less the blocks of this prompt it is computing (shared)
-  + active  * inflight_prompt_blocks         KV held by requests in flight there
-  + queue   * engine_waiting                 requests its engine already queues
+    base + per_token * ( own prefill        uncached tokens of this prompt on that worker
+                       + prefill ahead       uncached tokens queued there before it (booked by every
+                                             replica and not yet at their first byte, or what the
+                                             engine says it queues, whichever is more), less the part
+                                             that computes this very prompt's prefix (shared work)
+                       + reuse * evicted )   tokens of other prefixes its new blocks would evict there
+                                             when that cache is full, each re-prefilled later with
+                                             the probability ``reuse``
 
-``matched_blocks`` comes from the index (or a fresh "expected" entry); the in-flight figures are
-summed over every router replica; ``engine_waiting`` is the engine's own gauge. A worker whose
-KV cache is nearly full or whose queue is long is "busy" and is only chosen when all are busy.
-Ties are broken at random; with a temperature > 0 the choice is sampled from a softmax over costs.
+``base`` and ``per_token`` are learned per worker from observed first-byte times
+(:mod:`router.ttft`); ``reuse`` is the measured share of prompt tokens served from cache. The
+weights (all 1 but the legacy ``active`` and ``queue`` terms, 0) stay as advanced overrides. A
+worker whose KV cache is nearly full or whose queue is long is "busy" and is only chosen when all
+are busy. Ties are broken at random; with a temperature > 0 the choice is sampled from a softmax.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from enum import StrEnum
 
 from kvindex.types import WorkerLoad
 from router.shared_load import InflightLoad
+from router.ttft import CostModel
 
 NO_LOAD = InflightLoad()
 
 
 class Policy(StrEnum):
     KV = "kv"
+    PREFIX = "prefix"  # the longest match wins; ties go to the least loaded
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     LEAST_LOADED = "least_loaded"
@@ -37,17 +43,20 @@ class Policy(StrEnum):
 
 @dataclass(frozen=True)
 class ScoringWeights:
-    prefill: float = 1.0
-    queued: float = 0.75
-    active: float = 0.3
-    queue: float = 4.0
+    prefill: float = 1.0  # per own uncached token
+    queued: float = 1.0  # per uncached token queued ahead
+    active: float = 0.0  # per in-flight prompt token (KV held there): off, time does not depend on it
+    queue: float = 0.0  # per request the engine queues, on top of the prefill ahead: off by default
     busy_kv_usage: float = 0.97
     busy_waiting: int = 16
     temperature: float = 0.0
+    cache_pressure: float | None = None  # per evicted token; None: the measured reuse
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.queued, self.active, self.queue, self.temperature) < 0:
             raise ValueError("scoring weights and the temperature must be >= 0")
+        if self.cache_pressure is not None and self.cache_pressure < 0:
+            raise ValueError("the cache-pressure weight must be >= 0")
         if not 0 < self.busy_kv_usage <= 1 or self.busy_waiting < 1:
             raise ValueError("busy_kv_usage must be in (0, 1] and busy_waiting >= 1")
 
@@ -60,13 +69,16 @@ class Candidate:
     inflight: InflightLoad = NO_LOAD
     engine: WorkerLoad | None = None
     pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
+    cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
 
 
 @dataclass(frozen=True)
 class Scored:
     candidate: Candidate
-    cost: float
+    cost: float  # seconds: the predicted TTFT plus the cost of the cache pressure
     busy: bool
+    prefill_tokens: float = 0.0  # the prefill it would wait for there (ahead + own): what TTFT is fitted on
+    ttft_s: float = 0.0  # the predicted time to first token there
 
 
 @dataclass(frozen=True)
@@ -85,19 +97,49 @@ def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size:
     return min(matched_blocks * block_size, (prompt_tokens - 1) // block_size * block_size)
 
 
-def cost(candidate: Candidate, prompt_blocks: int, block_size: int, weights: ScoringWeights) -> float:
-    new_prefill = max(prompt_blocks - candidate.matched_blocks, 0)
+@dataclass(frozen=True)
+class Terms:
+    """A candidate's cost terms, in tokens (see the module's docstring)."""
+
+    own: float
+    ahead: float
+    evicted: float
+
+
+def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: CostModel) -> Terms:
+    own_blocks = max(prompt_blocks - candidate.matched_blocks, 0)
     # Prefill queued there delays this prompt, except the part that computes this prompt's own
     # prefix (a burst of one prompt shares that work instead of queueing behind it).
-    queued_prefill = max(candidate.inflight.uncached_tokens / block_size - candidate.pending_blocks, 0)
-    active = candidate.inflight.prompt_tokens / block_size
+    booked_ahead = max(candidate.inflight.uncached_tokens - candidate.pending_blocks * block_size, 0)
+    engine = candidate.engine
+    engine_ahead = engine.waiting * model.typical_uncached_tokens if engine else 0.0
+    evicted_blocks = 0
+    capacity = engine.capacity_blocks if engine else None
+    if capacity and candidate.cached_blocks is not None:
+        filling = candidate.inflight.uncached_tokens // block_size  # being computed: cached soon
+        free = max(capacity - candidate.cached_blocks - filling, 0)
+        evicted_blocks = max(own_blocks - free, 0)
+    return Terms(own_blocks * block_size, max(booked_ahead, engine_ahead), evicted_blocks * block_size)
+
+
+def score(
+    candidate: Candidate, prompt_blocks: int, block_size: int, weights: ScoringWeights, model: CostModel
+) -> Scored:
+    t = terms(candidate, prompt_blocks, block_size, model)
+    params = model.params(candidate.worker_id)
+    prefill = weights.prefill * t.own + weights.queued * t.ahead
     waiting = candidate.engine.waiting if candidate.engine else 0
-    return (
-        weights.prefill * new_prefill
-        + weights.queued * queued_prefill
-        + weights.active * active
-        + weights.queue * waiting
-    )
+    extra = weights.active * candidate.inflight.prompt_tokens + weights.queue * waiting * model.typical_uncached_tokens
+    reuse = model.reuse if weights.cache_pressure is None else weights.cache_pressure
+    ttft = params.seconds(prefill + extra)
+    cost = ttft + params.per_token_s * reuse * t.evicted
+    return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft)
+
+
+def cost(
+    candidate: Candidate, prompt_blocks: int, block_size: int, weights: ScoringWeights, model: CostModel | None = None
+) -> float:
+    return score(candidate, prompt_blocks, block_size, weights, model or CostModel()).cost
 
 
 def is_busy(candidate: Candidate, weights: ScoringWeights) -> bool:
@@ -117,13 +159,15 @@ def choose(
     policy: Policy = Policy.KV,
     rng: random.Random | None = None,
     turn: int = 0,
+    model: CostModel | None = None,
 ) -> Choice:
     """Rank ``candidates`` (non-empty) for a prompt of ``prompt_blocks`` blocks. ``turn`` is the
-    round-robin position (the caller's counter)."""
+    round-robin position (the caller's counter); ``model`` what was learned (a prior without)."""
     if not candidates:
         raise ValueError("no candidates to choose from")
     rng = rng or random.Random()
-    scored = [Scored(c, cost(c, prompt_blocks, block_size, weights), is_busy(c, weights)) for c in candidates]
+    model = model or CostModel()
+    scored = [score(c, prompt_blocks, block_size, weights, model) for c in candidates]
     if policy is Policy.ROUND_ROBIN:
         ordered = sorted(scored, key=lambda s: s.candidate.worker_id)
         start = turn % len(ordered)
@@ -135,9 +179,20 @@ def choose(
     tiebreak = {s.candidate.worker_id: rng.random() for s in scored}
     if policy is Policy.LEAST_LOADED:
         return Choice(sorted(scored, key=lambda s: (_load(s.candidate), tiebreak[s.candidate.worker_id])))
-    ranked = sorted(
-        scored, key=lambda s: (s.busy and not all(x.busy for x in scored), s.cost, tiebreak[s.candidate.worker_id])
-    )
+    some_free = not all(s.busy for s in scored)
+    if policy is Policy.PREFIX:
+        return Choice(
+            sorted(
+                scored,
+                key=lambda s: (
+                    s.busy and some_free,
+                    -s.candidate.matched_blocks,
+                    _load(s.candidate),
+                    tiebreak[s.candidate.worker_id],
+                ),
+            )
+        )
+    ranked = sorted(scored, key=lambda s: (s.busy and some_free, s.cost, tiebreak[s.candidate.worker_id]))
     if weights.temperature > 0:
         ranked = _sample_first(ranked, weights.temperature, rng)
     return Choice(ranked)
@@ -147,7 +202,7 @@ def _sample_first(ranked: list[Scored], temperature: float, rng: random.Random) 
     """Move a softmax-sampled candidate (among the non-busy, if any) to the front."""
     pool = [s for s in ranked if not s.busy] or ranked
     best = min(s.cost for s in pool)
-    scale = max(max(s.cost for s in pool) - best, 1.0)
+    scale = (max(s.cost for s in pool) - best) or 1.0  # costs are seconds: normalise by their spread
     weights = [math.exp(-(s.cost - best) / scale / temperature) for s in pool]
     pick = rng.choices(pool, weights=weights, k=1)[0]
     return [pick, *(s for s in ranked if s is not pick)]

@@ -74,10 +74,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a model's directory with tokenizer.json + chat template (repeatable); without one, "
         "the router asks a worker's /tokenize",
     )
-    parser.add_argument("--weight-prefill", type=float, default=w.prefill, help=f"per block to prefill ({w.prefill})")
-    parser.add_argument("--weight-queued", type=float, default=w.queued, help=f"per queued prefill block ({w.queued})")
-    parser.add_argument("--weight-active", type=float, default=w.active, help=f"per in-flight KV block ({w.active})")
-    parser.add_argument("--weight-queue", type=float, default=w.queue, help=f"per queued engine request ({w.queue})")
+    advanced = parser.add_argument_group(
+        "scoring overrides",
+        "the cost is a predicted time to first token, learned online; these only re-weigh its terms",
+    )
+    advanced.add_argument("--weight-prefill", type=float, default=w.prefill, help=f"own uncached tokens ({w.prefill})")
+    advanced.add_argument("--weight-queued", type=float, default=w.queued, help=f"prefill queued ahead ({w.queued})")
+    advanced.add_argument("--weight-active", type=float, default=w.active, help=f"in-flight prompt tokens ({w.active})")
+    advanced.add_argument("--weight-queue", type=float, default=w.queue, help=f"extra per queued request ({w.queue})")
+    advanced.add_argument(
+        "--weight-cache-pressure",
+        type=float,
+        default=None,
+        help="per token a prefill would evict from a full cache (default: the measured cache hit rate)",
+    )
     parser.add_argument("--busy-kv-usage", type=float, default=w.busy_kv_usage, help=f"busy above ({w.busy_kv_usage})")
     parser.add_argument(
         "--busy-waiting", type=int, default=w.busy_waiting, help=f"busy at this queue ({w.busy_waiting})"
@@ -111,6 +121,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         args.busy_kv_usage,
         args.busy_waiting,
         args.temperature,
+        args.weight_cache_pressure,
     )
     extra = {"replica_id": args.replica_id} if args.replica_id else {}
     return RouterSettings(

@@ -38,6 +38,7 @@ def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
     sums: dict[str, float] = {}
     seen: set[str] = set()
     block_size: int | None = None
+    capacity: int | None = None
     work: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -49,13 +50,19 @@ def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
             elif sample.name in WORK_COUNTERS:
                 work = (work or 0.0) + sample.value
-            elif sample.name == CACHE_CONFIG and sample.labels.get("block_size", "").isdigit():
-                block_size = int(sample.labels["block_size"])
+            elif sample.name == CACHE_CONFIG:
+                block_size = _int_label(sample.labels, "block_size", block_size)
+                capacity = _int_label(sample.labels, "num_gpu_blocks", capacity)
     load = None
     if {RUNNING, WAITING, KV_USAGE} <= seen:
         usage = min(max(sums[KV_USAGE], 0.0), 1.0)
-        load = WorkerLoad(int(sums[RUNNING]), int(sums[WAITING]), usage)
+        load = WorkerLoad(int(sums[RUNNING]), int(sums[WAITING]), usage, capacity)
     return EngineMetrics(load, block_size, work)
+
+
+def _int_label(labels: dict[str, str], name: str, default: int | None) -> int | None:
+    value = labels.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
 
 
 class EngineClient:

@@ -252,3 +252,15 @@ async def test_a_handle_superseded_by_another_client_is_refused_by_redis(redis_c
         await mine.clear()
     await theirs.store([StoredRun(None, tuple(CHAIN[:2]))])
     assert await theirs.indexed_blocks() == 2
+
+
+async def test_a_load_report_carries_the_engines_cache_size(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    handle = await index.register(worker(unique_name), LONG_TTL)
+    await handle.report_load(WorkerLoad(1, 0, 0.25))
+    assert (await index.workers(unique_name))[0].load == WorkerLoad(1, 0, 0.25, capacity_blocks=None)
+    await handle.report_load(WorkerLoad(2, 1, 0.5, capacity_blocks=4096))
+    assert (await index.workers(unique_name))[0].load == WorkerLoad(2, 1, 0.5, capacity_blocks=4096)
+    keys = index.keys(unique_name)
+    with pytest.raises(ResponseError, match="capacity must be a positive integer"):
+        await index.scripts.call("load", [keys.worker("a")], [handle.gid, 1, 0, "0.5", "1.5"])

@@ -66,7 +66,7 @@ def test_bad_settings_are_rejected_with_a_message_naming_them(argv, env, message
 def test_the_real_servers_metrics_page_gives_load_block_size_and_work():
     metrics = parse_metrics(CAPTURE.read_text(), dp_rank=0)
     assert metrics.block_size == 32
-    assert metrics.load == WorkerLoad(0, 0, 0.0)
+    assert metrics.load == WorkerLoad(0, 0, 0.0, capacity_blocks=32768)  # num_gpu_blocks of cache_config_info
     assert metrics.work == 826 + 8  # vllm:prompt_tokens_total + vllm:request_success_total
     assert parse_metrics("nothing_here 1\n").work is None
 

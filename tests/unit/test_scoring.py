@@ -10,6 +10,7 @@ import pytest
 from kvindex.types import WorkerLoad
 from router.scoring import NO_LOAD, Candidate, Policy, ScoringWeights, choose, cost, predicted_cached_tokens
 from router.shared_load import InflightLoad
+from router.ttft import CostModel, TtftParams
 
 W = ScoringWeights()
 
@@ -68,9 +69,52 @@ def test_other_policies():
     }
 
 
-def test_cost_counts_blocks_to_prefill_inflight_kv_and_queue():
-    c = cand("a", 3, InflightLoad(requests=1, prompt_tokens=160, uncached_tokens=32), WorkerLoad(1, 2, 0.5))
-    assert cost(c, 10, 16, ScoringWeights(prefill=1, queued=0.5, active=0.5, queue=4)) == 7 + 0.5 * 2 + 0.5 * 10 + 4 * 2
+PER_TOKEN = 1e-4
+MODEL = CostModel(fleet=TtftParams(base_s=0.01, per_token_s=PER_TOKEN), typical_uncached_tokens=100, reuse=0.5)
+
+
+def test_the_cost_is_a_predicted_ttft_over_own_and_queued_prefill():
+    c = cand("a", 3, InflightLoad(requests=1, prompt_tokens=160, uncached_tokens=32), WorkerLoad(1, 0, 0.5))
+    # own: 7 blocks of 16; ahead: 32 booked uncached tokens; nothing evicted (no capacity known)
+    assert cost(c, 10, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (7 * 16 + 32))
+    overrides = ScoringWeights(prefill=1, queued=0.5, active=0.5, queue=4)
+    expected = 0.01 + PER_TOKEN * (7 * 16 + 0.5 * 32 + 0.5 * 160 + 4 * 0 * 100)
+    assert cost(c, 10, 16, overrides, MODEL) == pytest.approx(expected)
+
+
+def test_the_engine_queue_stands_for_typical_requests_when_routers_booked_less():
+    waiting = cand("a", 0, InflightLoad(requests=1, prompt_tokens=50, uncached_tokens=50), WorkerLoad(1, 3, 0.5))
+    # 3 waiting requests x 100 typical uncached tokens > the 50 booked by routers
+    assert cost(waiting, 1, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (16 + 300))
+
+
+def test_a_full_cache_charges_what_a_prefill_would_evict_at_the_measured_reuse():
+    full = cand("a", 0, engine=WorkerLoad(0, 0, 0.1, capacity_blocks=100))
+    full = Candidate(full.worker_id, full.url, 0, NO_LOAD, full.engine, cached_blocks=98)
+    roomy = Candidate("b", "u", 0, NO_LOAD, WorkerLoad(0, 0, 0.1, capacity_blocks=100), cached_blocks=10)
+    # 10 new blocks: 2 fit in the full cache, 8 evict others' blocks (8 x 16 tokens, reuse 0.5)
+    assert cost(full, 10, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (160 + 0.5 * 8 * 16))
+    assert cost(roomy, 10, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * 160)
+    assert choose([full, roomy], 10, 16, W, model=MODEL).chosen.worker_id == "b"
+    no_pressure = ScoringWeights(cache_pressure=0)
+    assert cost(full, 10, 16, no_pressure, MODEL) == pytest.approx(cost(roomy, 10, 16, W, MODEL))
+
+
+def test_a_warm_worker_keeps_a_conversation_while_its_queue_is_shorter_than_the_prefix():
+    prefix = InflightLoad(requests=2, prompt_tokens=800, uncached_tokens=600)
+    warm = Candidate("warm", "u", matched_blocks=100, inflight=prefix)  # 1,600 cached tokens, 600 queued
+    cold = Candidate("cold", "u")
+    assert choose([warm, cold], 110, 16, W, model=MODEL).chosen.worker_id == "warm"
+    deep = InflightLoad(requests=8, prompt_tokens=4000, uncached_tokens=4000)  # more than the prefix saves
+    assert choose([Candidate("warm", "u", 100, deep), cold], 110, 16, W, model=MODEL).chosen.worker_id == "cold"
+
+
+def test_the_prefix_policy_takes_the_longest_match_and_breaks_ties_by_load():
+    loaded = InflightLoad(requests=9, prompt_tokens=9000, uncached_tokens=9000)
+    longest = cand("long", 8, loaded)
+    assert choose([longest, cand("short", 2)], 10, 16, W, Policy.PREFIX).chosen.worker_id == "long"
+    tie = [cand("x", 4, loaded), cand("y", 4, InflightLoad(requests=1))]
+    assert choose(tie, 10, 16, W, Policy.PREFIX).chosen.worker_id == "y"
 
 
 @pytest.mark.parametrize(
@@ -86,14 +130,15 @@ def test_bad_weights_are_rejected():
 
 
 def test_queued_prefill_of_this_prompts_own_prefix_is_shared_not_waited_for():
-    weights = ScoringWeights(active=0.0)
+    weights = ScoringWeights()
     queued = InflightLoad(requests=1, prompt_tokens=320, uncached_tokens=320)  # 20 blocks being prefilled
     holder_expected = Candidate("a", "u", matched_blocks=20, inflight=queued, pending_blocks=20)
     holder_unrelated = Candidate("a", "u", matched_blocks=20, inflight=queued)
     idle = Candidate("b", "u")
-    assert cost(holder_expected, 20, 16, weights) == 0
-    assert cost(holder_unrelated, 20, 16, weights) == 0.75 * 20
-    assert choose([idle, holder_expected], 20, 16, weights).chosen.worker_id == "a"
+    assert cost(holder_expected, 20, 16, weights, MODEL) == pytest.approx(0.01)
+    assert cost(holder_unrelated, 20, 16, weights, MODEL) == pytest.approx(0.01 + PER_TOKEN * 320)
+    assert choose([idle, holder_expected], 20, 16, weights, model=MODEL).chosen.worker_id == "a"
     # Queued work beyond the shared prefix still counts.
     bigger = InflightLoad(requests=2, prompt_tokens=640, uncached_tokens=640)
-    assert cost(Candidate("a", "u", 20, bigger, pending_blocks=20), 20, 16, weights) == 0.75 * 20
+    bigger_cost = cost(Candidate("a", "u", 20, bigger, pending_blocks=20), 20, 16, weights, MODEL)
+    assert bigger_cost == pytest.approx(0.01 + PER_TOKEN * 320)

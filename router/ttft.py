@@ -1,0 +1,136 @@
+"""What the router learns online about each worker's time to first token (pure: no I/O).
+
+A worker's TTFT is modelled as ``base + per_token * prefill_tokens``, where ``prefill_tokens`` is
+the prefill work the request waits for on that worker: the uncached tokens booked there ahead of
+it plus its own uncached tokens. Both parameters are fitted per worker by exponentially weighted
+least squares over the router's own observations (the time from sending a streamed request to its
+first byte, with the prefill tokens it was predicted to wait for), shrunk towards the fit over the
+whole fleet while a worker has few observations, and towards a prior while the fleet has none.
+
+Two more figures are measured rather than configured:
+
+* ``typical_uncached_tokens``: the uncached tokens of a typical request (what one request the
+  engine reports as waiting stands for);
+* ``reuse``: the share of prompt tokens the engines report as cached (a block a prefill evicts
+  would have been reused with about this probability: the cost of cache pressure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms matters until learned
+HALF_LIFE = 200.0  # observations after which an old one weighs half
+SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
+MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
+
+
+@dataclass(frozen=True)
+class TtftParams:
+    base_s: float = 0.0
+    per_token_s: float = PRIOR_PER_TOKEN_S
+
+    def seconds(self, prefill_tokens: float) -> float:
+        return self.base_s + self.per_token_s * prefill_tokens
+
+
+@dataclass
+class _Sums:
+    """Exponentially weighted sums for a one-variable least-squares fit."""
+
+    n: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.n = self.n * decay + 1
+        self.x = self.x * decay + x
+        self.y = self.y * decay + y
+        self.xx = self.xx * decay + x * x
+        self.xy = self.xy * decay + x * y
+
+    def fit(self, prior: TtftParams) -> TtftParams:
+        """Least squares, falling back to the prior's slope when the sizes barely vary."""
+        if self.n < 1:
+            return prior
+        mean_x, mean_y = self.x / self.n, self.y / self.n
+        variance = self.xx / self.n - mean_x * mean_x
+        slope = prior.per_token_s
+        if variance > MIN_SPREAD_TOKENS**2:
+            slope = max((self.xy / self.n - mean_x * mean_y) / variance, 0.0)
+        base = max(mean_y - slope * mean_x, 0.0)
+        return TtftParams(base, slope)
+
+
+def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
+    share = weight / (weight + SHRINK)
+    return TtftParams(
+        share * own.base_s + (1 - share) * other.base_s,
+        share * own.per_token_s + (1 - share) * other.per_token_s,
+    )
+
+
+@dataclass
+class _Average:
+    value: float
+    decay: float = 1 - 1 / HALF_LIFE
+
+    def add(self, sample: float) -> None:
+        self.value = self.value * self.decay + sample * (1 - self.decay)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A snapshot of what was learned, for one decision (scoring reads it, never changes it)."""
+
+    rates: dict[str, TtftParams] = field(default_factory=dict)
+    fleet: TtftParams = field(default_factory=TtftParams)
+    typical_uncached_tokens: float = 512.0
+    reuse: float = 0.5
+
+    def params(self, worker_id: str) -> TtftParams:
+        return self.rates.get(worker_id, self.fleet)
+
+
+class TtftLearner:
+    def __init__(self, prior: TtftParams | None = None) -> None:
+        self._prior = prior or TtftParams()
+        self._decay = 1 - 1 / HALF_LIFE
+        self._workers: dict[str, _Sums] = {}
+        self._fleet = _Sums()
+        self._typical = _Average(512.0)
+        self._reuse = _Average(0.5)
+        self._model = CostModel()
+
+    def observe(self, worker_id: str, prefill_tokens: float, seconds: float) -> None:
+        """A streamed request to ``worker_id`` waited ``seconds`` for its first byte, having been
+        predicted to wait for ``prefill_tokens`` of prefill there."""
+        if seconds < 0 or prefill_tokens < 0:
+            return
+        self._workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay)
+        self._fleet.add(prefill_tokens, seconds, self._decay)
+        self._refit()
+
+    def note_request(self, uncached_tokens: float) -> None:
+        self._typical.add(max(uncached_tokens, 0.0))
+        self._model = CostModel(self._model.rates, self._model.fleet, self._typical.value, self._reuse.value)
+
+    def note_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self._reuse.add(min(max(cached_tokens / prompt_tokens, 0.0), 1.0))
+            self._model = CostModel(self._model.rates, self._model.fleet, self._typical.value, self._reuse.value)
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+        self._refit()
+
+    def _refit(self) -> None:
+        fleet = _blend(self._fleet.fit(self._prior), self._fleet.n, self._prior)
+        rates = {w: _blend(sums.fit(fleet), sums.n, fleet) for w, sums in self._workers.items()}
+        self._model = CostModel(rates, fleet, self._typical.value, self._reuse.value)
+
+    @property
+    def model(self) -> CostModel:
+        return self._model

@@ -1,0 +1,66 @@
+"""The TTFT model the router learns online (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.ttft import PRIOR_PER_TOKEN_S, TtftLearner, TtftParams
+
+
+def _feed(learner: TtftLearner, worker: str, base: float, per_token: float, count: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for _ in range(count):
+        tokens = rng.uniform(0, 4000)
+        learner.observe(worker, tokens, (base + per_token * tokens) * rng.uniform(0.95, 1.05))
+
+
+def test_it_learns_each_workers_base_and_rate():
+    learner = TtftLearner()
+    _feed(learner, "fast", base=0.010, per_token=1e-4, count=400, seed=1)
+    _feed(learner, "slow", base=0.030, per_token=4e-4, count=400, seed=2)
+    fast, slow = learner.model.params("fast"), learner.model.params("slow")
+    assert fast.per_token_s == pytest.approx(1e-4, rel=0.2) and fast.base_s == pytest.approx(0.010, abs=0.01)
+    assert slow.per_token_s == pytest.approx(4e-4, rel=0.2) and slow.base_s == pytest.approx(0.030, abs=0.03)
+    # The same prefill predicts a longer wait on the slow worker.
+    assert slow.seconds(2000) > 2 * fast.seconds(2000)
+
+
+def test_a_worker_seen_a_few_times_leans_on_the_fleet():
+    learner = TtftLearner()
+    _feed(learner, "old", base=0.0, per_token=2e-4, count=300)
+    learner.observe("new", 1000, 5.0)  # one outlier
+    new = learner.model.params("new")
+    assert new.per_token_s < 5e-4 and new.seconds(1000) < 1.0
+    assert learner.model.params("never-seen") == learner.model.fleet
+
+
+def test_without_spread_in_prefill_sizes_the_slope_keeps_the_prior():
+    learner = TtftLearner()
+    for _ in range(100):
+        learner.observe("w", 512, 0.05)
+    params = learner.model.params("w")
+    assert params.per_token_s == pytest.approx(PRIOR_PER_TOKEN_S, rel=0.05)
+    assert params.seconds(512) == pytest.approx(0.05, rel=0.3)
+
+
+def test_reuse_and_typical_request_are_measured():
+    learner = TtftLearner()
+    for _ in range(2000):
+        learner.note_usage(prompt_tokens=1000, cached_tokens=800)
+        learner.note_request(uncached_tokens=200)
+    assert learner.model.reuse == pytest.approx(0.8, abs=0.01)
+    assert learner.model.typical_uncached_tokens == pytest.approx(200, rel=0.01)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e3)), max_size=60))
+def test_learned_parameters_are_never_negative(observations):
+    learner = TtftLearner()
+    for tokens, seconds in observations:
+        learner.observe("w", tokens, seconds)
+    params = learner.model.params("w")
+    assert params.base_s >= 0 and params.per_token_s >= 0
+    assert isinstance(params, TtftParams)
