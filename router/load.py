@@ -43,6 +43,7 @@ class ReplicaLoad:
         # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
         self._writing = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
+        self._leased: set[str] = set()  # models this replica holds a lease for
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
@@ -83,6 +84,12 @@ class ReplicaLoad:
             await asyncio.sleep(0.002)  # gather what arrives meanwhile
             async with self._writing:
                 self._dirty.clear()
+                unleased = sorted({model for model, _ in self._deltas} - self._leased)
+                try:  # a model without a lease yet: its first snapshot carries these changes
+                    for model in unleased:
+                        await self._renew(model)
+                except FAILURES as exc:
+                    log.debug("first lease failed: %s", exc)
                 deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
                 expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
                 self._sending = deltas
@@ -116,13 +123,19 @@ class ReplicaLoad:
     async def renew_all(self, models: list[str]) -> None:
         for model in sorted(set(models) | set(self._local)):
             async with self._writing:
-                # The snapshot already holds this model's unflushed changes: they are written by
-                # it, not queued again (else Redis would count them twice until the next renewal).
-                self._sending = {k: self._deltas.pop(k) for k in [k for k in self._deltas if k[0] == model]}
-                try:
-                    await self.shared.renew(model, self._ttl_ms, self.inflight(model))
-                finally:
-                    self._sending = {}
+                await self._renew(model)
+
+    async def _renew(self, model: str) -> None:
+        """Renew ``model``'s lease with a snapshot of the local truth (the caller holds the lock).
+        Until a replica's first lease for a model, Redis counts none of its load there."""
+        # The snapshot already holds this model's unflushed changes: they are written by it, not
+        # queued again (else Redis would count them twice until the next renewal).
+        self._sending = {k: self._deltas.pop(k) for k in [k for k in self._deltas if k[0] == model]}
+        try:
+            await self.shared.renew(model, self._ttl_ms, self.inflight(model))
+            self._leased.add(model)
+        finally:
+            self._sending = {}
 
     def start(self, models: Callable[[], list[str]]) -> ReplicaLoad:
         async def loop() -> None:

@@ -177,6 +177,7 @@ class SimFleet:
     block_size: int = 16
     num_blocks: int = 256
     speedup: float = 20.0
+    max_running: int = 64
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -195,7 +196,7 @@ class SimFleet:
                 model=self.model,
                 num_blocks=self.num_blocks,
                 block_size=self.block_size,
-                timing=TimingModel(speedup=self.speedup),
+                timing=TimingModel(speedup=self.speedup, max_running=self.max_running),
             )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())

@@ -88,3 +88,25 @@ async def test_a_renewal_between_a_booking_and_its_flush_counts_it_once(redis_cl
         assert await shared.totals(unique_name) == {}
     finally:
         await load.stop([unique_name])
+
+
+async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, unique_name):
+    """A replica leases a model on its first booking there, not at its next periodic renewal
+    (up to a second later): until then no replica, itself included, saw that load."""
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "fresh")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000).start(lambda: [])  # knows no model at start
+
+    async def flushed() -> bool:
+        return load.idle()
+
+    try:
+        load.book(unique_name, "w", InflightLoad(1, 64, 64))
+        await wait_until(flushed, 5, interval=0.001)
+        assert await shared.totals(unique_name) == {"w": InflightLoad(1, 64, 64)}
+        load.release(unique_name, "w", InflightLoad(0, 0, 64))
+        await wait_until(flushed, 5, interval=0.001)
+        assert await shared.totals(unique_name) == {"w": InflightLoad(1, 64, 0)}
+    finally:
+        await load.stop([unique_name])

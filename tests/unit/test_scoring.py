@@ -8,7 +8,17 @@ from collections import Counter
 import pytest
 
 from kvindex.types import WorkerLoad
-from router.scoring import NO_LOAD, Candidate, Policy, ScoringWeights, choose, cost, predicted_cached_tokens
+from router.scoring import (
+    MAX_CONGESTION,
+    NO_LOAD,
+    Candidate,
+    Policy,
+    ScoringWeights,
+    choose,
+    congestion,
+    cost,
+    predicted_cached_tokens,
+)
 from router.shared_load import InflightLoad
 from router.ttft import CostModel, TtftParams
 
@@ -105,8 +115,21 @@ def test_a_warm_worker_keeps_a_conversation_while_its_queue_is_shorter_than_the_
     warm = Candidate("warm", "u", matched_blocks=100, inflight=prefix)  # 1,600 cached tokens, 600 queued
     cold = Candidate("cold", "u")
     assert choose([warm, cold], 110, 16, W, model=MODEL).chosen.worker_id == "warm"
-    deep = InflightLoad(requests=8, prompt_tokens=4000, uncached_tokens=4000)  # more than the prefix saves
-    assert choose([Candidate("warm", "u", 100, deep), cold], 110, 16, W, model=MODEL).chosen.worker_id == "cold"
+    # One big prompt queued there, more than the prefix saves: the conversation moves.
+    deep = InflightLoad(requests=1, prompt_tokens=4000, uncached_tokens=4000)
+    one_big = CostModel(fleet=MODEL.fleet, typical_uncached_tokens=4000, reuse=0.5)
+    assert choose([Candidate("warm", "u", 100, deep), cold], 110, 16, W, model=one_big).chosen.worker_id == "cold"
+
+
+def test_under_congestion_moving_a_prompt_off_its_cache_costs_everyone_behind_it():
+    # The same 4,000 queued tokens as 40 typical requests: the fleet is congested, and the 1,600
+    # tokens re-prefilled elsewhere would delay whoever queues behind them there.
+    deep = InflightLoad(requests=40, prompt_tokens=4000, uncached_tokens=4000)
+    warm, cold = Candidate("warm", "u", 100, deep), Candidate("cold", "u")
+    assert congestion([warm, cold], 110, 16, MODEL) == MAX_CONGESTION
+    assert choose([warm, cold], 110, 16, W, model=MODEL).chosen.worker_id == "warm"
+    # Other policies are not steered by it.
+    assert choose([warm, cold], 110, 16, W, Policy.LEAST_LOADED, model=MODEL).chosen.worker_id == "cold"
 
 
 def test_the_prefix_policy_takes_the_longest_match_and_breaks_ties_by_load():

@@ -1,0 +1,117 @@
+"""The cost in time adapts to the regime, checked by its outcome (real Redis, engines, agents).
+
+* Spare capacity: requests in flight that are past their prefill do not delay a new prompt's
+  first token, so a conversation stays on the worker that holds it.
+* One hot prefix and overloaded engines: the prefill queued on the holder outweighs the prefix,
+  so the router spreads the load instead of herding onto it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from kvindex.hashing import sequence_hashes
+from kvindex.settings import RedisSettings
+from kvroute.devstack.embedded_redis import RedisServer, available_servers
+from router.main import RunningRouter, running_router
+from router.settings import RouterSettings
+from tests.support import SimFleet, wait_until
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    servers = available_servers()
+    server = RedisServer(binary=servers.get("redis") or servers["valkey"]).start()
+    yield server
+    server.stop()
+
+
+async def _router(redis_url: str) -> tuple[object, RunningRouter]:
+    context = running_router(RouterSettings(redis=RedisSettings(url=redis_url), port=0, redis_timeout_s=2.0))
+    return context, await context.__aenter__()
+
+
+async def _wait_for_workers(router: RunningRouter, count: int) -> None:
+    async def ready() -> bool:
+        await router.state.fleet.refresh()
+        return len(router.state.fleet.alive("tiny")) == count
+
+    await wait_until(ready, 20)
+
+
+async def _wait_indexed(router: RunningRouter, prompt: list[int]) -> None:
+    chain = sequence_hashes(prompt, 16)
+
+    async def indexed() -> bool:
+        return len(chain) in (await router.state.index.match("tiny", chain)).values()
+
+    await wait_until(indexed, 10)
+
+
+def _tokens(seed: int, count: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1900 + 10 for i in range(count)]
+
+
+async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int = 2) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
+    async with session.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200
+        await response.read()
+        return response.headers["x-kvroute-worker"]
+
+
+async def test_with_spare_capacity_a_conversation_stays_on_its_worker_while_it_is_busy(redis_server):
+    fleet = await SimFleet(redis_server.url, count=3, num_blocks=1024, speedup=20).start()
+    context, router = await _router(redis_server.url)
+    streams: list[aiohttp.ClientResponse] = []
+    try:
+        await _wait_for_workers(router, 3)
+        conversation = _tokens(1, 480)  # 30 blocks
+        async with aiohttp.ClientSession() as session:
+            owner = await _complete(session, router.url, conversation)
+            await _wait_indexed(router, conversation)
+            # Long requests on the owner, past their prefill (first token out), still decoding: they
+            # hold KV there but delay nobody's prefill. The old cost charged 0.3 per in-flight
+            # block (4 x 1,200 tokens = 300 blocks x 0.3 = 90 > the 30-block prefix) and moved away.
+            for i in range(4):
+                body = {"model": "tiny", "prompt": [*conversation, *_tokens(100 + i, 720)], "max_tokens": 2500}
+                body["stream"] = True
+                response = await session.post(router.url + "/v1/completions", json=body)
+                assert response.status == 200 and response.headers["x-kvroute-worker"] == owner
+                await response.content.readline()  # its first token: the prefill is done
+                streams.append(response)
+            for turn in range(3):
+                conversation += _tokens(200 + turn, 48)
+                assert await _complete(session, router.url, conversation) == owner
+                await _wait_indexed(router, conversation[: len(conversation) // 16 * 16])
+    finally:
+        for response in streams:
+            response.close()
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
+
+
+async def test_one_hot_prefix_on_overloaded_engines_is_spread(redis_server):
+    # Slow prefill (each engine needs ~60 ms per 1k tokens at this speedup), a small batch limit.
+    fleet = await SimFleet(redis_server.url, count=3, num_blocks=2048, speedup=2.5, max_running=2).start()
+    context, router = await _router(redis_server.url)
+    try:
+        await _wait_for_workers(router, 3)
+        hot = _tokens(7, 256)
+        async with aiohttp.ClientSession() as session:
+            holder = await _complete(session, router.url, hot)
+            await _wait_indexed(router, hot)
+            # A burst: the hot prefix with long unique suffixes, far more prefill than one engine does.
+            prompts = [[*hot, *_tokens(1000 + i, 1024)] for i in range(12)]
+            workers = await asyncio.gather(*(_complete(session, router.url, p) for p in prompts))
+        counts = Counter(workers)
+        assert len(counts) == 3, counts
+        assert counts[holder] <= 6, counts  # herding would put all 12 on the holder
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
