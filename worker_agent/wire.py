@@ -6,7 +6,7 @@ older versions, positional arrays ``["BlockStored", ...]``; both are accepted at
 Block hashes are uint64 by default, or 32-byte strings with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
 Unknown event types and unknown keys are counted and skipped; anything malformed raises
 :class:`WireError` with a message saying what is wrong, so the caller can count and skip the frame.
-See ../shared/docs/vllm-kv-events.md.
+See docs/sim-engine.md ("The KV-event wire") and the real captures in tests/fixtures/.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ An independent observer subscribes to the same event stream and keeps vLLM's cac
 announced it, keyed by token content (never by anyone's hash). After each step the index must
 agree with it exactly, for every prompt sent: the blocks vLLM holds are the blocks the index
 lists, no more, no fewer. The server runs with a 12-block cache so that evictions happen.
-See ../shared/docs/vllm-on-cpu.md; `.ci/vllm-env` builds the vLLM environment.
+See docs/sim-engine.md ("Against a real vLLM"); `.ci/vllm-env` builds the vLLM environment.
 """
 
 from __future__ import annotations
