@@ -110,9 +110,7 @@ def _normalized(messages: Any) -> list[dict[str, Any]]:
             raise PromptError(f"messages[{i}] must be an object with a string 'role'")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
+            if not all(_is_text_part(p) for p in content):
                 raise PromptError(f"messages[{i}].content parts must be text parts")
             content = "\n".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
