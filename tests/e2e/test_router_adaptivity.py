@@ -115,3 +115,26 @@ async def test_one_hot_prefix_on_overloaded_engines_is_spread(redis_server):
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
         await fleet.stop()
+
+
+async def test_a_non_streamed_request_stops_queueing_prefill_when_its_prefill_is_predicted_done(redis_server):
+    """Its first byte comes with its last token: its prefill is released at the predicted TTFT."""
+    fleet = await SimFleet(redis_server.url, count=2, speedup=20).start()
+    context, router = await _router(redis_server.url)
+    load = router.state.load
+    try:
+        await _wait_for_workers(router, 2)
+        async with aiohttp.ClientSession() as session:
+            reply = asyncio.create_task(_complete(session, router.url, _tokens(3, 800), max_tokens=2500))
+
+            async def only_decoding() -> bool:
+                booked = [b for b in load.inflight("tiny").values() if b.requests]
+                return len(booked) == 1 and booked[0].uncached_tokens == 0 and booked[0].prompt_tokens == 800
+
+            await wait_until(only_decoding, 10, interval=0.005)
+            assert not reply.done()  # still decoding its 2,500 tokens
+            await reply
+        assert load.inflight("tiny") == {}
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
