@@ -24,13 +24,16 @@ def build_parser(prog: str = "kvroute sim-engine") -> argparse.ArgumentParser:
 
 def _announce(settings: SimEngineSettings, running: RunningEngine) -> None:
     log.info(
-        "simulated engine %s on %s: events %s, replay %s, %d blocks of %d tokens",
+        "simulated engine %s on %s: events %s, replay %s, %d blocks of %d tokens, "
+        "max-num-batched-tokens %s, max-num-seqs %d",
         settings.model,
         running.url,
         running.events_endpoint or "off",
         running.replay_endpoint or "off",
         settings.num_blocks,
         settings.block_size,
+        settings.timing.max_num_batched_tokens or "none",
+        settings.timing.max_num_seqs,
     )
 
 

@@ -102,7 +102,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> None:
-    parser.add_argument("--max-running", type=int, default=t.max_running, help=f"batch limit (default {t.max_running})")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=t.max_num_batched_tokens,
+        help="tokens one engine step may schedule, shared by decodes and prefill chunks (chunked prefill, as "
+        f"vLLM; default {t.max_num_batched_tokens}, vLLM's default for an online server; 0: no budget)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        "--max-running",
+        dest="max_num_seqs",
+        type=int,
+        default=t.max_num_seqs,
+        help=f"batch limit: requests running at once, more wait (default {t.max_num_seqs}; --max-running: the same)",
+    )
     parser.add_argument(
         "--prefill-ms-per-1k-tokens",
         type=float,
@@ -116,6 +130,12 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
         help=f"time of a step that decodes (default {t.decode_ms_per_step})",
     )
     parser.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=t.decode_ms_per_token,
+        help=f"added per decoding request in a step: large batches decode slower (default {t.decode_ms_per_token})",
+    )
+    parser.add_argument(
         "--step-overhead-ms",
         type=float,
         default=t.step_overhead_ms,
@@ -126,7 +146,13 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
 
 def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
     timing = TimingModel(
-        args.prefill_ms_per_1k_tokens, args.decode_ms_per_step, args.step_overhead_ms, args.max_running, args.speedup
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        decode_ms_per_step=args.decode_ms_per_step,
+        step_overhead_ms=args.step_overhead_ms,
+        max_num_seqs=args.max_num_seqs,
+        speedup=args.speedup,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_ms_per_token=args.decode_ms_per_token,
     )
     events = None if str(args.events_endpoint).lower() == "none" else str(args.events_endpoint).strip()
     return SimEngineSettings(

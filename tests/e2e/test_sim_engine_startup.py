@@ -44,6 +44,7 @@ def test_the_command_line_engine_serves_and_rejects_bad_flags(command):
         (["--port", "80"], "--port 80 has no default KV-event port"),
         (["--events-endpoint", "none", "--replay-endpoint", "tcp://*:5558"], "--replay-endpoint needs KV events"),
         (["--log-format", "xml"], "--log-format must be one of text, json"),
+        (["--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "(8) must be >= --max-num-seqs (16)"),
     ):
         bad = subprocess.run([*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr, (flags, bad.stderr)
