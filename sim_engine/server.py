@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq.asyncio
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvservice.lifecycle import StartupError, listening
 from kvservice.logs import FIELDS
@@ -26,7 +26,7 @@ from router.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
 from sim_engine.kv_events import KVEventPublisher
-from sim_engine.metrics import EngineCollector
+from sim_engine.metrics import EngineCollector, RequestHistograms
 from sim_engine.settings import SimEngineSettings
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -40,8 +40,7 @@ class _State:
     settings: SimEngineSettings
     engine: SimEngine
     prompts: ModelPrompts
-    ttft: Histogram
-    e2e: Histogram
+    histograms: RequestHistograms
     registry: CollectorRegistry
 
 
@@ -191,11 +190,12 @@ async def _collect(state: _State, request: SimRequest) -> str:
 
 
 async def _tokens(state: _State, request: SimRequest) -> AsyncIterator[int]:
+    index = 0
     while (token := await request.tokens.get()) is not None:
-        if len(request.output) == 1 and request.first_token_at is not None:
-            state.ttft.observe(request.first_token_at - request.arrived)
+        state.histograms.token(request, index)
+        index += 1
         yield token
-    state.e2e.observe(time.monotonic() - request.arrived)
+    state.histograms.finished(request, time.monotonic())
 
 
 async def _pump(
@@ -261,9 +261,9 @@ def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts
     registry = CollectorRegistry()
     labels = {"model_name": settings.model, "engine": str(settings.dp_rank)}
     registry.register(EngineCollector(engine, labels))
-    ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", list(labels), registry=registry)
-    e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", list(labels), registry=registry)
-    return _State(settings, engine, prompts, ttft.labels(**labels), e2e.labels(**labels), registry)  # type: ignore[arg-type]
+    histograms = RequestHistograms.register(registry, labels)
+    engine.on_step = histograms.step
+    return _State(settings, engine, prompts, histograms, registry)
 
 
 async def _serve_http(stack: contextlib.AsyncExitStack, state: _State) -> int:
