@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +44,7 @@ from kvroute.bench.replay_workload import (
 )
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.peers import SglangRouters
-from kvroute.devstack.stack import MODEL, Stack, stream_completion
+from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
 from router.scoring import Policy
 from router.tokenizer import ModelPrompts
@@ -67,30 +67,55 @@ class RunResult:
     busiest_worker_vs_mean: float
     ttft_ms: list[float]
     hit_rate_over_time: list[float]
+    engine_ttft_mean_ms: float = 0.0  # the engines' own vllm:time_to_first_token_seconds, this run's mean
 
 
-async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+async def _one(
+    session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int, stream: bool
+) -> dict[str, Any]:
+    """One request; ``ttft`` is the time to the first streamed event or, not streamed, to the whole reply."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
-    reply = await stream_completion(session, url, "/v1/completions", body)
+    reply = await (stream_completion if stream else whole_completion)(session, url, "/v1/completions", body)
     if reply.status != 200:
         return {"failed": True}
-    return {"failed": False, "ttft": reply.ttft_s, "usage": reply.usage or {}, "worker": reply.worker}
+    ttft = reply.ttft_s if stream else reply.latency_s
+    return {"failed": False, "ttft": ttft, "usage": reply.usage or {}, "worker": reply.worker}
 
 
 async def send_all(
-    urls: list[str], requests: list[TraceRequest], prompts: list[Any], args: argparse.Namespace
+    urls: list[str],
+    requests: list[TraceRequest],
+    prompts: list[Any],
+    args: argparse.Namespace,
+    after: Sequence[int | None] = (),
+    stream: bool = True,
 ) -> list[dict[str, Any]]:
     """Every request once, spread over ``urls`` in turn: open loop at the (scaled) timestamps, or
-    ``args.concurrency`` at a time. Results come in completion order."""
+    ``args.concurrency`` at a time. Results come in completion order.
+
+    ``after[i]``, when given and not None, is a request that must have been answered before request
+    i is sent (a conversation's previous turn): i then goes at its timestamp or at that answer,
+    whichever is later, and its result's ``held_s`` says how long it waited past its timestamp.
+    Not ``stream``: non-streamed requests, whose ``ttft`` is the time to the whole reply."""
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=600)
+    answered = [asyncio.Event() for _ in requests] if after else []
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
         async def send(i: int) -> None:
+            due = time.perf_counter()
+            if after and (previous := after[i]) is not None:
+                await answered[previous].wait()
+            held = time.perf_counter() - due
             max_tokens = min(requests[i].output_length, args.max_output)
-            results.append(await _one(session, urls[i % len(urls)], prompts[i], max_tokens))
+            try:
+                result = await _one(session, urls[i % len(urls)], prompts[i], max_tokens, stream)
+            finally:
+                if answered:
+                    answered[i].set()
+            results.append({**result, "held_s": held})
 
         async def at_timestamp(i: int) -> None:
             delay = start + requests[i].at_s / args.time_scale - time.perf_counter()
@@ -149,7 +174,7 @@ async def _router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterato
         await stack.stop_routers()
 
 
-async def _replay_on_stack(
+async def replay_on_stack(
     stack: Stack,
     router: str,
     replicas: int,
@@ -157,16 +182,33 @@ async def _replay_on_stack(
     prompts: list[Any],
     args: argparse.Namespace,
     lru: float,
-) -> RunResult:
+    after: Sequence[int | None] = (),
+    stream: bool = True,
+) -> tuple[RunResult, list[dict[str, Any]]]:
+    """One run from empty engine caches through ``router`` (a policy or "sglang"): its summary, and
+    the requests' results (:func:`send_all`)."""
     await stack.reset_caches()
     before = await stack.requests_per_engine()
+    ttft_before = await _engine_ttft(stack)
     async with _router_urls(stack, router, replicas) as urls:
-        results = await send_all(urls, requests, prompts, args)
-    after = await stack.requests_per_engine()
-    return summarize(router, replicas, results, [b - a for a, b in zip(before, after, strict=True)], lru)
+        results = await send_all(urls, requests, prompts, args, after, stream)
+    done = await stack.requests_per_engine()
+    ttft_done = await _engine_ttft(stack)
+    per_worker = [b - a for a, b in zip(before, done, strict=True)]
+    run = summarize(router, replicas, results, per_worker, lru)
+    seconds, count = (b - a for a, b in zip(ttft_before, ttft_done, strict=True))
+    run.engine_ttft_mean_ms = 1000 * seconds / max(count, 1)
+    return run, results
 
 
-def _prompts(requests: list[TraceRequest], text: bool) -> list[Any]:
+async def _engine_ttft(stack: Stack) -> tuple[float, float]:
+    """(sum of seconds, count) of every engine's time-to-first-token histogram."""
+    seconds = await stack.engine_metric("vllm:time_to_first_token_seconds_sum")
+    count = await stack.engine_metric("vllm:time_to_first_token_seconds_count")
+    return sum(seconds), sum(count)
+
+
+def prompts_for(requests: list[TraceRequest], text: bool) -> list[Any]:
     if text:
         texts = TextPrompts(ModelPrompts(TINY_MODEL_DIR))
         return [texts.text_of(r) for r in requests]
@@ -179,22 +221,26 @@ def _routers(args: argparse.Namespace) -> list[str]:
     return routers + ([args.peer] if args.peer else [])
 
 
-def _capacity(requests: list[TraceRequest], distinct: int, args: argparse.Namespace) -> tuple[int, int, int]:
-    """(fleet capacity in trace blocks, blocks per engine, max model length in tokens)."""
-    capacity_trace_blocks = max(1, int(distinct * args.cache_fraction))
-    per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // args.block_size) // args.engines + 1
-    needed = max(r.input_length + args.max_output for r in requests) // args.block_size + 2
+def fleet_capacity(
+    requests: list[TraceRequest], cache_fraction: float, engines: int, block_size: int, max_output: int
+) -> tuple[int, int, int]:
+    """(fleet capacity in trace blocks, blocks per engine, max model length in tokens) for caches
+    that together hold ``cache_fraction`` of the requests' distinct blocks."""
+    distinct = len({h for r in requests for h in r.hash_ids})
+    capacity_trace_blocks = max(1, int(distinct * cache_fraction))
+    per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // block_size) // engines + 1
+    needed = max(r.input_length + max_output for r in requests) // block_size + 2
     if per_engine_blocks < needed:
         # An engine must fit the largest request: grow the caches and say so (the references use
         # the same, effective capacity).
         print(
-            f"note: {args.cache_fraction:.0%} of the distinct blocks gives each engine {per_engine_blocks} blocks, "
+            f"note: {cache_fraction:.0%} of the distinct blocks gives each engine {per_engine_blocks} blocks, "
             f"less than the largest request's {needed}: using {needed}",
             file=sys.stderr,
         )
         per_engine_blocks = needed
-        capacity_trace_blocks = per_engine_blocks * args.engines * args.block_size // TRACE_BLOCK
-    return capacity_trace_blocks, per_engine_blocks, needed * args.block_size
+        capacity_trace_blocks = per_engine_blocks * engines * block_size // TRACE_BLOCK
+    return capacity_trace_blocks, per_engine_blocks, needed * block_size
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -251,9 +297,10 @@ async def running_routers(flag: str) -> list[str]:
 async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, Any]:
     urls = await running_routers(args.router_url) if args.router_url else []
     text = args.prompts == "text" or bool(args.peer)  # the peer takes text only: every run gets text
-    prompts = _prompts(requests, text)
+    prompts = prompts_for(requests, text)
     distinct = len({h for r in requests for h in r.hash_ids})
-    capacity, per_engine_blocks, max_model_len = _capacity(requests, distinct, args)
+    sizes = args.cache_fraction, args.engines, args.block_size, args.max_output
+    capacity, per_engine_blocks, max_model_len = fleet_capacity(requests, *sizes)
     lru, infinite = reference_hit_rates(requests, capacity)
     engines = args.engines
     if urls:
@@ -298,7 +345,8 @@ async def _run_on_stack(
             for replicas in (int(r) for r in args.replicas.split(",")):
                 for router in _routers(args):
                     print(f"replaying {len(requests)} requests: {router}, {replicas} replica(s)", file=sys.stderr)
-                    runs.append(await _replay_on_stack(stack, router, replicas, requests, prompts, args, lru))
+                    run, _ = await replay_on_stack(stack, router, replicas, requests, prompts, args, lru)
+                    runs.append(run)
     return runs
 
 

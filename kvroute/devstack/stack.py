@@ -1,5 +1,5 @@
 """A whole kvroute stack on one machine: simulated engines, an agent per engine and router replicas,
-each a process of its own. Used by ``kvroute demo`` and ``kvroute bench replay``.
+each a process of its own. Used by ``kvroute demo``, ``kvroute bench replay`` and ``kvroute bench regimes``.
 
 Every wait is on observable state (an engine's /health, the workers registered in Redis, a router
 that sees every engine, the agents' emptied index after a cache reset), and a process that exits
@@ -46,6 +46,13 @@ class StreamedReply:
     usage: dict[str, Any] | None = None
     worker: str = ""  # x-kvroute-worker
     predicted_cached_tokens: int = 0  # x-kvroute-cached-tokens
+    latency_s: float = 0.0  # time to the end of the reply
+
+
+def _reply(response: aiohttp.ClientResponse) -> StreamedReply:
+    headers = response.headers  # peers (SGLang's router) send neither of kvroute's headers
+    predicted = int(headers.get("x-kvroute-cached-tokens", 0))
+    return StreamedReply(200, worker=headers.get("x-kvroute-worker", ""), predicted_cached_tokens=predicted)
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> StreamedReply:
@@ -55,14 +62,27 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, path: str,
     async with session.post(url + path, json=body) as response:
         if response.status != 200:
             return StreamedReply(response.status, text=(await response.text())[:300])
-        headers = response.headers  # peers (SGLang's router) send neither of kvroute's headers
-        predicted = int(headers.get("x-kvroute-cached-tokens", 0))
-        reply = StreamedReply(200, worker=headers.get("x-kvroute-worker", ""), predicted_cached_tokens=predicted)
+        reply = _reply(response)
         async for line in response.content:
             if not reply.ttft_s and line.startswith(b"data:"):
                 reply.ttft_s = time.perf_counter() - started
             if line.startswith(b"data: {") and b'"usage"' in line:
                 reply.usage = json.loads(line[6:]).get("usage") or reply.usage
+    reply.latency_s = time.perf_counter() - started
+    return reply
+
+
+async def whole_completion(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> StreamedReply:
+    """POST ``body`` without streaming: the client sees nothing before the whole reply, so only
+    ``latency_s`` (time to the whole reply) is measured; ``ttft_s`` stays 0."""
+    body = {**body, "stream": False}
+    started = time.perf_counter()
+    async with session.post(url + path, json=body) as response:
+        if response.status != 200:
+            return StreamedReply(response.status, text=(await response.text())[:300])
+        reply = _reply(response)
+        reply.usage = (await response.json()).get("usage")
+    reply.latency_s = time.perf_counter() - started
     return reply
 
 
@@ -75,6 +95,15 @@ async def metric_value(session: aiohttp.ClientSession, base_url: str, name: str)
             if sample.name == name:
                 return float(sample.value)
     return None
+
+
+def scheduler_flags(timing: TimingModel) -> list[str]:
+    """The engine's batch limit and, when the simulated engine has it, its per-step token budget
+    (vLLM's ``--max-num-batched-tokens``, chunked prefill) and the limit under vLLM's name."""
+    budget = getattr(timing, "max_num_batched_tokens", None)
+    if budget is None:  # a simulated engine from before the token budget: --max-running only
+        return ["--max-running", str(timing.max_running)]
+    return ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(timing.max_running)]
 
 
 @dataclass
@@ -163,7 +192,7 @@ class Stack:
         command = [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", MODEL]
         command += ["--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}"]
         command += ["--topic", "kv", "--num-blocks", str(self._num_blocks), "--block-size", str(self._block_size)]
-        command += ["--max-model-len", str(self._max_model_len), "--max-running", str(t.max_running)]
+        command += ["--max-model-len", str(self._max_model_len), *scheduler_flags(t)]
         command += ["--prefill-ms-per-1k-tokens", str(t.prefill_ms_per_1k_tokens)]
         command += ["--decode-ms-per-step", str(t.decode_ms_per_step), "--step-overhead-ms", str(t.step_overhead_ms)]
         command += ["--speedup", str(t.speedup)]
@@ -263,11 +292,15 @@ class Stack:
 
     async def requests_per_engine(self) -> list[int]:
         """Each engine's finished requests so far (its ``vllm:request_success`` counter)."""
-        counts = []
+        return [int(n) for n in await self.engine_metric("vllm:request_success_total")]
+
+    async def engine_metric(self, name: str) -> list[float]:
+        """Each engine's sample called ``name`` now (0 where it has none)."""
+        values = []
         async with aiohttp.ClientSession() as session:
             for engine in self.running:
-                counts.append(int(await metric_value(session, engine.url, "vllm:request_success_total") or 0))
-        return counts
+                values.append(await metric_value(session, engine.url, name) or 0.0)
+        return values
 
     async def cache_census(self) -> CacheCensus:
         """The blocks in every engine's prefix cache now (the engines' own /debug/cache)."""
