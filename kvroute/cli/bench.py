@@ -29,6 +29,7 @@ def add_parser(commands: Any) -> None:
     _sim_flags(benchmark("sim", "memory, idle CPU and throughput of N simulated engines"))
     _router_flags(benchmark("router", "latency the router adds, and requests/s of one router process"))
     _replay_flags(benchmark("replay", "routing quality on a Mooncake-format trace, policies side by side"))
+    _regimes_flags(benchmark("regimes", "every policy on a grid of regimes, each against the best in its cell"))
 
 
 def _index_flags(p: argparse.ArgumentParser) -> None:
@@ -113,6 +114,45 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", default="kvroute-replay.png", help="where to write the PNG chart")
+
+
+def _regimes_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--axis",
+        action="append",
+        metavar="NAME=V1,V2",
+        help="the values of one axis (repeatable): tenants=balanced,hot,zipf load=light,heavy,overload "
+        "cache=tight,loose client=stream,nostream prompts=ids,text replicas=1,4; the others keep the "
+        "default grid's values (default grid: tenants x load at cache=tight client=stream prompts=ids "
+        "replicas=1, plus two cells varying the other axes)",
+    )
+    p.add_argument("--full", action="store_true", help="every value of every axis (144 cells: hours)")
+    p.add_argument(
+        "--policies",
+        default="kv,round_robin,least_loaded,prefix,sglang",
+        help="comma-separated policies (sglang: text cells only, with $KVROUTE_SGLANG_PYTHON)",
+    )
+    p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    p.add_argument("--requests-per-cell", type=positive_int, default=160, help="requests per run (default 160)")
+    p.add_argument(
+        "--wall-rate",
+        type=positive_float,
+        default=20.0,
+        help="requests per wall second in every run; the engines' clock is sped up to match (default 20)",
+    )
+    p.add_argument("--engines", type=positive_int, default=4, help="simulated engines (default 4)")
+    p.add_argument("--prefill-ms-per-1k", type=positive_float, default=50.0, help="engines' prefill cost (default 50)")
+    p.add_argument(
+        "--decode-ms-per-step", type=positive_float, default=10.0, help="engines' decode step time (default 10)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=2048, help="engines' tokens per step (default 2048)"
+    )
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="engines' batch limit (default 64)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
+    p.add_argument("--max-output", type=positive_int, default=8, help="cap output tokens (default 8)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--chart", help="write a heat map PNG here")
 
 
 def _run(args: argparse.Namespace) -> int:

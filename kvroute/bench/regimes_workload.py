@@ -1,0 +1,205 @@
+"""The grid of ``kvroute bench regimes`` and the requests of each cell (pure: no processes).
+
+Axes and their values are :data:`AXES`. A cell's requests are multi-turn conversations over tenant
+system prompts, in the trace's terms (512-token blocks named by ids, :class:`TraceRequest`), so
+that ``bench replay``'s replay loop, text prompts and shared-LRU reference apply unchanged:
+
+* tenants: ``balanced`` 8 tenants used equally; ``hot`` one tenant carries 80% of the requests,
+  half of them one-shot requests with a long unique suffix on its prefix (documents, RAG), the
+  other 7 tenants share the rest; ``zipf`` 32 tenants whose popularity is Zipf(s=1.1). Each
+  tenant has a system prompt of 2-4 blocks (the hot one: 4).
+* conversations: a request is the tenant's system prompt + the conversation so far + a new user
+  turn; the first turn adds one block, each later one one or two (the reply and the next user
+  message); a conversation has 2-6 turns. ``SLOTS`` conversations are open at any time (users
+  chatting at once); each arrival goes to one of them at random, so each conversation's turns
+  come at Poisson times, and a turn is never sent before the previous turn's reply has arrived
+  (``Workload.after``: the replay holds it until then). A finished conversation's slot starts a
+  new one, its tenant drawn so that tenants' request shares follow the axis.
+* load: arrivals are Poisson at ``load x capacity / mean prompt tokens`` requests per (simulated)
+  second, where capacity = engines x 1000 / prefill ms per 1k tokens, the fleet's prefill rate in
+  tokens per second with no cache hit. The requests' content does not depend on the load: the
+  load cells of one tenants value send the same requests, only faster or slower.
+
+Everything is deterministic per (tenants, seed, count).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, replace
+
+from kvroute.bench.replay_workload import TRACE_BLOCK, TraceRequest
+
+AXES: dict[str, tuple[str, ...]] = {
+    "tenants": ("balanced", "hot", "zipf"),
+    "load": ("light", "heavy", "overload"),
+    "cache": ("tight", "loose"),
+    "client": ("stream", "nostream"),
+    "prompts": ("ids", "text"),
+    "replicas": ("1", "4"),
+}
+LOAD = {"light": 0.3, "heavy": 0.8, "overload": 1.2}  # of the fleet's prefill capacity
+CACHE = {"tight": 0.25, "loose": 1.0}  # fleet KV capacity / distinct blocks of the cell's requests
+
+# The default grid: tenants x load at these values of the other axes, plus EXTRA_CELLS.
+BASE = {"cache": "tight", "client": "stream", "prompts": "ids", "replicas": "1"}
+EXTRA_CELLS = (
+    {"tenants": "zipf", "load": "heavy", "cache": "loose", "client": "stream", "prompts": "ids", "replicas": "1"},
+    {"tenants": "zipf", "load": "heavy", "cache": "tight", "client": "nostream", "prompts": "text", "replicas": "4"},
+)
+
+SLOTS = 16  # conversations open at once
+HOT_SHARE = 0.8
+ZIPF_TENANTS, ZIPF_S = 32, 1.1
+BALANCED_TENANTS = 8
+TURNS = (2, 6)  # turns per conversation, uniform
+ONE_SHOT_SUFFIX = (4, 10)  # blocks of a hot one-shot's unique suffix, uniform
+OUTPUT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Cell:
+    tenants: str
+    load: str
+    cache: str
+    client: str
+    prompts: str
+    replicas: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.tenants}/{self.load}/{self.cache}/{self.client}/{self.prompts}/r{self.replicas}"
+
+    def axes(self) -> dict[str, str]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+
+def parse_axis(flag: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME=V1,V2`` -> (name, values); a ValueError naming what is wrong otherwise."""
+    name, sep, values = flag.partition("=")
+    name = name.strip()
+    if name not in AXES:
+        raise ValueError(f"unknown axis {name!r} in --axis {flag}: the axes are {', '.join(AXES)}")
+    picked = tuple(dict.fromkeys(v.strip() for v in values.split(",") if v.strip()))
+    if not sep or not picked:
+        raise ValueError(f"--axis {flag} names no value: give --axis {name}={','.join(AXES[name])}")
+    for value in picked:
+        if value not in AXES[name]:
+            raise ValueError(f"unknown {name} {value!r} in --axis {flag}: choose from {', '.join(AXES[name])}")
+    return name, picked
+
+
+def grid(axis_flags: list[str], full: bool) -> tuple[dict[str, tuple[str, ...]], list[Cell]]:
+    """The grid's axes and its cells, in the order they run (cells that share an engine setting,
+    tenants x load x cache, are next to each other). Without ``--axis`` or ``--full``: the default
+    grid (tenants x load at :data:`BASE`) and :data:`EXTRA_CELLS`."""
+    axes = {name: values if full or name not in BASE else (BASE[name],) for name, values in AXES.items()}
+    for flag in axis_flags:
+        name, values = parse_axis(flag)
+        axes[name] = values
+    cells = [Cell(**dict(zip(AXES, values, strict=True))) for values in itertools.product(*axes.values())]
+    if not axis_flags and not full:
+        cells += [Cell(**extra) for extra in EXTRA_CELLS if Cell(**extra) not in cells]
+        axes = {name: tuple(dict.fromkeys(getattr(c, name) for c in cells)) for name in AXES}
+        cells.sort(key=lambda c: [AXES[a].index(getattr(c, a)) for a in AXES])
+    return axes, cells
+
+
+def tenant_shares(tenants: str) -> list[float]:
+    """Each tenant's share of the requests (tenant 0 first)."""
+    if tenants == "balanced":
+        return [1 / BALANCED_TENANTS] * BALANCED_TENANTS
+    if tenants == "hot":
+        return [HOT_SHARE] + [(1 - HOT_SHARE) / (BALANCED_TENANTS - 1)] * (BALANCED_TENANTS - 1)
+    if tenants == "zipf":
+        weights = [1 / (k**ZIPF_S) for k in range(1, ZIPF_TENANTS + 1)]
+        return [w / sum(weights) for w in weights]
+    raise ValueError(f"unknown tenants {tenants!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A cell's requests in arrival order (``at_s`` in simulated seconds)."""
+
+    requests: list[TraceRequest]
+    after: list[int | None]  # the previous turn of the request's conversation (None: a first turn)
+    tenants: list[int]  # the tenant of each request
+    rate: float  # arrivals per simulated second
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return mean_prompt_tokens(self.requests)
+
+
+def mean_prompt_tokens(requests: list[TraceRequest]) -> float:
+    return sum(r.input_length for r in requests) / max(len(requests), 1)
+
+
+def prefill_capacity(engines: int, prefill_ms_per_1k: float) -> float:
+    """The fleet's prefill rate, prompt tokens per simulated second, with no cache hit."""
+    return engines * 1_000_000 / prefill_ms_per_1k  # 1000 tokens per prefill_ms_per_1k / 1000 seconds
+
+
+def arrival_rate(load: float, engines: int, prefill_ms_per_1k: float, mean_prompt: float) -> float:
+    """Requests per simulated second: ``load x capacity / mean prompt tokens``."""
+    return load * prefill_capacity(engines, prefill_ms_per_1k) / mean_prompt
+
+
+@dataclass
+class _Conversation:
+    tenant: int
+    ids: list[int]
+    turns_left: int
+    one_shot: bool
+    last: int | None = None  # its latest request's index
+
+
+def conversations(tenants: str, count: int, seed: int) -> tuple[list[TraceRequest], list[int | None], list[int]]:
+    """``count`` requests (no times yet), each one's previous turn and its tenant."""
+    rng = random.Random(f"regimes/{tenants}/{seed}")
+    shares = tenant_shares(tenants)
+    fresh = itertools.count(1_000_000)
+    hot = tenants == "hot"
+    systems = [[next(fresh) for _ in range(4 if hot and t == 0 else rng.randint(2, 4))] for t in range(len(shares))]
+    one_shot_fraction = [0.5 if hot and t == 0 else 0.0 for t in range(len(shares))]
+    mean_turns = (TURNS[0] + TURNS[1]) / 2
+    # A conversation of tenant t brings E[turns of t] requests: draw tenants in proportion to
+    # share / E[turns], so that the requests' shares are the axis's.
+    expected = [f * 1 + (1 - f) * mean_turns for f in one_shot_fraction]
+    weights = [s / e for s, e in zip(shares, expected, strict=True)]
+
+    def start() -> _Conversation:
+        tenant = rng.choices(range(len(shares)), weights)[0]
+        if rng.random() < one_shot_fraction[tenant]:
+            suffix = [next(fresh) for _ in range(rng.randint(*ONE_SHOT_SUFFIX))]
+            return _Conversation(tenant, systems[tenant] + suffix, 1, True)
+        return _Conversation(tenant, list(systems[tenant]), rng.randint(*TURNS), False)
+
+    slots: list[_Conversation | None] = [None] * SLOTS
+    requests, after, owners = [], [], []
+    for index in range(count):
+        slot = rng.randrange(SLOTS)
+        chat = slots[slot]
+        if chat is None or chat.turns_left == 0:
+            chat = slots[slot] = start()
+        if not chat.one_shot:
+            chat.ids += [next(fresh) for _ in range(1 if chat.last is None else rng.choice((1, 1, 2)))]
+        requests.append(TraceRequest(0.0, len(chat.ids) * TRACE_BLOCK, OUTPUT_TOKENS, tuple(chat.ids)))
+        after.append(chat.last)
+        owners.append(chat.tenant)
+        chat.last, chat.turns_left = index, chat.turns_left - 1
+    return requests, after, owners
+
+
+def workload(tenants: str, load: str, count: int, seed: int, engines: int, prefill_ms_per_1k: float) -> Workload:
+    """A cell's requests with Poisson arrival times at the load's rate (simulated seconds)."""
+    requests, after, owners = conversations(tenants, count, seed)
+    rate = arrival_rate(LOAD[load], engines, prefill_ms_per_1k, mean_prompt_tokens(requests))
+    gaps = random.Random(f"regimes/arrivals/{seed}")
+    at = 0.0
+    timed = []
+    for request in requests:
+        at += gaps.expovariate(1.0)  # unit-rate gaps, scaled: the load only stretches time
+        timed.append(replace(request, at_s=at / rate))
+    return Workload(timed, after, owners, rate)

@@ -1,0 +1,182 @@
+"""`kvroute bench regimes`: the grid, the workload of each axis, and the figures relative to the best (pure)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvroute.bench.regimes import relative_to_best, summarize_policies
+from kvroute.bench.regimes_workload import (
+    AXES,
+    CACHE,
+    EXTRA_CELLS,
+    LOAD,
+    SLOTS,
+    TURNS,
+    Cell,
+    arrival_rate,
+    conversations,
+    grid,
+    mean_prompt_tokens,
+    parse_axis,
+    prefill_capacity,
+    tenant_shares,
+    workload,
+)
+from kvroute.bench.replay import fleet_capacity
+from kvroute.bench.replay_workload import TRACE_BLOCK, reference_hit_rates
+
+
+@pytest.mark.parametrize("tenants", AXES["tenants"])
+def test_a_cells_requests_are_deterministic_per_seed(tenants):
+    a = workload(tenants, "heavy", 300, seed=3, engines=4, prefill_ms_per_1k=50)
+    b = workload(tenants, "heavy", 300, seed=3, engines=4, prefill_ms_per_1k=50)
+    c = workload(tenants, "heavy", 300, seed=4, engines=4, prefill_ms_per_1k=50)
+    assert a == b
+    assert [r.hash_ids for r in a.requests] != [r.hash_ids for r in c.requests]
+
+
+@pytest.mark.parametrize("tenants", AXES["tenants"])
+def test_the_load_only_stretches_time(tenants):
+    light, heavy = (workload(tenants, load, 200, 1, 4, 50) for load in ("light", "heavy"))
+    assert [r.hash_ids for r in light.requests] == [r.hash_ids for r in heavy.requests]
+    assert light.after == heavy.after
+    ratio = LOAD["heavy"] / LOAD["light"]
+    assert heavy.rate == pytest.approx(ratio * light.rate)
+    assert all(x.at_s == pytest.approx(ratio * y.at_s) for x, y in zip(light.requests, heavy.requests, strict=True))
+
+
+@pytest.mark.parametrize("load", AXES["load"])
+def test_the_arrival_rate_follows_the_load_formula(load):
+    wl = workload("zipf", load, 4000, 1, engines=4, prefill_ms_per_1k=50)
+    capacity = 4 * 1000 / 0.050  # tokens per second: 1000 tokens per 50 ms per engine
+    assert prefill_capacity(4, 50) == capacity
+    expected = LOAD[load] * capacity / wl.mean_prompt_tokens
+    assert wl.rate == pytest.approx(expected) == arrival_rate(LOAD[load], 4, 50, wl.mean_prompt_tokens)
+    times = [r.at_s for r in wl.requests]
+    assert times == sorted(times) and times[0] > 0
+    assert len(times) / times[-1] == pytest.approx(expected, rel=0.05)  # Poisson at that rate
+
+
+@pytest.mark.parametrize("tenants", AXES["tenants"])
+def test_tenants_request_shares_follow_the_axis(tenants):
+    _, _, owners = conversations(tenants, 20_000, seed=1)
+    shares = tenant_shares(tenants)
+    assert sum(shares) == pytest.approx(1)
+    counts = Counter(owners)
+    for tenant, share in enumerate(shares[:6]):
+        assert counts[tenant] / len(owners) == pytest.approx(share, abs=0.02)
+
+
+def test_tenant_popularity_per_axis():
+    assert tenant_shares("balanced") == [1 / 8] * 8
+    hot = tenant_shares("hot")
+    assert hot[0] == 0.8 and len(set(hot[1:])) == 1
+    zipf = tenant_shares("zipf")
+    assert len(zipf) == 32 and zipf[0] / zipf[1] == pytest.approx(2**1.1)
+    assert zipf[0] / zipf[9] == pytest.approx(10**1.1)
+
+
+def test_conversations_extend_their_previous_turn_after_it():
+    requests, after, owners = conversations("balanced", 500, seed=2)
+    firsts = sum(previous is None for previous in after)
+    assert 500 / TURNS[1] <= firsts <= 500 / TURNS[0] + SLOTS
+    for i, previous in enumerate(after):
+        r = requests[i]
+        assert r.input_length == len(r.hash_ids) * TRACE_BLOCK
+        if previous is None:
+            continue
+        assert previous < i and owners[previous] == owners[i]
+        grown = len(r.hash_ids) - len(requests[previous].hash_ids)
+        assert r.hash_ids[: len(requests[previous].hash_ids)] == requests[previous].hash_ids and 1 <= grown <= 2
+    # the same tenant's conversations start with the same system prompt
+    first_blocks = {owners[i]: requests[i].hash_ids[:2] for i in range(500)}
+    assert all(requests[i].hash_ids[:2] == first_blocks[owners[i]] for i in range(500))
+
+
+def test_the_hot_tenant_sends_long_unique_suffixes_on_its_prefix():
+    requests, after, owners = conversations("hot", 2000, seed=1)
+    hot_prefix = next(r.hash_ids[:4] for r, o in zip(requests, owners, strict=True) if o == 0)
+    one_shots = [r for r, a, o in zip(requests, after, owners, strict=True) if o == 0 and len(r.hash_ids) >= 8]
+    assert all(r.hash_ids[:4] == hot_prefix for r, o in zip(requests, owners, strict=True) if o == 0)
+    suffixes = [r.hash_ids[4:] for r in one_shots]
+    assert len(one_shots) > 200 and len(set(suffixes)) == len(suffixes)
+
+
+@pytest.mark.parametrize("cache", AXES["cache"])
+def test_the_cache_capacity_follows_the_cache_axis(cache):
+    wl = workload("zipf", "heavy", 400, 1, 4, 50)
+    distinct = len({h for r in wl.requests for h in r.hash_ids})
+    capacity, per_engine, max_model_len = fleet_capacity(wl.requests, CACHE[cache], 4, 16, 8)
+    assert capacity == int(distinct * CACHE[cache])
+    assert per_engine == capacity * (TRACE_BLOCK // 16) // 4 + 1
+    assert max_model_len >= max(r.input_length for r in wl.requests) + 8
+    lru, infinite = reference_hit_rates(wl.requests, capacity)
+    assert (lru == infinite) == (cache == "loose")
+
+
+def test_the_default_grid_and_axis_flags():
+    axes, cells = grid([], full=False)
+    assert len(cells) == 9 + len(EXTRA_CELLS)
+    assert {(c.tenants, c.load) for c in cells} >= {(t, lo) for t in AXES["tenants"] for lo in AXES["load"]}
+    assert axes["cache"] == ("tight", "loose")
+    keys = [(c.tenants, c.load, c.cache) for c in cells]
+    assert all(keys.index(k) == i or keys[i - 1] == k for i, k in enumerate(keys))  # shared engines adjacent
+    axes, cells = grid(["load=heavy", "tenants=hot,balanced", "replicas=1,4"], full=False)
+    assert [c.name for c in cells] == [
+        "hot/heavy/tight/stream/ids/r1",
+        "hot/heavy/tight/stream/ids/r4",
+        "balanced/heavy/tight/stream/ids/r1",
+        "balanced/heavy/tight/stream/ids/r4",
+    ]
+    assert axes["load"] == ("heavy",) and axes["client"] == ("stream",)
+    _, cells = grid([], full=True)
+    assert len(cells) == 3 * 3 * 2 * 2 * 2 * 2 and cells[0] == Cell("balanced", "light", "tight", "stream", "ids", "1")
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("nope=1", "unknown axis 'nope'"),
+        ("load=medium", "unknown load 'medium'"),
+        ("load", "names no value"),
+        ("load=", "names no value"),
+    ],
+)
+def test_bad_axis_flags_are_named(flag, message):
+    with pytest.raises(ValueError, match=message):
+        parse_axis(flag)
+
+
+def run(policy: str, mean: float, p90: float, hit: float, failed: int = 0) -> dict:
+    return {"policy": policy, "ttft_mean_ms": mean, "ttft_p90_ms": p90, "hit_rate": hit, "failed": failed}
+
+
+def test_ratios_to_the_best_in_the_cell_and_the_summary():
+    a = [run("kv", 100, 300, 0.6), run("round_robin", 150, 250, 0.3)]
+    b = [run("kv", 240, 400, 0.5), run("round_robin", 200, 400, 0.5), run("sglang", 50, 100, 0.9, failed=3)]
+    relative_to_best(a)
+    relative_to_best(b)
+    assert [(r["ttft_vs_best"], r["p90_vs_best"], r["hit_vs_best"]) for r in a] == [(1.0, 1.2, 1.0), (1.5, 1.0, 0.5)]
+    # a run with failed requests is not the best while another run has none
+    assert [(r["ttft_vs_best"], r["p90_vs_best"]) for r in b] == [(1.2, 1.0), (1.0, 1.0), (0.25, 0.25)]
+    summary = summarize_policies([{"name": "A", "runs": a}, {"name": "B", "runs": b}])
+    assert summary["kv"] == {
+        "cells": 2,
+        "within_mean": 1,
+        "within_p90": 2,
+        "within_both": 1,
+        "worst_mean_ratio": 1.2,
+        "worst_mean_cell": "B",
+        "worst_p90_ratio": 1.2,
+        "worst_p90_cell": "A",
+        "failed_requests": 0,
+    }
+    assert summary["round_robin"]["within_mean"] == 1 and summary["round_robin"]["worst_mean_cell"] == "A"
+    assert summary["sglang"]["cells"] == 1 and summary["sglang"]["failed_requests"] == 3
+
+
+def test_mean_prompt_tokens():
+    requests, _, _ = conversations("balanced", 50, 1)
+    assert mean_prompt_tokens(requests) == sum(r.input_length for r in requests) / 50
