@@ -1,0 +1,138 @@
+"""`kvroute bench regimes` as a user runs it: a tiny grid through a self-started stack (real engine,
+agent and router processes), and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+RUN_KEYS = {
+    "policy",
+    "replicas",
+    "ttft_mean_ms",
+    "ttft_p90_ms",
+    "hit_rate",
+    "of_lru",
+    "ttft_vs_best",
+    "p90_vs_best",
+    "hit_vs_best",
+    "failed",
+    "requests",
+}
+
+
+def regimes(*flags: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "kvroute", "bench", "regimes", *flags]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
+    """Two cells sharing one stack (text prompts, streamed and not), two policies; sglang is asked
+    for without $KVROUTE_SGLANG_PYTHON, so its column is skipped with a note."""
+    out, png = tmp_path / "regimes.json", tmp_path / "regimes.png"
+    env = {k: v for k, v in os.environ.items() if k != "KVROUTE_SGLANG_PYTHON"}
+    result = regimes(
+        "--axis",
+        "tenants=balanced",
+        "--axis",
+        "load=heavy",
+        "--axis",
+        "client=stream,nostream",
+        "--axis",
+        "prompts=text",
+        "--policies",
+        "kv,round_robin,sglang",
+        "--requests-per-cell",
+        "24",
+        "--engines",
+        "2",
+        "--json",
+        str(out),
+        "--chart",
+        str(png),
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no sglang column: set KVROUTE_SGLANG_PYTHON" in result.stderr
+    lines = result.stdout.splitlines()
+    for cell in ("balanced/heavy/tight/stream/text/r1", "balanced/heavy/tight/nostream/text/r1"):
+        header = next(i for i, line in enumerate(lines) if line.startswith(cell + ":"))
+        assert lines[header + 1].split() == [
+            "policy",
+            "mean",
+            "ms",
+            "p90",
+            "ms",
+            "hit",
+            "rate",
+            "of",
+            "LRU",
+            "ttft/best",
+            "p90/best",
+            "hit/best",
+            "failed",
+        ]
+        assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["kv", "round_robin"]
+    assert "latency (not streamed: time to the whole reply)" in result.stdout
+    summary = [line for line in lines if line.startswith(("kv: mean within", "round_robin: mean within"))]
+    assert len(summary) == 2 and all("/2 cells" in line and "worst mean" in line for line in summary)
+
+    report = json.loads(out.read_text())
+    assert report["grid"] == {
+        "tenants": ["balanced"],
+        "load": ["heavy"],
+        "cache": ["tight"],
+        "client": ["stream", "nostream"],
+        "prompts": ["text"],
+        "replicas": ["1"],
+    }
+    assert [c["metric"] for c in report["cells"]] == ["ttft", "latency"]
+    for cell in report["cells"]:
+        assert cell["axes"]["tenants"] == "balanced" and cell["axes"]["prompts"] == "text"
+        assert 0 < cell["lru_reference_hit_rate"] <= cell["infinite_cache_hit_rate"] <= 1
+        assert [r["policy"] for r in cell["runs"]] == ["kv", "round_robin"]
+        for run in cell["runs"]:
+            assert RUN_KEYS <= run.keys()
+            assert run["requests"] == 24 and run["failed"] == 0 and run["replicas"] == 1
+            assert 0 < run["hit_rate"] <= cell["infinite_cache_hit_rate"] + 0.01
+            assert run["of_lru"] == pytest.approx(run["hit_rate"] / cell["lru_reference_hit_rate"], abs=0.01)
+            assert 0 < run["ttft_mean_ms"] <= run["ttft_p90_ms"] * 2 and run["engine_ttft_mean_ms"] > 0
+        assert min(r["ttft_vs_best"] for r in cell["runs"]) == 1.0
+        assert min(r["p90_vs_best"] for r in cell["runs"]) == 1.0
+        assert max(r["hit_vs_best"] for r in cell["runs"]) == 1.0
+    # not streamed: the whole reply comes after the engine's first token
+    nostream = report["cells"][1]["runs"]
+    assert all(r["ttft_mean_ms"] > r["engine_ttft_mean_ms"] for r in nostream)
+    assert set(report["summary"]) == {"kv", "round_robin"}
+    assert report["summary"]["kv"]["cells"] == 2
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--axis", "nope=1"], "unknown axis 'nope'"),
+        (["--axis", "load=medium"], "unknown load 'medium'"),
+        (["--policies", "kv,fastest"], "unknown policy 'fastest'"),
+        (["--axis", "prompts=ids", "--policies", "sglang"], "no policy to run"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_status_2(flags, message):
+    result = regimes(*flags, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvroute bench regimes: error: ") and message in line
+
+
+def test_a_bad_flag_value_is_argparse_s_error():
+    result = regimes("--requests-per-cell", "0", timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--requests-per-cell: expected a positive integer, got 0" in result.stderr
