@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +69,9 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _command(model: Path, port: int, events_port: int, replay_port: int, num_blocks: int) -> list[str]:
+def _command(
+    model: Path, port: int, events_port: int, replay_port: int, num_blocks: int, max_model_len: int = 256
+) -> list[str]:
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -82,15 +84,16 @@ def _command(model: Path, port: int, events_port: int, replay_port: int, num_blo
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)),
-        *("--enable-prefix-caching", "--block-size", str(BS), "--max-model-len", "256"),
+        *("--enable-prefix-caching", "--block-size", str(BS), "--max-model-len", str(max_model_len)),
         *("--num-gpu-blocks-override", str(num_blocks), "--enforce-eager", "--enable-prompt-tokens-details"),
         *("--kv-events-config", json.dumps(kv_events)),
     ]
 
 
 @contextmanager
-def vllm_server(num_blocks: int = 12) -> Iterator[VllmServer]:
-    """A fresh server with a ``num_blocks`` KV cache, KV events and replay on, until the block exits."""
+def vllm_server(num_blocks: int = 12, max_model_len: int = 256, extra_args: Sequence[str] = ()) -> Iterator[VllmServer]:
+    """A fresh server with a ``num_blocks`` KV cache, KV events and replay on, until the block
+    exits; ``extra_args`` are more vLLM flags (scheduler limits, say)."""
     workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
     port, events_port, replay_port = free_port(), free_port(), free_port()
     env = dict(
@@ -103,7 +106,8 @@ def vllm_server(num_blocks: int = 12) -> Iterator[VllmServer]:
         TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor",
     )
     try:
-        command = _command(assemble_model(Path(workdir)), port, events_port, replay_port, num_blocks)
+        command = _command(assemble_model(Path(workdir)), port, events_port, replay_port, num_blocks, max_model_len)
+        command += list(extra_args)
         with open(f"{workdir}/server.log", "wb") as log:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
         server = VllmServer(process, port, events_port, replay_port, workdir)

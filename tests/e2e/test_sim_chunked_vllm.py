@@ -27,15 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import shutil
-import signal
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager
 from typing import Any
 
 import aiohttp
@@ -45,13 +39,12 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.devstack.embedded_redis import free_port
 from sim_engine.engine import TimingModel
 from sim_engine.kv_events import END_SEQ
 from sim_engine.server import running_engine
 from sim_engine.settings import SimEngineSettings
 from tests.support import wait_until
-from tests.vllm_support import BS, MODEL, VllmServer, _command, _wait_healthy, assemble_model
+from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -73,38 +66,10 @@ PROMPTS = {"blocker": BLOCKER, "long": LONG, "s1": SHORTS[0], "s2": SHORTS[1], "
 QUEUED = ["long", "s1", "s2", "s3"]
 
 
-@contextmanager
-def chunked_vllm_server() -> Iterator[VllmServer]:
+def chunked_vllm_server() -> AbstractContextManager[VllmServer]:
     """tests.vllm_support's server with this scenario's scheduler limits and model length."""
-    workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
-    port, events_port, replay_port = free_port(), free_port(), free_port()
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        TMPDIR=workdir,
-        VLLM_CACHE_ROOT=f"{workdir}/cache",
-        TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor",
-    )
-    try:
-        command = _command(assemble_model(Path(workdir)), port, events_port, replay_port, NUM_BLOCKS)
-        command[command.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
-        command += ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS)]
-        with open(f"{workdir}/server.log", "wb") as log:
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-        server = VllmServer(process, port, events_port, replay_port, workdir)
-        try:
-            _wait_healthy(server)
-            yield server
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    limits = ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS)]
+    return vllm_server(NUM_BLOCKS, MAX_MODEL_LEN, limits)
 
 
 async def batches(endpoint: str) -> list[list[dict[str, Any]]]:
