@@ -99,7 +99,7 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
         assert 0 < cell["lru_reference_hit_rate"] <= cell["infinite_cache_hit_rate"] <= 1
         assert [r["policy"] for r in cell["runs"]] == ["kv", "round_robin"]
         for run in cell["runs"]:
-            assert RUN_KEYS <= run.keys()
+            assert run.keys() >= RUN_KEYS
             assert run["requests"] == 24 and run["failed"] == 0 and run["replicas"] == 1
             assert 0 < run["hit_rate"] <= cell["infinite_cache_hit_rate"] + 0.01
             assert run["of_lru"] == pytest.approx(run["hit_rate"] / cell["lru_reference_hit_rate"], abs=0.01)
@@ -136,3 +136,20 @@ def test_a_bad_flag_value_is_argparse_s_error():
     result = regimes("--requests-per-cell", "0", timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--requests-per-cell: expected a positive integer, got 0" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("KVROUTE_SGLANG_PYTHON"),
+    reason="set KVROUTE_SGLANG_PYTHON to a Python with sglang-router installed",
+)
+def test_the_sglang_column_on_text_cells_only(tmp_path):
+    out = tmp_path / "regimes.json"
+    flags = ["--axis", "tenants=hot", "--axis", "load=light", "--axis", "prompts=ids,text"]
+    flags += ["--policies", "kv,sglang", "--requests-per-cell", "24", "--engines", "2", "--json", str(out)]
+    result = regimes(*flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [[r["policy"] for r in c["runs"]] for c in report["cells"]] == [["kv"], ["kv", "sglang"]]
+    assert all(r["failed"] == 0 and r["hit_rate"] > 0 for c in report["cells"] for r in c["runs"])
+    assert report["summary"]["sglang"]["cells"] == 1
