@@ -16,9 +16,10 @@ that ``bench replay``'s replay loop, text prompts and shared-LRU reference apply
   (``Workload.after``: the replay holds it until then). A finished conversation's slot starts a
   new one, its tenant drawn so that tenants' request shares follow the axis.
 * load: arrivals are Poisson at ``load x capacity / mean prompt tokens`` requests per (simulated)
-  second, where capacity = engines x 1000 / prefill ms per 1k tokens, the fleet's prefill rate in
-  tokens per second with no cache hit. The requests' content does not depend on the load: the
-  load cells of one tenants value send the same requests, only faster or slower.
+  second, where capacity = engines x 1,000,000 / prefill ms per 1k tokens, the fleet's prefill
+  rate in tokens per second with no cache hit (1000 tokens per engine every prefill-ms-per-1k
+  milliseconds). The requests' content does not depend on the load: the load cells of one tenants
+  value send the same requests, only faster or slower.
 
 Everything is deterministic per (tenants, seed, count).
 """
