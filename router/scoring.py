@@ -3,7 +3,7 @@
 The cost of sending a prompt to a worker is the time to its first token there, predicted:
 
     base + per_token * ( own prefill        uncached tokens of this prompt on that worker, counted
-                                             1 + congestion times (see :func:`score`)
+                                             1 + (requests queued there) times (see :func:`score`)
                        + prefill ahead       uncached tokens queued there before it (booked by every
                                              replica and not yet at their first byte, or what the
                                              engine says it queues, whichever is more), less the part
@@ -124,12 +124,10 @@ def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: Cost
     return Terms(own_blocks * block_size, max(booked_ahead, engine_ahead), evicted_blocks * block_size)
 
 
-def congestion(candidates: Sequence[Candidate], prompt_blocks: int, block_size: int, model: CostModel) -> float:
-    """How many requests, on average, queue for prefill on a worker of this fleet now: the ones
-    that will wait behind the prefill this request adds (capped: the figure only steers)."""
-    ahead = [terms(c, prompt_blocks, block_size, model).ahead for c in candidates]
-    queued_requests = sum(ahead) / max(len(ahead), 1) / max(model.typical_uncached_tokens, 1.0)
-    return min(queued_requests, MAX_CONGESTION)
+def queued_requests(ahead_tokens: float, model: CostModel) -> float:
+    """How many typical requests ``ahead_tokens`` of queued prefill stand for (capped: beyond
+    that the worker is saturated and its queue, not a cache, decides)."""
+    return min(ahead_tokens / max(model.typical_uncached_tokens, 1.0), MAX_CONGESTION)
 
 
 def score(
@@ -138,19 +136,23 @@ def score(
     block_size: int,
     weights: ScoringWeights,
     model: CostModel,
-    crowd: float = 0.0,
+    marginal: bool = True,
 ) -> Scored:
-    """``crowd``: the :func:`congestion` of the fleet. The prefill a request adds delays the
-    requests that queue behind it too: its own prefill counts ``1 + crowd`` times (with spare
-    capacity, ~1: its own wait; under load, more: what moving a prompt away from its cache costs
-    everyone), which is what keeps conversations on their caches as load rises."""
+    """The prefill a request adds on a worker delays the requests that will queue behind it there
+    too, about as many as queue there now: with ``marginal`` its own prefill counts ``1 +`` that
+    many times. On an idle worker only its own wait counts; on a worker with a queue, every
+    token it adds is paid again by those behind it. This is what spreads a hot prefix before its
+    holder's queue eats the prefix's worth (the greedy equilibrium) and what keeps prompts on
+    their caches when every worker is busy (moving one re-prefills its prefix in front of
+    others)."""
     t = terms(candidate, prompt_blocks, block_size, model)
     params = model.params(candidate.worker_id)
     waiting = candidate.engine.waiting if candidate.engine else 0
     extra = weights.active * candidate.inflight.prompt_tokens + weights.queue * waiting * model.typical_uncached_tokens
     reuse = model.reuse if weights.cache_pressure is None else weights.cache_pressure
     ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra)
-    cost = ttft + params.per_token_s * (crowd * weights.prefill * t.own + reuse * t.evicted)
+    behind = queued_requests(t.ahead, model) if marginal else 0.0
+    cost = ttft + params.per_token_s * (behind * weights.prefill * t.own + reuse * t.evicted)
     return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft)
 
 
@@ -160,9 +162,9 @@ def cost(
     block_size: int,
     weights: ScoringWeights,
     model: CostModel | None = None,
-    crowd: float = 0.0,
+    marginal: bool = True,
 ) -> float:
-    return score(candidate, prompt_blocks, block_size, weights, model or CostModel(), crowd).cost
+    return score(candidate, prompt_blocks, block_size, weights, model or CostModel(), marginal).cost
 
 
 def is_busy(candidate: Candidate, weights: ScoringWeights) -> bool:
@@ -190,8 +192,7 @@ def choose(
         raise ValueError("no candidates to choose from")
     rng = rng or random.Random()
     model = model or CostModel()
-    crowd = congestion(candidates, prompt_blocks, block_size, model) if policy is Policy.KV else 0.0
-    scored = [score(c, prompt_blocks, block_size, weights, model, crowd) for c in candidates]
+    scored = [score(c, prompt_blocks, block_size, weights, model) for c in candidates]
     if policy is Policy.ROUND_ROBIN:
         ordered = sorted(scored, key=lambda s: s.candidate.worker_id)
         start = turn % len(ordered)

@@ -2,10 +2,11 @@
 
 A worker's TTFT is modelled as ``base + per_token * prefill_tokens``, where ``prefill_tokens`` is
 the prefill work the request waits for on that worker: the uncached tokens booked there ahead of
-it plus its own uncached tokens. Both parameters are fitted per worker by exponentially weighted
-least squares over the router's own observations (the time from sending a streamed request to its
-first byte, with the prefill tokens it was predicted to wait for), shrunk towards the fit over the
-whole fleet while a worker has few observations, and towards a prior while the fleet has none.
+it plus its own uncached tokens. Both are fitted by exponentially weighted least squares over the
+router's own observations (the time from sending a streamed request to its first byte, with the
+prefill tokens it was predicted to wait for): ``base`` over the whole fleet, ``per_token`` per
+worker, shrunk towards the fleet's while a worker has few observations; the fleet's towards a
+prior while it has none.
 
 Two more figures are measured rather than configured:
 
@@ -128,7 +129,13 @@ class TtftLearner:
 
     def _refit(self) -> None:
         fleet = _blend(self._fleet.fit(self._prior), self._fleet.n, self._prior)
-        rates = {w: _blend(sums.fit(fleet), sums.n, fleet) for w, sums in self._workers.items()}
+        # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
+        # (a burst that queued there) and then steers traffic away for good, since a worker that
+        # gets no requests gets no observations to correct it. A slower engine shows in its rate.
+        rates = {
+            w: TtftParams(fleet.base_s, _blend(sums.fit(fleet), sums.n, fleet).per_token_s)
+            for w, sums in self._workers.items()
+        }
         self._model = CostModel(rates, fleet, self._typical.value, self._reuse.value)
 
     @property

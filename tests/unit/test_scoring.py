@@ -15,9 +15,9 @@ from router.scoring import (
     Policy,
     ScoringWeights,
     choose,
-    congestion,
     cost,
     predicted_cached_tokens,
+    queued_requests,
 )
 from router.shared_load import InflightLoad
 from router.ttft import CostModel, TtftParams
@@ -86,16 +86,20 @@ MODEL = CostModel(fleet=TtftParams(base_s=0.01, per_token_s=PER_TOKEN), typical_
 def test_the_cost_is_a_predicted_ttft_over_own_and_queued_prefill():
     c = cand("a", 3, InflightLoad(requests=1, prompt_tokens=160, uncached_tokens=32), WorkerLoad(1, 0, 0.5))
     # own: 7 blocks of 16; ahead: 32 booked uncached tokens; nothing evicted (no capacity known)
-    assert cost(c, 10, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (7 * 16 + 32))
+    assert cost(c, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (7 * 16 + 32))
     overrides = ScoringWeights(prefill=1, queued=0.5, active=0.5, queue=4)
     expected = 0.01 + PER_TOKEN * (7 * 16 + 0.5 * 32 + 0.5 * 160 + 4 * 0 * 100)
-    assert cost(c, 10, 16, overrides, MODEL) == pytest.approx(expected)
+    assert cost(c, 10, 16, overrides, MODEL, marginal=False) == pytest.approx(expected)
+    # The marginal cost adds the own prefill once per request queued there (32 tokens: 0.32 of one)
+    marginal = expected + PER_TOKEN * 0.32 * 7 * 16
+    assert cost(c, 10, 16, overrides, MODEL) == pytest.approx(marginal)
 
 
 def test_the_engine_queue_stands_for_typical_requests_when_routers_booked_less():
     waiting = cand("a", 0, InflightLoad(requests=1, prompt_tokens=50, uncached_tokens=50), WorkerLoad(1, 3, 0.5))
     # 3 waiting requests x 100 typical uncached tokens > the 50 booked by routers
-    assert cost(waiting, 1, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (16 + 300))
+    assert cost(waiting, 1, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (16 + 300))
+    assert cost(waiting, 1, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (16 + 300 + 3 * 16))
 
 
 def test_a_full_cache_charges_what_a_prefill_would_evict_at_the_measured_reuse():
@@ -121,15 +125,23 @@ def test_a_warm_worker_keeps_a_conversation_while_its_queue_is_shorter_than_the_
     assert choose([Candidate("warm", "u", 100, deep), cold], 110, 16, W, model=one_big).chosen.worker_id == "cold"
 
 
-def test_under_congestion_moving_a_prompt_off_its_cache_costs_everyone_behind_it():
-    # The same 4,000 queued tokens as 40 typical requests: the fleet is congested, and the 1,600
-    # tokens re-prefilled elsewhere would delay whoever queues behind them there.
+def test_a_worker_with_a_queue_charges_the_prefill_a_request_adds_to_those_behind_it():
+    # 4,000 queued tokens as 40 typical requests: every token added there delays 40 requests. The
+    # conversation's 1,600 cached tokens do not make up for that: it goes to the idle worker.
     deep = InflightLoad(requests=40, prompt_tokens=4000, uncached_tokens=4000)
     warm, cold = Candidate("warm", "u", 100, deep), Candidate("cold", "u")
-    assert congestion([warm, cold], 110, 16, MODEL) == MAX_CONGESTION
-    assert choose([warm, cold], 110, 16, W, model=MODEL).chosen.worker_id == "warm"
-    # Other policies are not steered by it.
-    assert choose([warm, cold], 110, 16, W, Policy.LEAST_LOADED, model=MODEL).chosen.worker_id == "cold"
+    assert queued_requests(4000, MODEL) == MAX_CONGESTION
+    assert choose([warm, cold], 110, 16, W, model=MODEL).chosen.worker_id == "cold"
+    # When every worker has such a queue, moving re-prefills the prefix in front of 40 others.
+    busy_cold = Candidate("cold", "u", 0, deep)
+    assert choose([warm, busy_cold], 110, 16, W, model=MODEL).chosen.worker_id == "warm"
+    # Without the marginal term the greedy choice is the cold worker in both cases... and
+    # a hot prefix's holder keeps taking requests until its queue eats the prefix's worth.
+    hot = InflightLoad(requests=10, prompt_tokens=1000, uncached_tokens=1000)  # 10 typical requests queued
+    holder, idle = Candidate("holder", "u", 64, hot), Candidate("idle", "u")
+    greedy = [cost(c, 80, 16, W, MODEL, marginal=False) for c in (holder, idle)]
+    assert greedy[0] < greedy[1]  # 1,000 queued < the 1,024-token prefix
+    assert choose([holder, idle], 80, 16, W, model=MODEL).chosen.worker_id == "idle"
 
 
 def test_the_prefix_policy_takes_the_longest_match_and_breaks_ties_by_load():
