@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 
 from kvindex.hashing import sequence_hashes
 from kvindex.settings import RedisSettings
-from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from router.main import RunningRouter, running_router
 from router.settings import RouterSettings
 from tests.support import SimFleet, wait_until
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    servers = available_servers()
-    server = RedisServer(binary=servers.get("redis") or servers["valkey"]).start()
-    yield server
-    server.stop()
 
 
 async def _router(redis_url: str) -> tuple[object, RunningRouter]:

@@ -6,84 +6,24 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
-from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
-from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
-from router.main import RunningRouter, running_router
-from router.settings import RouterSettings
+from kvroute.devstack.embedded_redis import free_port
 from router.shared_load import SharedLoad
-from tests.support import ROOT, SimFleet, wait_until
-
-PREFIX = [(i * 7) % 1900 + 10 for i in range(160)]  # 10 blocks of 16
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    servers = available_servers()  # redis-server, or only the Valkey binary: either will do
-    server = RedisServer(binary=servers.get("redis") or servers["valkey"]).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-async def fleet(redis_server: RedisServer) -> AsyncIterator[SimFleet]:
-    fleet = await SimFleet(redis_server.url).start()
-    yield fleet
-    await fleet.stop()
-
-
-async def start_router(redis_url: str, **settings) -> tuple[object, RunningRouter]:
-    # Routing tests get a generous Redis budget: on a loaded machine a 50 ms budget sends some
-    # decisions to degraded round robin, which is tested on its own (test_redis_killed_...).
-    settings.setdefault("redis_timeout_s", 2.0)
-    context = running_router(RouterSettings(redis=RedisSettings(url=redis_url), port=0, **settings))
-    return context, await context.__aenter__()
-
-
-@pytest.fixture
-async def router(fleet: SimFleet, redis_server: RedisServer) -> AsyncIterator[RunningRouter]:
-    context, running = await start_router(redis_server.url)
-    await wait_for_workers(running, fleet.count)
-    yield running
-    await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
-
-
-async def wait_for_workers(router: RunningRouter, count: int) -> None:
-    async def ready() -> bool:
-        await router.state.fleet.refresh()
-        return len(router.state.fleet.alive("tiny")) == count
-
-    await wait_until(ready, 20)
-
-
-async def wait_indexed(where: RunningRouter | RedisIndex, prompt: list[int], salt: str | None = None) -> str:
-    """Wait until a worker holds all of ``prompt``'s full blocks in the index; that worker."""
-    index = where.state.index if isinstance(where, RunningRouter) else where
-    chain = sequence_hashes(prompt, 16, cache_salt=salt)
-    holders: list[str] = []
-
-    async def indexed() -> bool:
-        matches = await index.match("tiny", chain)
-        holders[:] = [worker for worker, blocks in matches.items() if blocks == len(chain)]
-        return bool(holders)
-
-    await wait_until(indexed, 10)
-    return holders[0]
-
-
-async def complete(url: str, prompt, **extra) -> tuple[int, dict, dict]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **extra}
-    async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body) as response:
-        return response.status, dict(response.headers), await response.json()
+from tests.e2e.router.support import (
+    PREFIX,
+    complete,
+    start_router,
+    wait_for_workers,
+    wait_indexed,
+)
+from tests.support import ROOT, wait_until
 
 
 async def test_shared_prefixes_land_on_the_worker_that_holds_them(router, fleet):
@@ -245,41 +185,6 @@ async def test_no_alive_worker_is_503_and_dead_upstreams_502(redis_server):
         await client.aclose()
 
 
-@pytest.mark.faults
-async def test_redis_killed_mid_traffic_fails_no_request(fleet, redis_server):
-    context, router = await start_router(redis_server.url)
-    try:
-        await wait_for_workers(router, fleet.count)
-        statuses: list[int] = []
-
-        async def traffic() -> None:
-            for i in range(60):
-                statuses.append((await complete(router.url, [*PREFIX[: 16 * (1 + i % 5)], i]))[0])
-
-        async def some_served() -> bool:
-            return len(statuses) >= 10
-
-        task = asyncio.create_task(traffic())
-        await wait_until(some_served, 20)  # Redis dies mid-traffic, not before it
-        redis_server.stop(kill=True)
-        await task
-        assert statuses.count(200) == 60, statuses
-        assert router.state.decider.degraded_count > 0
-        # Redis comes back (empty): the agents re-assert, and the router leaves degraded mode.
-        redis_server.start()
-
-        async def recovered() -> bool:
-            before = router.state.decider.degraded_count
-            url, body = router.url + "/debug/route", {"model": "tiny", "prompt": PREFIX}
-            async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-                explained = await response.json()
-            return not explained["degraded"] and router.state.decider.degraded_count == before
-
-        await wait_until(recovered, 10)
-    finally:
-        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
-
-
 async def test_a_streamed_request_stops_queueing_prefill_at_its_first_token(router, redis_server):
     """The booked uncached tokens (prefill that delays other requests) are released when the first
     token streams back; the request itself stays counted until it ends."""
@@ -298,83 +203,6 @@ async def test_a_streamed_request_stops_queueing_prefill_at_its_first_token(rout
             await wait_until(only_decoding, 5)
     finally:
         await client.aclose()
-
-
-@pytest.mark.faults
-async def test_a_killed_replica_leaves_no_load_behind(fleet, redis_server):
-    port = free_port()
-    replica = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
-        [
-            sys.executable,
-            "-m",
-            "router",
-            "--redis-url",
-            redis_server.url,
-            "--port",
-            str(port),
-            "--replica-id",
-            "doomed",
-        ],
-        cwd=ROOT,
-    )
-    client = Redis.from_url(redis_server.url)
-    load = SharedLoad(client, KeySchema(), "observer")
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        async def up() -> bool:
-            try:
-                async with aiohttp.ClientSession() as session, session.get(url + "/ready") as response:
-                    return response.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        await wait_until(up, 30)
-        body = {"model": "tiny", "prompt": PREFIX, "max_tokens": 2000, "stream": True}
-        session = aiohttp.ClientSession()
-        responses = [await session.post(url + "/v1/completions", json=body) for _ in range(3)]
-
-        async def booked() -> bool:
-            return sum(x.requests for x in (await load.totals("tiny")).values()) == 3
-
-        await wait_until(booked, 5)
-        replica.kill()
-        took = await wait_until(lambda: _no_load(load), 10)
-        assert took < 4.5  # the lease TTL is 3 s
-        for response in responses:
-            response.close()
-        await session.close()
-    finally:
-        replica.kill()
-        await client.aclose()
-
-
-async def _no_load(load: SharedLoad) -> bool:
-    return await load.totals("tiny") == {}
-
-
-@pytest.mark.faults
-async def test_a_killed_engine_stops_receiving_traffic(fleet, router):
-    victim = fleet.worker_id(0)
-    fleet.agents[0].kill()  # engine and agent gone together: its HTTP port stays, answers nothing useful
-    engine_context = fleet._contexts[0]
-    await engine_context.__aexit__(None, None, None)
-    fleet._contexts[0] = None
-    statuses, workers = [], []
-
-    async def victim_dropped() -> bool:  # traffic goes on while the victim's heartbeat runs out
-        status, headers, _ = await complete(router.url, [*PREFIX, len(statuses)])
-        statuses.append(status)
-        workers.append(headers.get("x-kvroute-worker"))
-        return victim not in [w.worker_id for w in router.state.fleet.alive("tiny")]
-
-    await wait_until(victim_dropped, 20, interval=0)
-    for i in range(10):
-        status, headers, _ = await complete(router.url, [*PREFIX, 1000 + i])
-        statuses.append(status)
-        workers.append(headers.get("x-kvroute-worker"))
-    assert statuses.count(200) == len(statuses)  # a failure before the first byte is retried elsewhere
-    assert victim not in workers[-10:]
 
 
 async def _hit_rate(urls: list[str], index: RedisIndex, seed: int) -> float:

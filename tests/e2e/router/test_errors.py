@@ -1,7 +1,7 @@
 """The router's answers to mistakes and outages: one clear line, the right status, no traceback.
 
 Real Redis servers, real router processes and real HTTP; the routing itself is tested in
-test_router.py.
+test_routing.py.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 from redis.asyncio import Redis
 
 from kvindex.redis_index import RedisIndex
@@ -33,13 +31,6 @@ def _server(port: int | None = None) -> RedisServer:
     servers = available_servers()
     binary = servers.get("redis") or servers["valkey"]
     return RedisServer(binary=binary, port=port) if port else RedisServer(binary=binary)
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    server = _server().start()
-    yield server
-    server.stop()
 
 
 async def _get(url: str) -> tuple[int, dict, dict]:
