@@ -13,33 +13,14 @@ from collections import Counter
 
 import aiohttp
 
-from kvindex.hashing import sequence_hashes
-from kvindex.settings import RedisSettings
-from router.main import RunningRouter, running_router
-from router.settings import RouterSettings
+from tests.e2e.router.support import start_router, wait_for_workers, wait_indexed
 from tests.support import SimFleet, wait_until
 
 
-async def _router(redis_url: str) -> tuple[object, RunningRouter]:
-    context = running_router(RouterSettings(redis=RedisSettings(url=redis_url), port=0, redis_timeout_s=2.0))
-    return context, await context.__aenter__()
-
-
-async def _wait_for_workers(router: RunningRouter, count: int) -> None:
-    async def ready() -> bool:
-        await router.state.fleet.refresh()
-        return len(router.state.fleet.alive("tiny")) == count
-
-    await wait_until(ready, 20)
-
-
-async def _wait_indexed(router: RunningRouter, prompt: list[int]) -> None:
-    chain = sequence_hashes(prompt, 16)
-
-    async def indexed() -> bool:
-        return len(chain) in (await router.state.index.match("tiny", chain)).values()
-
-    await wait_until(indexed, 10)
+async def _explain(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> str:
+    """What the router would decide now (for a failure's message)."""
+    async with session.post(url + "/debug/route", json={"model": "tiny", "prompt": prompt}) as response:
+        return await response.text()
 
 
 def _tokens(seed: int, count: int) -> list[int]:
@@ -55,15 +36,16 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
 
 
 async def test_with_spare_capacity_a_conversation_stays_on_its_worker_while_it_is_busy(redis_server):
-    fleet = await SimFleet(redis_server.url, count=3, num_blocks=1024, speedup=20).start()
-    context, router = await _router(redis_server.url)
+    # A cache large enough that the long decodes below never make the owner "busy" (KV usage >= 0.97).
+    fleet = await SimFleet(redis_server.url, count=3, num_blocks=4096, speedup=20).start()
+    context, router = await start_router(redis_server.url)
     streams: list[aiohttp.ClientResponse] = []
     try:
-        await _wait_for_workers(router, 3)
+        await wait_for_workers(router, 3)
         conversation = _tokens(1, 480)  # 30 blocks
         async with aiohttp.ClientSession() as session:
             owner = await _complete(session, router.url, conversation)
-            await _wait_indexed(router, conversation)
+            await wait_indexed(router, conversation)
             # Long requests on the owner, past their prefill (first token out), still decoding: they
             # hold KV there but delay nobody's prefill. The old cost charged 0.3 per in-flight
             # block (4 x 1,200 tokens = 300 blocks x 0.3 = 90 > the 30-block prefix) and moved away.
@@ -76,8 +58,9 @@ async def test_with_spare_capacity_a_conversation_stays_on_its_worker_while_it_i
                 streams.append(response)
             for turn in range(3):
                 conversation += _tokens(200 + turn, 48)
-                assert await _complete(session, router.url, conversation) == owner
-                await _wait_indexed(router, conversation[: len(conversation) // 16 * 16])
+                worker = await _complete(session, router.url, conversation)
+                assert worker == owner, await _explain(session, router.url, conversation)
+                await wait_indexed(router, conversation[: len(conversation) // 16 * 16])
     finally:
         for response in streams:
             response.close()
@@ -88,13 +71,13 @@ async def test_with_spare_capacity_a_conversation_stays_on_its_worker_while_it_i
 async def test_one_hot_prefix_on_overloaded_engines_is_spread(redis_server):
     # Slow prefill (each engine needs ~60 ms per 1k tokens at this speedup), a small batch limit.
     fleet = await SimFleet(redis_server.url, count=3, num_blocks=2048, speedup=2.5, max_running=2).start()
-    context, router = await _router(redis_server.url)
+    context, router = await start_router(redis_server.url)
     try:
-        await _wait_for_workers(router, 3)
+        await wait_for_workers(router, 3)
         hot = _tokens(7, 256)
         async with aiohttp.ClientSession() as session:
             holder = await _complete(session, router.url, hot)
-            await _wait_indexed(router, hot)
+            await wait_indexed(router, hot)
             # A burst: the hot prefix with long unique suffixes, far more prefill than one engine does.
             prompts = [[*hot, *_tokens(1000 + i, 1024)] for i in range(12)]
             workers = await asyncio.gather(*(_complete(session, router.url, p) for p in prompts))
@@ -109,10 +92,10 @@ async def test_one_hot_prefix_on_overloaded_engines_is_spread(redis_server):
 async def test_a_non_streamed_request_stops_queueing_prefill_when_its_prefill_is_predicted_done(redis_server):
     """Its first byte comes with its last token: its prefill is released at the predicted TTFT."""
     fleet = await SimFleet(redis_server.url, count=2, speedup=20).start()
-    context, router = await _router(redis_server.url)
+    context, router = await start_router(redis_server.url)
     load = router.state.load
     try:
-        await _wait_for_workers(router, 2)
+        await wait_for_workers(router, 2)
         async with aiohttp.ClientSession() as session:
             reply = asyncio.create_task(_complete(session, router.url, _tokens(3, 800), max_tokens=2500))
 

@@ -9,36 +9,14 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from redis.asyncio import Redis
 
-from kvindex.redis_index import RedisIndex
-from kvroute.devstack.embedded_redis import RedisServer, free_port
+from kvroute.devstack.embedded_redis import free_port
 from tests.agent_support import BS, TOKENS, agent_args, registered, stored, wait_for_match
-from tests.conftest import server_kinds
-from tests.support import ROOT, AgentProcess, EngineStandIn, wait_until
-
-
-@pytest.fixture
-def server(redis_servers: dict[str, RedisServer]) -> RedisServer:
-    return redis_servers[server_kinds()[0]]
-
-
-@pytest.fixture
-async def index(server: RedisServer) -> AsyncIterator[RedisIndex]:
-    client = Redis.from_url(server.url)
-    yield RedisIndex(client)
-    await client.aclose()
-
-
-@pytest.fixture
-async def engine(unique_name: str) -> AsyncIterator[EngineStandIn]:
-    stand_in = await EngineStandIn(model=unique_name, block_size=BS).start()
-    yield stand_in
-    await stand_in.stop()
+from tests.support import ROOT, AgentProcess, wait_until
 
 
 @pytest.mark.parametrize("entry", [["-m", "kvroute", "agent"], ["-m", "worker_agent"]])
@@ -145,8 +123,12 @@ async def test_an_agent_follows_a_simulated_engine_process(unique_name, server, 
         await wait_for_match(index, unique_name, [10])
         (record,) = await index.workers(unique_name)
         assert record.block_size == BS and record.url == f"http://127.0.0.1:{port}"
-        _, health = await process.health()
-        assert health["events_silent"] is False and isinstance(health["seconds_since_event"], float)
+
+        async def hearing_events() -> bool:  # a loaded machine may delay an event past the 1 s warning
+            _, health = await process.health()
+            return health["events_silent"] is False and isinstance(health["seconds_since_event"], float)
+
+        await wait_until(hearing_events, 10)
         assert await process.metric("kvroute_agent_last_event_timestamp_seconds") > 0
     finally:
         process.kill()

@@ -19,25 +19,6 @@ from tests.support import AgentProcess, EngineStandIn, wait_until
 
 
 @pytest.fixture
-def server(redis_servers: dict[str, RedisServer]) -> RedisServer:
-    return redis_servers[server_kinds()[0]]
-
-
-@pytest.fixture
-async def index(server: RedisServer) -> AsyncIterator[RedisIndex]:
-    client = Redis.from_url(server.url)
-    yield RedisIndex(client)
-    await client.aclose()
-
-
-@pytest.fixture
-async def engine(unique_name: str) -> AsyncIterator[EngineStandIn]:
-    stand_in = await EngineStandIn(model=unique_name, block_size=BS).start()
-    yield stand_in
-    await stand_in.stop()
-
-
-@pytest.fixture
 async def agent(engine: EngineStandIn, server: RedisServer) -> AsyncIterator[AgentProcess]:
     process = AgentProcess([*agent_args(engine, server.url), "--verify-interval", "0.2"]).start()
     yield process
