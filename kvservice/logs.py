@@ -94,6 +94,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+def log_request(
+    logger: logging.Logger,
+    method: str,
+    path: str,
+    status: int,
+    seconds: float,
+    quiet_paths: frozenset[str],
+    fields: dict[str, Any] | None = None,
+) -> None:
+    """One access-log record: ``METHOD path status`` with method, path, status, ms and ``fields``
+    as structured fields; at DEBUG for ``quiet_paths`` (probes and scrapes), else INFO."""
+    level = logging.DEBUG if path in quiet_paths else logging.INFO
+    if not logger.isEnabledFor(level):
+        return
+    record = {"method": method, "path": path, "status": status, "ms": round(1000 * seconds, 2), **(fields or {})}
+    logger.log(level, "%s %s %d", method, path, status, extra={FIELDS: record})
+
+
 def configure_logging(settings: LogSettings) -> None:
     """Replace the root handlers with one stderr handler in the chosen format."""
     handler = logging.StreamHandler(sys.stderr)

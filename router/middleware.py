@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvservice.logs import FIELDS
+from kvservice.logs import log_request
 
 access_log = logging.getLogger("router.access")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
@@ -104,15 +104,5 @@ def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -
 
 
 def _log_access(request: web.Request, status: int, seconds: float) -> None:
-    level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
-    if not access_log.isEnabledFor(level):
-        return
-    fields = {
-        "request_id": request[REQUEST_ID],
-        "method": request.method,
-        "path": request.path,
-        "status": status,
-        "ms": round(1000 * seconds, 2),
-        **request.get(LOG_FIELDS, {}),
-    }
-    access_log.log(level, "%s %s %d", request.method, request.path, status, extra={FIELDS: fields})
+    fields = {"request_id": request[REQUEST_ID], **request.get(LOG_FIELDS, {})}
+    log_request(access_log, request.method, request.path, status, seconds, QUIET_PATHS, fields)

@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvservice.lifecycle import StartupError, listening
-from kvservice.logs import FIELDS
+from kvservice.logs import log_request
 from router.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
@@ -74,11 +74,7 @@ async def _access_log(request: web.Request, handler: Handler) -> web.StreamRespo
         status = 499  # the client went away (nginx's code)
         raise
     finally:
-        level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
-        if access_log.isEnabledFor(level):
-            ms = round(1000 * (time.perf_counter() - started), 2)
-            fields = {"method": request.method, "path": request.path, "status": status, "ms": ms}
-            access_log.log(level, "%s %s %d", request.method, request.path, status, extra={FIELDS: fields})
+        log_request(access_log, request.method, request.path, status, time.perf_counter() - started, QUIET_PATHS)
 
 
 async def _health(_: web.Request) -> web.Response:
