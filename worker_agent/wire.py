@@ -4,15 +4,17 @@ A message is three ZMQ frames: topic (utf-8), seq (8 bytes big-endian) and a msg
 ``[ts, events, data_parallel_rank]``. Events are maps tagged by "type" (vLLM >= ~0.26) or, in
 older versions, positional arrays ``["BlockStored", ...]``; both are accepted at both levels.
 Block hashes are uint64 by default, or 32-byte strings with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
-Unknown event types and unknown keys are counted and skipped; anything malformed raises
-:class:`WireError` with a message saying what is wrong, so the caller can count and skip the frame.
+Unknown event types and unknown keys are counted and skipped; anything malformed (including a
+wrong type in an optional field we use: a misread ``medium`` or ``lora_name`` would credit the
+blocks to the wrong tier or prefix) raises :class:`WireError`, and nothing else: the caller counts
+and skips the frame. tests/unit/test_wire_fuzz.py holds that over generated and mutated frames.
 See docs/sim-engine.md ("The KV-event wire") and the real captures in tests/fixtures/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -92,8 +94,22 @@ def _engine_hash(value: Any, what: str) -> EngineHash:
     return value
 
 
-def _optional_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_int(fields: dict[str, Any], name: str) -> int | None:
+    value = fields.get(name)
+    if value is not None and not _is_int(value):
+        raise WireError(f"{name} must be an integer or nil, got {type(value).__name__}")
+    return value
+
+
+def _optional_str(fields: dict[str, Any], name: str) -> str | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, str):
+        raise WireError(f"{name} must be a string or nil, got {type(value).__name__}")
+    return value
 
 
 def _hashes(value: Any) -> tuple[EngineHash, ...]:
@@ -122,24 +138,25 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     hashes = _hashes(fields.get("block_hashes"))
     tokens = fields.get("token_ids")
     block_size = fields.get("block_size")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+    if not _is_int(block_size) or block_size <= 0:
         raise WireError(f"BlockStored block_size must be a positive integer, got {block_size!r}")
-    if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+    if not isinstance(tokens, list | tuple) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
         raise WireError(f"BlockStored token_ids must be an array of integers in 0..{MAX_TOKEN_ID}")
     if len(tokens) != block_size * len(hashes):
         raise WireError(f"BlockStored has {len(tokens)} token ids for {len(hashes)} blocks of {block_size}")
     parent = fields.get("parent_block_hash")
     extra = fields.get("extra_keys")
-    lora_name = fields.get("lora_name")
+    if extra is not None and not isinstance(extra, list | tuple):
+        raise WireError(f"BlockStored extra_keys must be an array or nil, got {type(extra).__name__}")
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=None if parent is None else _engine_hash(parent, "parent_block_hash"),
         token_ids=tuple(tokens),
         block_size=block_size,
-        lora_name=lora_name if isinstance(lora_name, str) else None,
-        medium=fields.get("medium") if isinstance(fields.get("medium"), str) else None,
-        extra_keys=tuple(extra) if isinstance(extra, list | tuple) else None,
-        group_idx=_optional_int(fields.get("group_idx")),
+        lora_name=_optional_str(fields, "lora_name"),
+        medium=_optional_str(fields, "medium"),
+        extra_keys=None if extra is None else tuple(extra),
+        group_idx=_optional_int(fields, "group_idx"),
     )
 
 
@@ -149,30 +166,27 @@ def decode_event(raw: Any) -> tuple[Event | None, set[str]]:
     known = _FIELDS.get(kind)
     if known is None:
         return None, set()
-    unknown = set(fields) - set(known)
+    unknown = {key if isinstance(key, str) else repr(key) for key in fields if key not in known}
     if kind == "BlockStored":
         return _stored(fields), unknown
     if kind == "BlockRemoved":
-        medium = fields.get("medium")
-        return BlockRemoved(
-            _hashes(fields.get("block_hashes")),
-            medium if isinstance(medium, str) else None,
-            _optional_int(fields.get("group_idx")),
-        ), unknown
+        hashes = _hashes(fields.get("block_hashes"))
+        return BlockRemoved(hashes, _optional_str(fields, "medium"), _optional_int(fields, "group_idx")), unknown
     return AllBlocksCleared(), unknown
 
 
 def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str]]:
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        # TypeError: a map key that is itself an array or a map (unhashable in Python)
         raise WireError(f"payload is not valid msgpack: {exc}") from None
     if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list | tuple):
         raise WireError("payload must be an array [ts, events, data_parallel_rank]")
     ts = batch[0]
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise WireError(f"batch timestamp must be a number, got {type(ts).__name__}")
-    dp_rank = batch[2] if len(batch) > 2 and isinstance(batch[2], int) else None
+    dp_rank = batch[2] if len(batch) > 2 and _is_int(batch[2]) else None
     events: list[Event] = []
     unknown_events = 0
     unknown_keys: set[str] = set()

@@ -68,6 +68,10 @@ def frames_for(events, seq=5) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([1.5, events, 0])]
 
 
+def stored_with(**fields):
+    return {"type": "BlockStored", "block_hashes": [1], "token_ids": [5, 6], "block_size": 2, **fields}
+
+
 def test_the_older_positional_encoding_is_accepted():
     batch = decode_message(
         frames_for(
@@ -103,6 +107,15 @@ def test_unknown_types_and_keys_are_counted_and_skipped():
         (frames_for([{"type": "BlockRemoved", "block_hashes": ["x"]}]), "integer or bytes"),
         (frames_for([42]), "map or a tagged array"),
         ([b"\xff", b"\0" * 8, msgpack.packb([1.0, [], 0])], "utf-8"),
+        # found by tests/unit/test_wire_fuzz.py: map keys that are arrays or maps raised TypeError
+        ([b"kv", b"\0" * 8, b"\x81\x91\x01\x02"], "not valid msgpack"),
+        ([b"kv", b"\0" * 8, b"\x81\x80\x01"], "not valid msgpack"),
+        # wrong types were read as "absent": a bool as a token id, a misread tier or LoRA name
+        (frames_for([{"type": "BlockStored", "block_hashes": [1], "token_ids": [True], "block_size": 1}]), "token_ids"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": [3], "medium": 1}]), "medium must be a string"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": [3], "group_idx": "0"}]), "group_idx must be an int"),
+        (frames_for([stored_with(lora_name=["a"])]), "lora_name must be a string"),
+        (frames_for([stored_with(extra_keys="salt")]), "extra_keys must be an array"),
     ],
 )
 def test_malformed_messages_raise_a_clear_wire_error(frames, message):
