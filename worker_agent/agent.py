@@ -31,7 +31,7 @@ from prometheus_client import Histogram
 
 from kvindex.redis_index import RedisIndex
 from kvindex.types import HeartbeatStatus, WorkerInfo
-from worker_agent.engine import EngineClient
+from worker_agent.engine import EngineClient, EngineMetrics
 from worker_agent.events import EventsWatch
 from worker_agent.metrics import AgentCounters, Gauges
 from worker_agent.pipeline import EventPipeline, Received
@@ -70,6 +70,8 @@ class Agent:
         self._stop = stop or asyncio.Event()
         self._model = settings.model
         self._run_id: str | None = None
+        self._bad_metrics_said: set[str] = set()  # metrics whose bad values were logged (once each)
+        self._last_loop_error_log = 0.0
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -149,6 +151,19 @@ class Agent:
             self._run_id = await self.index.server_run_id()
         await self.pipeline.catch_up()
 
+    async def _every(self, seconds: float, step: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``step`` every ``seconds`` until stopped. An unexpected error is counted and logged,
+        and the loop goes on: a bug in one step must not take a healthy worker out of the index."""
+        while not await self._sleep(seconds):
+            try:
+                await step()
+            except Exception:
+                self.counters.internal_errors += 1
+                now = time.monotonic()
+                if now - self._last_loop_error_log > 5.0:
+                    self._last_loop_error_log = now
+                    log.exception("unexpected error in the agent's %s; carrying on", step.__name__)
+
     async def _sleep(self, seconds: float) -> bool:
         """Sleep unless stopped first; True when stopped."""
         with contextlib.suppress(TimeoutError):
@@ -184,22 +199,24 @@ class Agent:
                     await self.pipeline.reset_worker()
 
     async def _liveness_loop(self) -> None:
-        last_verify = time.monotonic()
+        self._last_verify = time.monotonic()
         # A random phase, so that a fleet started together does not re-assert together.
-        last_reassert = last_verify - random.uniform(0, self.settings.reassert_interval_s)
-        while not await self._sleep(self.settings.heartbeat_interval_s):
-            async with self._lock:
-                if not self.writer.registered:
-                    continue
-                reason = await self._reassert_reason()
-                now = time.monotonic()
-                if reason is None and now - last_verify >= self.settings.verify_interval_s:
-                    last_verify = now
-                    reason = "drift" if await self.writer.drifted() else None
-                if reason is None and now - last_reassert >= self.settings.reassert_interval_s:
-                    reason = "periodic"
-                if reason is not None and await self.writer.reassert(reason):
-                    last_reassert = now
+        self._last_reassert = self._last_verify - random.uniform(0, self.settings.reassert_interval_s)
+        await self._every(self.settings.heartbeat_interval_s, self._liveness_step)
+
+    async def _liveness_step(self) -> None:
+        async with self._lock:
+            if not self.writer.registered:
+                return
+            reason = await self._reassert_reason()
+            now = time.monotonic()
+            if reason is None and now - self._last_verify >= self.settings.verify_interval_s:
+                self._last_verify = now
+                reason = "drift" if await self.writer.drifted() else None
+            if reason is None and now - self._last_reassert >= self.settings.reassert_interval_s:
+                reason = "periodic"
+            if reason is not None and await self.writer.reassert(reason):
+                self._last_reassert = now
 
     async def _reassert_reason(self) -> str | None:
         """Heartbeat, then say why the index must be rewritten (None: it need not)."""
@@ -223,14 +240,33 @@ class Agent:
         return "write_failed" if self.writer.needs_reassert() else None
 
     async def _engine_loop(self) -> None:
+        await self._every(self.settings.load_interval_s, self._engine_step)
+
+    async def _engine_step(self) -> None:
         """The engine's /metrics: its load into the index, its work counters into the watch."""
-        while not await self._sleep(self.settings.load_interval_s):
-            metrics = await self.engine.metrics()
-            if metrics is not None and self.engine_up:
-                self.watch.engine_up(metrics.work)
-                self.watch.check()
-            if metrics is not None and metrics.load is not None and self.writer.registered:
-                await self.writer.report_load(metrics.load)
+        metrics = await self.engine.metrics()
+        if metrics is None:
+            return
+        self._note_bad_metrics(metrics)
+        if self.engine_up:
+            self.watch.engine_up(metrics.work)
+            self.watch.check()
+        if metrics.load is not None and self.writer.registered:
+            await self.writer.report_load(metrics.load)
+
+    def _note_bad_metrics(self, metrics: EngineMetrics) -> None:
+        """Count each ignored value; say why once per metric (the page is read 4 times a second)."""
+        for bad in metrics.bad:
+            self.counters.engine_metric_errors += 1
+            if bad.metric not in self._bad_metrics_said:
+                self._bad_metrics_said.add(bad.metric)
+                log.warning(
+                    "ignoring the engine's %s: %s (counted in kvroute_agent_engine_metric_errors_total; "
+                    "said once per metric)",
+                    bad.metric,
+                    bad.reason,
+                    extra={"fields": {"metric": bad.metric, "reason": bad.reason}},
+                )
 
     async def _health_loop(self) -> None:
         failures = 0
@@ -254,10 +290,12 @@ class Agent:
                     self.pipeline.reset()
 
     async def _gc_loop(self) -> None:
-        while not await self._sleep(self.settings.gc_interval_s):
-            if self.writer.registered:
-                with contextlib.suppress(*REDIS_FAILURES):
-                    await self.index.gc(self.writer.model)
+        await self._every(self.settings.gc_interval_s, self._gc_step)
+
+    async def _gc_step(self) -> None:
+        if self.writer.registered:
+            with contextlib.suppress(*REDIS_FAILURES):
+                await self.index.gc(self.writer.model)
 
     # --- views ----------------------------------------------------------------------------
 

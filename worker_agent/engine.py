@@ -1,10 +1,18 @@
-"""The engine's HTTP side as the agent sees it: /health, /metrics (load signal, block size, and
-how much work it has done) and /v1/models. Parsing is pure and tested on the real server's
-/metrics capture."""
+"""The engine's HTTP side as the agent sees it: /health, /metrics (load signal, block size, how
+much work it has done, when its process started) and /v1/models. Parsing is pure and tested on the
+real server's /metrics capture.
+
+An engine's /metrics is not trusted: a value that is not a finite number in its metric's range
+(``+Inf``, ``NaN``, text, a negative count) is reported in :attr:`EngineMetrics.bad` and never used,
+and only that metric is lost (its other series too: a partial sum would be wrong). Lines of metrics
+the agent does not read are not looked at, so garbage there costs nothing.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,15 +23,35 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
-# Counters that grow as the engine serves requests (so its KV events should be arriving).
+# prometheus_client's process collector (vLLM's API server has it): a new value is a new process.
+START_TIME = "process_start_time_seconds"
+# Counters that grow as the engine serves requests (so its KV events should be arriving); one
+# that goes back means a new process.
 WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:request_success_total")
+LOAD_GAUGES = (RUNNING, WAITING, KV_USAGE)
+READ = (*LOAD_GAUGES, CACHE_CONFIG, START_TIME, *WORK_COUNTERS)
+MAX_REQUESTS = 2**31  # more running or waiting requests than any engine holds: garbage
+MAX_PAGE_BYTES = 16 << 20  # vLLM's page is ~50 KB; a bigger answer is not a metrics page
+
+
+@dataclass(frozen=True)
+class BadValue:
+    metric: str
+    reason: str  # one line: "+Inf", "NaN", "not a number: 'lots'", "negative (-3)", ...
 
 
 @dataclass(frozen=True)
 class EngineMetrics:
-    load: WorkerLoad | None  # None when the page lacks the load gauges
+    load: WorkerLoad | None  # None when the page lacks (valid) load gauges
     block_size: int | None  # from vllm:cache_config_info, when present
-    work: float | None = None  # the sum of WORK_COUNTERS; None when the page has neither
+    counters: Mapping[str, float] = field(default_factory=dict)  # the valid WORK_COUNTERS
+    start_time: float | None = None  # process_start_time_seconds, when present and valid
+    bad: tuple[BadValue, ...] = ()
+
+    @property
+    def work(self) -> float | None:
+        """The sum of the WORK_COUNTERS present; None when the page has none."""
+        return sum(self.counters.values()) if self.counters else None
 
 
 def root_url(engine_url: str) -> str:
@@ -32,37 +60,99 @@ def root_url(engine_url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
-    """vLLM's Prometheus page -> load and block size. With data parallelism one server labels
-    each rank's series ``engine="<rank>"``; only ``dp_rank``'s count (all when None)."""
-    sums: dict[str, float] = {}
-    seen: set[str] = set()
-    block_size: int | None = None
-    capacity: int | None = None
-    work: float | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
+def _problem(name: str, value: float) -> str | None:
+    """Why ``value`` cannot be a sample of ``name`` (None: it can)."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value < 0 and name != KV_USAGE:  # the usage is clamped to 0..1 below
+        return f"negative ({value:g})"
+    if name in (RUNNING, WAITING) and value > MAX_REQUESTS:
+        return f"out of range ({value:g})"
+    return None
+
+
+def _name_of(line: str) -> str | None:
+    """The metric a sample line is about, when it is one the agent reads."""
+    if not line.startswith(READ):
+        return None
+    for name in READ:
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ", "\t", ""):
+            return name
+    return None
+
+
+class _Page:
+    """Sums of one rank's samples of the metrics in READ, and what was wrong with them."""
+
+    def __init__(self, dp_rank: int | None) -> None:
+        self.dp_rank = dp_rank
+        self.sums: dict[str, float] = {}
+        self.spoiled: dict[str, str] = {}  # metric -> the first reason
+        self.block_size: int | None = None
+        self.capacity: int | None = None
+
+    def add_line(self, name: str, line: str) -> None:
+        try:
+            samples = [s for family in text_string_to_metric_families(line + "\n") for s in family.samples]
+        except Exception as exc:  # the parser's errors are ValueError, but a page is untrusted input
+            self.spoiled.setdefault(name, _unparseable(exc))
+            return
+        for sample in samples:
             engine = sample.labels.get("engine")
-            if dp_rank is not None and engine is not None and engine != str(dp_rank):
+            if self.dp_rank is not None and engine is not None and engine != str(self.dp_rank):
                 continue
-            if sample.name in (RUNNING, WAITING, KV_USAGE):
-                seen.add(sample.name)
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-            elif sample.name in WORK_COUNTERS:
-                work = (work or 0.0) + sample.value
-            elif sample.name == CACHE_CONFIG:
-                block_size = _int_label(sample.labels, "block_size", block_size)
-                capacity = _int_label(sample.labels, "num_gpu_blocks", capacity)
-    load = None
-    if {RUNNING, WAITING, KV_USAGE} <= seen:
-        usage = min(max(sums[KV_USAGE], 0.0), 1.0)
-        load = WorkerLoad(int(sums[RUNNING]), int(sums[WAITING]), usage, capacity)
-    return EngineMetrics(load, block_size, work)
+            if name == CACHE_CONFIG:
+                self.block_size = _int_label(sample.labels, "block_size", self.block_size)
+                self.capacity = _int_label(sample.labels, "num_gpu_blocks", self.capacity)
+                continue
+            problem = _problem(name, sample.value)
+            if problem is not None:
+                self.spoiled.setdefault(name, problem)
+            elif name == START_TIME:
+                self.sums[name] = max(self.sums.get(name, 0.0), sample.value)
+            else:
+                self.sums[name] = self.sums.get(name, 0.0) + sample.value
+
+    def valid(self, name: str) -> float | None:
+        return None if name in self.spoiled else self.sums.get(name)
+
+    def result(self) -> EngineMetrics:
+        running, waiting, usage = (self.valid(name) for name in LOAD_GAUGES)
+        load = None
+        if running is not None and waiting is not None and usage is not None:
+            load = WorkerLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0), self.capacity)
+        counters = {name: value for name in WORK_COUNTERS if (value := self.valid(name)) is not None}
+        bad = tuple(BadValue(name, reason) for name, reason in self.spoiled.items())
+        return EngineMetrics(load, self.block_size, counters, self.valid(START_TIME), bad)
+
+
+def _unparseable(exc: Exception) -> str:
+    detail = " ".join(str(exc).split())
+    marker = "convert string to float: "
+    if marker in detail:
+        return f"not a number: {detail.split(marker, 1)[1][:60]}"
+    return f"unparseable ({detail[:80]})"
+
+
+def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
+    """vLLM's Prometheus page -> load, block size, work counters and start time. With data
+    parallelism one server labels each rank's series ``engine="<rank>"``; only ``dp_rank``'s count
+    (all when None). Never raises: what cannot be used is in :attr:`EngineMetrics.bad`."""
+    page = _Page(dp_rank)
+    for line in text.splitlines():
+        name = _name_of(line)
+        if name is not None:
+            page.add_line(name, line)
+    return page.result()
 
 
 def _int_label(labels: dict[str, str], name: str, default: int | None) -> int | None:
     value = labels.get(name, "")
-    return int(value) if value.isdigit() and int(value) > 0 else default
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        return default
+    return int(value) if int(value) > 0 else default
 
 
 class EngineClient:
@@ -82,17 +172,21 @@ class EngineClient:
             return False
 
     async def metrics(self) -> EngineMetrics | None:
+        """The parsed page; None when the engine does not answer with one."""
         try:
             async with self._session.get(f"{self.root}/metrics", timeout=self._timeout) as response:
                 if response.status != 200:
                     return None
-                text = await response.text()
+                body = bytearray()
+                async for chunk in response.content.iter_any():
+                    body += chunk
+                    if len(body) > MAX_PAGE_BYTES:
+                        break
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None
-        try:
-            return parse_metrics(text, self._dp_rank)
-        except ValueError:
-            return None
+        if len(body) > MAX_PAGE_BYTES:
+            return EngineMetrics(None, None, bad=(BadValue("/metrics", f"the page is over {MAX_PAGE_BYTES} bytes"),))
+        return parse_metrics(body.decode("utf-8", errors="replace"), self._dp_rank)
 
     async def served_models(self) -> list[str]:
         try:

@@ -34,6 +34,7 @@ class AgentCounters:
     engine_down: int = 0
     redis_errors: int = 0
     internal_errors: int = 0
+    engine_metric_errors: int = 0  # values on the engine's /metrics ignored (NaN, +Inf, text, ...)
     verifications: int = 0  # block-count checks (index vs mirror)
     reasserts: Counter[str] = field(default_factory=Counter)  # by reason
 
@@ -66,7 +67,8 @@ _HELP = {
     "engine_restarts": "Engine restarts detected (seq back to 0, or /health down then up)",
     "engine_down": "Times the engine's /health failed long enough to take the worker out",
     "redis_errors": "Redis calls that failed (the mirror keeps the truth; re-assert heals)",
-    "internal_errors": "Unexpected errors applying batches (the worker was rebuilt from replay)",
+    "internal_errors": "Unexpected errors in the agent's loops (logged; a failed batch rebuilds the worker)",
+    "engine_metric_errors": "Values on the engine's /metrics ignored: NaN, infinite, not a number or out of range",
     "verifications": "Checks of the index's block count for this worker against the mirror",
 }
 _GAUGE_HELP = {

@@ -154,3 +154,49 @@ def test_data_parallel_ranks_are_told_apart_by_the_engine_label():
 def test_root_url_strips_the_openai_suffix():
     assert root_url("http://h:8000/v1/") == "http://h:8000"
     assert root_url("http://h:8000") == "http://h:8000"
+
+
+def load_page(running: str, waiting: str, usage: str, extra: str = "") -> str:
+    labels = '{engine="0",model_name="m"}'
+    return (
+        f"vllm:num_requests_running{labels} {running}\nvllm:num_requests_waiting{labels} {waiting}\n"
+        f"vllm:kv_cache_usage_perc{labels} {usage}\n{extra}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "usage", "metric", "reason"),
+    [
+        ("+Inf", "0", "0.5", "vllm:num_requests_running", "+Inf"),
+        ("1", "NaN", "0.5", "vllm:num_requests_waiting", "NaN"),
+        ("1", "2", "NaN", "vllm:kv_cache_usage_perc", "NaN"),
+        ("1", "2", "-Inf", "vllm:kv_cache_usage_perc", "-Inf"),
+        ("1", "2", "lots", "vllm:kv_cache_usage_perc", "not a number"),
+        ("-3", "2", "0.5", "vllm:num_requests_running", "negative"),
+        ("1e300", "2", "0.5", "vllm:num_requests_running", "out of range"),
+    ],
+)
+def test_a_bad_load_value_is_reported_and_never_becomes_a_load(running, waiting, usage, metric, reason):
+    metrics = parse_metrics(load_page(running, waiting, usage), dp_rank=0)
+    assert metrics.load is None
+    (bad,) = metrics.bad
+    assert bad.metric == metric and reason in bad.reason and "\n" not in bad.reason
+
+
+def test_a_bad_value_spoils_only_its_own_metric_and_other_ranks_do_not_count():
+    extra = (
+        'vllm:prompt_tokens_total{engine="0"} NaN\nvllm:request_success_total{engine="0"} 7\n'
+        'vllm:num_requests_running{engine="1"} +Inf\nprocess_start_time_seconds 1.7e+09\n'
+        "some_other_metric{broken 3\n"  # not one the agent reads: not its business
+    )
+    metrics = parse_metrics(load_page("1", "2", "0.25", extra), dp_rank=0)
+    assert metrics.load == WorkerLoad(1, 2, 0.25)
+    assert metrics.counters == {"vllm:request_success_total": 7} and metrics.work == 7
+    assert metrics.start_time == 1.7e9
+    assert [b.metric for b in metrics.bad] == ["vllm:prompt_tokens_total"]
+
+
+def test_a_page_of_garbage_gives_nothing_and_does_not_raise():
+    for text in ("\x00\xff" * 100, "vllm:num_requests_running", 'vllm:kv_cache_usage_perc{engine="0" 0.5\n'):
+        metrics = parse_metrics(text, dp_rank=0)
+        assert metrics.load is None and metrics.work is None and metrics.start_time is None

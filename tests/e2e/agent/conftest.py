@@ -1,18 +1,61 @@
 """Fixtures of the agent's end-to-end tests: one of the session's Redis servers, an index client on
-it, and an engine stand-in (the engine's HTTP side and KV-event publisher, in this process)."""
+it, and an engine stand-in (the engine's HTTP side and KV-event publisher, in this process) that can
+be told to misbehave: a /metrics page of its choosing, a /health that hangs, a process start time."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import pytest
+from aiohttp import web
 from redis.asyncio import Redis
 
 from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_redis import RedisServer
-from tests.agent_support import BS
+from tests.agent_support import BS, agent_args
 from tests.conftest import server_kinds
-from tests.support import EngineStandIn
+from tests.support import AgentProcess, EngineStandIn
+
+
+@dataclass
+class FaultyEngine(EngineStandIn):
+    """The stand-in with knobs: ``metrics_page`` replaces the load gauges of /metrics (the block size
+    line stays), ``start_time`` and ``prompt_tokens`` add ``process_start_time_seconds`` and
+    ``vllm:prompt_tokens_total`` (a real vLLM has both: the agent's restart evidence), and
+    :meth:`hang_health` makes /health answer only once :meth:`answer_health` is called."""
+
+    metrics_page: str | None = None
+    start_time: float | None = None
+    prompt_tokens: float | None = None
+    health_requests: int = 0
+    _answering: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._answering.set()
+
+    def hang_health(self) -> None:
+        self._answering.clear()
+
+    def answer_health(self) -> None:
+        self._answering.set()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_requests += 1
+        await self._answering.wait()
+        return await super()._health(request)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (await super()._metrics(request)).text or ""
+        if self.metrics_page is not None:
+            text = self.metrics_page + "".join(line + "\n" for line in text.splitlines() if "cache_config" in line)
+        if self.start_time is not None:
+            text += f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {self.start_time!r}\n"
+        if self.prompt_tokens is not None:
+            counter = "vllm:prompt_tokens_total"
+            text += f'# TYPE {counter} counter\n{counter}{{engine="0"}} {self.prompt_tokens!r}\n'
+        return web.Response(text=text, content_type="text/plain")
 
 
 @pytest.fixture
@@ -28,7 +71,20 @@ async def index(server: RedisServer) -> AsyncIterator[RedisIndex]:
 
 
 @pytest.fixture
-async def engine(unique_name: str) -> AsyncIterator[EngineStandIn]:
-    stand_in = await EngineStandIn(model=unique_name, block_size=BS).start()
+async def engine(unique_name: str) -> AsyncIterator[FaultyEngine]:
+    stand_in = await FaultyEngine(model=unique_name, block_size=BS).start()
     yield stand_in
     await stand_in.stop()
+
+
+def start_agent(engine: EngineStandIn, redis_url: str, *extra: str, replay: bool = True) -> AgentProcess:
+    """An agent process following ``engine`` (its replay socket unless told otherwise)."""
+    return AgentProcess([*agent_args(engine, redis_url, replay=replay), *extra]).start()
+
+
+def stop_agent(process: AgentProcess) -> None:
+    """Kill it; print its log when it had exited by itself with an error (the test's evidence)."""
+    crashed = process.process is not None and process.process.poll() not in (None, 0)
+    process.kill()
+    if crashed:
+        print(process.log())

@@ -1,0 +1,53 @@
+"""The agent process under the engine's, Redis's and its own transient trouble: bad /metrics values,
+a Redis whose INFO lacks run_id, a replay that stalls, a /health that hangs, a flood of messages.
+Trouble degrades (a value ignored, heartbeats paused, a resync); it never crashes the agent, never
+deregisters a healthy worker and never leaves an index that credits blocks the engine lacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvindex.types import WorkerLoad
+from tests.agent_support import registered
+from tests.e2e.agent.conftest import start_agent, stop_agent
+from tests.support import wait_until
+
+LOAD_LINES = (
+    'vllm:num_requests_running{{engine="0"}} {}\nvllm:num_requests_waiting{{engine="0"}} {}\n'
+    'vllm:kv_cache_usage_perc{{engine="0"}} {}\n'
+)
+
+
+@pytest.mark.faults
+async def test_bad_engine_metrics_are_counted_logged_once_and_never_stored(engine, server, index, unique_name):
+    process = start_agent(engine, server.url)
+    try:
+        engine.load = (2, 1, 0.5)
+
+        async def load_is(expected: WorkerLoad) -> bool:
+            records = await index.workers(unique_name)
+            return bool(records) and records[0].alive and records[0].load == expected
+
+        await wait_until(lambda: load_is(WorkerLoad(2, 1, 0.5)), 15)
+        errors = 0.0
+        for running, waiting, usage in (("+Inf", 0, 0.25), (3, 0, "NaN"), (3, "many", 0.25)):
+            engine.metrics_page = LOAD_LINES.format(running, waiting, usage)
+
+            async def counted(before: float = errors) -> bool:
+                return await process.metric("kvroute_agent_engine_metric_errors_total") >= before + 3
+
+            await wait_until(counted, 10)  # three scrapes of the bad page at least
+            errors = await process.metric("kvroute_agent_engine_metric_errors_total")
+            assert process.process is not None and process.process.poll() is None, process.log()
+            (record,) = await index.workers(unique_name)
+            assert record.alive and record.load == WorkerLoad(2, 1, 0.5)  # the last good load stays
+        engine.metrics_page = LOAD_LINES.format(3, 0, 0.25)
+        await wait_until(lambda: load_is(WorkerLoad(3, 0, 0.25)), 10)
+        assert await registered(index, unique_name)
+        warnings = [line for line in process.log().splitlines() if "ignoring the engine's" in line]
+        assert len(warnings) == 3, warnings  # one per metric, however many scrapes
+        assert any("vllm:num_requests_running: +Inf" in line for line in warnings)
+        assert any("vllm:kv_cache_usage_perc: NaN" in line for line in warnings)
+        assert any("vllm:num_requests_waiting: not a number" in line for line in warnings)
+    finally:
+        stop_agent(process)
