@@ -241,17 +241,20 @@ def create_app(state: RouterState) -> web.Application:
 def _readiness(state: RouterState) -> web.Response:
     """Ready = this replica can route: it has a view of alive workers, from Redis now or the last
     one it read (degraded routing carries the traffic while Redis is away, so a probe must not
-    drain every replica exactly then). ``redis`` says whether the last refresh reached Redis."""
+    drain every replica exactly then). ``redis`` says whether the last refresh reached Redis;
+    ``retained_models`` are served from their last known workers while Redis lists none."""
     fleet = state.fleet
     models = fleet.models_with_workers()
     redis_ok = fleet.last_error is None and fleet.has_view
     age = fleet.view_age_s
+    retained = fleet.retained_models()
     body = {
         "ready": bool(models),
         "redis": redis_ok,
         "workers": bool(models),
         "models": models,
-        "degraded": state.decider.degraded or not redis_ok,
+        "retained_models": retained,
+        "degraded": state.decider.degraded or not redis_ok or bool(retained),
         "worker_view_age_s": None if age is None else round(age, 3),
     }
     if not fleet.has_view:

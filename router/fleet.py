@@ -1,7 +1,12 @@
 """The workers a router replica knows, per model, refreshed from the index every second.
 
-Kept locally so that a decision never waits for a full worker listing, and so that when Redis is
-down the router can still route (degraded mode) over the last workers it saw alive.
+Kept locally so that a decision never waits for a full worker listing, and so that Redis never
+makes a request fail: while Redis is unreachable the router routes (degraded) over the last
+workers it saw alive; and when Redis answers but lists no alive worker for a model it served a
+moment ago (a FLUSHALL, a restart that lost its data, a failover that lost the last writes), the
+last known workers are *retained* for ``retain_s`` seconds, long enough for the agents to
+re-register, instead of answering 404 for a model that was served a second ago. A worker the
+proxy finds dead is dropped by the failover (:meth:`Fleet.drop`) whatever the view.
 """
 
 from __future__ import annotations
@@ -17,14 +22,19 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
 
 log = logging.getLogger(__name__)
+DEFAULT_RETAIN_S = 30.0
 
 
 class Fleet:
-    def __init__(self, index: RedisIndex, refresh_s: float = 1.0) -> None:
+    def __init__(self, index: RedisIndex, refresh_s: float = 1.0, retain_s: float = DEFAULT_RETAIN_S) -> None:
         self._index = index
         self._refresh_s = refresh_s
+        self._retain_s = retain_s
         self._alive: dict[str, list[WorkerRecord]] = {}
         self._known_models: set[str] = set()
+        # model -> monotonic time since when Redis has listed no alive worker for a model whose
+        # last known workers are still offered (retained).
+        self._missing_since: dict[str, float] = {}
         self.refreshed_at = 0.0  # monotonic time of the last successful refresh; 0: never
         self.last_error: str | None = None  # why the last refresh failed; None after a success
         self._task: asyncio.Task[None] | None = None
@@ -41,12 +51,39 @@ class Fleet:
 
     async def refresh(self) -> None:
         models = await self._index.models()
-        alive: dict[str, list[WorkerRecord]] = {}
+        listed: dict[str, list[WorkerRecord]] = {}
         for model in models:
-            alive[model] = [w for w in await self._index.workers(model) if w.alive]
-        self._alive, self._known_models = alive, set(models)
-        self.refreshed_at = time.monotonic()
+            listed[model] = [w for w in await self._index.workers(model) if w.alive]
+        self.apply_listing(listed, time.monotonic())
         self.last_error = None
+
+    def apply_listing(self, listed: dict[str, list[WorkerRecord]], now: float) -> None:
+        """Take Redis's listing, retaining the last known workers of a model it lists none for."""
+        alive = {model: workers for model, workers in listed.items() if workers}
+        for model in set(self._alive) | set(self._missing_since):
+            if model in alive:
+                self._missing_since.pop(model, None)  # back in Redis
+                continue
+            workers = self._alive.get(model, [])
+            if model not in self._missing_since:
+                if not workers:
+                    continue  # none before either: nothing to retain
+                self._missing_since[model] = now
+                log.warning(
+                    "Redis lists no alive worker of model %r (lost data?); keeping its %d last known "
+                    "workers for up to %.0f s, until the agents re-register",
+                    model,
+                    len(workers),
+                    self._retain_s,
+                )
+            if now - self._missing_since[model] < self._retain_s:
+                alive[model] = workers  # possibly none left: all found dead by the proxy
+            else:
+                del self._missing_since[model]
+                log.warning("model %r: no worker re-registered within %.0f s; forgetting it", model, self._retain_s)
+        self._alive = alive
+        self._known_models = set(listed) | set(self._missing_since)
+        self.refreshed_at = now
 
     async def try_refresh(self) -> bool:
         """Refresh within a bounded time; on failure keep the last known workers and say why."""
@@ -73,6 +110,10 @@ class Fleet:
     def view_age_s(self) -> float | None:
         return time.monotonic() - self.refreshed_at if self.has_view else None
 
+    def retained_models(self) -> list[str]:
+        """Models served from their last known workers because Redis lists none alive now."""
+        return sorted(self._missing_since)
+
     def known(self, model: str) -> bool:
         return model in self._known_models
 
@@ -86,5 +127,6 @@ class Fleet:
         return sorted(m for m, workers in self._alive.items() if workers)
 
     def drop(self, model: str, worker_id: str) -> None:
-        """Stop offering a worker that just failed, until the next refresh says otherwise."""
+        """Stop offering a worker that just failed, until a refresh lists it alive again (a
+        retained worker is not offered again: Redis does not list it)."""
         self._alive[model] = [w for w in self._alive.get(model, ()) if w.worker_id != worker_id]

@@ -43,7 +43,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         stack.push_async_callback(client.aclose)
         schema = KeySchema(settings.redis.prefix)
         index = RedisIndex(client, schema)
-        fleet = Fleet(index, settings.workers_refresh_s)
+        fleet = Fleet(index, settings.workers_refresh_s, settings.worker_retain_s)
         if not await fleet.try_refresh():
             log.warning(
                 "no worker view at start: Redis at %s (%s); retrying in the background",

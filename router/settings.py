@@ -14,6 +14,15 @@ from kvindex.settings import RedisSettings
 from kvservice.logs import add_log_arguments
 from router.scoring import Policy, ScoringWeights
 
+MIN_POOL_SIZE = 4  # one decision at a time, and the fleet refresh, the lease and the load writer
+# Settings that a flag or a KVROUTE_* variable sets (the flag wins): name -> (variable, type).
+ENV_SETTINGS: dict[str, tuple[str, type]] = {
+    "max_body_bytes": ("KVROUTE_MAX_BODY_BYTES", int),
+    "max_prompt_tokens": ("KVROUTE_MAX_PROMPT_TOKENS", int),
+    "redis_pool_size": ("KVROUTE_REDIS_POOL_SIZE", int),
+    "worker_retain_s": ("KVROUTE_WORKER_RETAIN_S", float),
+}
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -25,11 +34,14 @@ class RouterSettings:
     weights: ScoringWeights = field(default_factory=ScoringWeights)
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     max_body_bytes: int = 32 * 1024 * 1024
+    max_prompt_tokens: int = 1 << 20  # beyond any served context length; bounds hashing and caches
     replica_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
     redis_timeout_s: float = 0.05  # a routing decision waits this long for Redis, then degrades
     lease_ttl_ms: int = 3_000
     expected_ttl_ms: int = 2_000
     workers_refresh_s: float = 1.0
+    worker_retain_s: float = 30.0  # last known workers kept while Redis lists none (lost data)
+    redis_pool_size: int = 32  # Redis connections of this replica, at most (decisions + background)
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
 
@@ -38,8 +50,14 @@ class RouterSettings:
             raise ValueError(f"--port must be within 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be at least 1, got {self.max_prompt_tokens}")
         if self.redis_timeout_s <= 0 or self.lease_ttl_ms < 1000:
             raise ValueError("the Redis timeout must be positive and the lease TTL at least 1000 ms")
+        if self.worker_retain_s < 0:
+            raise ValueError(f"--worker-retain-s must be 0 or more, got {self.worker_retain_s}")
+        if self.redis_pool_size < MIN_POOL_SIZE:
+            raise ValueError(f"--redis-pool-size must be at least {MIN_POOL_SIZE}, got {self.redis_pool_size}")
         for model, directory in self.tokenizers:
             if not (Path(directory) / "tokenizer.json").is_file():
                 raise ValueError(f"--tokenizer {model}={directory}: no tokenizer.json there")
@@ -99,13 +117,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="accepted bearer key (repeatable; env KVROUTE_API_KEYS, comma-separated); none: no auth",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        help=f"larger request bodies get 413 (env KVROUTE_MAX_BODY_BYTES; default {d.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        help=f"longer prompts get 413 (env KVROUTE_MAX_PROMPT_TOKENS; default {d.max_prompt_tokens})",
+    )
     parser.add_argument("--replica-id", help="this replica's id in the shared load (default host-pid-random)")
     parser.add_argument(
         "--redis-timeout-ms",
         type=float,
         default=d.redis_timeout_s * 1000,
         help="decision budget for Redis before routing by local load (default 50)",
+    )
+    parser.add_argument(
+        "--redis-pool-size",
+        type=int,
+        help=f"most Redis connections this replica opens (env KVROUTE_REDIS_POOL_SIZE; default {d.redis_pool_size})",
+    )
+    parser.add_argument(
+        "--worker-retain-s",
+        type=float,
+        help="seconds the last known workers of a model keep serving while Redis lists none alive (it "
+        f"lost its data; env KVROUTE_WORKER_RETAIN_S; default {d.worker_retain_s:g})",
     )
     add_log_arguments(parser)
 
@@ -123,7 +161,8 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         args.temperature,
         args.weight_cache_pressure,
     )
-    extra = {"replica_id": args.replica_id} if args.replica_id else {}
+    extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
+    extra.update(_flag_or_env(args, env))
     return RouterSettings(
         redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix),
         host=args.host,
@@ -132,7 +171,23 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         tokenizers=tuple(args.tokenizer),
         weights=weights,
         api_keys=frozenset(keys),
-        max_body_bytes=args.max_body_bytes,
         redis_timeout_s=args.redis_timeout_ms / 1000,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def _flag_or_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
+    """The :data:`ENV_SETTINGS` given by a flag, else by their variable; a malformed variable is
+    a ValueError naming it."""
+    values: dict[str, object] = {}
+    for name, (variable, kind) in ENV_SETTINGS.items():
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+        elif env.get(variable):
+            try:
+                values[name] = kind(env[variable])
+            except ValueError:
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(f"{variable} must be {what}, got {env[variable]!r}") from None
+    return values

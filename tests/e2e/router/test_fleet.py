@@ -1,0 +1,85 @@
+"""The router's view of the workers through Redis losing its data: the last known workers keep
+serving (routing degrades, requests succeed) until Redis shows workers again."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from redis.asyncio import Redis
+
+from router.main import RunningRouter
+from tests.e2e.router.support import Traffic, start_router, wait_for_workers
+from tests.support import wait_until
+
+
+async def _redis_shows_workers_again(router: RunningRouter, count: int) -> None:
+    """Wait until a refresh read ``count`` alive workers from Redis itself (none kept from before)."""
+
+    async def back() -> bool:
+        fleet = router.state.fleet
+        return not fleet.retained_models() and len(fleet.alive("tiny")) == count and fleet.last_error is None
+
+    await wait_until(back, 30)
+
+
+async def _retained(router: RunningRouter) -> None:
+    """Wait until a refresh read the empty index and kept the last known workers."""
+
+    async def retained() -> bool:
+        return router.state.fleet.retained_models() == ["tiny"]
+
+    await wait_until(retained, 10)
+
+
+@pytest.mark.faults
+async def test_flushall_during_traffic_fails_no_request(fleet, redis_server):
+    context, router = await start_router(redis_server.url, workers_refresh_s=0.2)
+    client = Redis.from_url(redis_server.url)
+    try:
+        await wait_for_workers(router, fleet.count)
+        traffic = Traffic(router.url).start()
+        await traffic.served_more(20)
+        await client.flushall()
+
+        await _retained(router)
+        await traffic.served_more(20)
+        await _redis_shows_workers_again(router, fleet.count)
+        await traffic.served_more(20)
+        await traffic.stop()
+        assert traffic.failures == [], traffic.failures[:3]
+        assert len(traffic.statuses) >= 60
+    finally:
+        await client.aclose()
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+@pytest.mark.faults
+async def test_redis_killed_and_restarted_empty_during_traffic_fails_no_request(fleet, redis_server):
+    context, router = await start_router(redis_server.url, workers_refresh_s=0.2)
+    try:
+        await wait_for_workers(router, fleet.count)
+        traffic = Traffic(router.url).start()
+        for round_ in range(2):
+            await traffic.served_more(20)
+            redis_server.stop(kill=True)
+            await traffic.served_more(20)  # Redis down: served from the last known workers, by local load
+            # The agents are held while Redis restarts empty, so that the router sees the empty
+            # index before they re-register (else the test would depend on who is faster).
+            agents = fleet.agents if round_ == 0 else fleet.agents[::-1]
+            for agent in agents:
+                agent.process.send_signal(signal.SIGSTOP)
+            redis_server.start()
+            await _retained(router)
+            await traffic.served_more(20)
+            for agent in agents:  # released in another order in the second round
+                agent.process.send_signal(signal.SIGCONT)
+            await _redis_shows_workers_again(router, fleet.count)
+        await traffic.served_more(20)
+        await traffic.stop()
+        assert traffic.failures == [], traffic.failures[:3]
+        assert router.state.decider.degraded_count > 0
+    finally:
+        for agent in fleet.agents:
+            agent.process.send_signal(signal.SIGCONT)
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]

@@ -1,0 +1,68 @@
+"""router.fleet: which workers a replica offers when Redis's listing loses them."""
+
+from __future__ import annotations
+
+from kvindex.types import WorkerRecord
+from router.fleet import Fleet
+
+
+def _worker(name: str, model: str = "m") -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=name,
+        model=model,
+        url=f"http://{name}",
+        block_size=16,
+        dp_rank=0,
+        gid=1,
+        epoch=1,
+        alive=True,
+        blocks=0,
+        heartbeat_age_ms=0,
+        ttl_ms=5000,
+    )
+
+
+def _ids(fleet: Fleet, model: str = "m") -> list[str]:
+    return [w.worker_id for w in fleet.alive(model)]
+
+
+def test_an_empty_listing_keeps_the_last_known_workers_for_the_retain_time():
+    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=100)
+    fleet.apply_listing({}, now=101)  # FLUSHALL: no model, no worker
+    assert _ids(fleet) == ["a", "b"] and fleet.known("m") and fleet.retained_models() == ["m"]
+    fleet.apply_listing({"m": []}, now=129)  # the model is back, its workers not yet
+    assert _ids(fleet) == ["a", "b"]
+    fleet.apply_listing({"m": []}, now=131.5)  # 30 s after Redis first listed none
+    assert _ids(fleet) == [] and fleet.retained_models() == [] and fleet.known("m")
+    fleet.apply_listing({}, now=132)
+    assert not fleet.known("m")
+
+
+def test_redis_listing_workers_again_ends_the_retention_and_wins():
+    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=0)
+    fleet.apply_listing({}, now=1)
+    fleet.apply_listing({"m": [_worker("b")]}, now=2)  # one agent re-registered: Redis's view wins
+    assert _ids(fleet) == ["b"] and fleet.retained_models() == []
+    fleet.apply_listing({}, now=50)  # lost again later: a new retention, from now
+    assert _ids(fleet) == ["b"] and fleet.retained_models() == ["m"]
+
+
+def test_a_retained_worker_the_proxy_dropped_is_not_offered_again():
+    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=0)
+    fleet.apply_listing({}, now=1)
+    fleet.drop("m", "a")
+    fleet.apply_listing({}, now=2)
+    assert _ids(fleet) == ["b"]
+    fleet.drop("m", "b")
+    fleet.apply_listing({}, now=3)  # none left, but the model is still known (503, not 404)
+    assert _ids(fleet) == [] and fleet.known("m") and fleet.models_with_workers() == []
+
+
+def test_other_models_are_not_affected_and_retain_zero_forgets_at_once():
+    fleet = Fleet(index=None, retain_s=0)  # type: ignore[arg-type]
+    fleet.apply_listing({"m": [_worker("a")], "n": [_worker("x", "n")]}, now=0)
+    fleet.apply_listing({"n": [_worker("x", "n")]}, now=1)
+    assert _ids(fleet) == [] and _ids(fleet, "n") == ["x"] and not fleet.known("m")
