@@ -70,6 +70,7 @@ class Agent:
         self._stop = stop or asyncio.Event()
         self._model = settings.model
         self._run_id: str | None = None
+        self._run_id_missing_said = False
         self._bad_metrics_said: set[str] = set()  # metrics whose bad values were logged (once each)
         self._last_loop_error_log = 0.0
 
@@ -148,7 +149,7 @@ class Agent:
             if await self._sleep(settings.heartbeat_interval_s):
                 return
         with contextlib.suppress(*REDIS_FAILURES):
-            self._run_id = await self.index.server_run_id()
+            self._run_id = await self._server_run_id()
         await self.pipeline.catch_up()
 
     async def _every(self, seconds: float, step: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -230,14 +231,28 @@ class Agent:
         if status is HeartbeatStatus.MISSING:
             return "missing"
         try:
-            run_id = await self.index.server_run_id()
+            run_id = await self._server_run_id()
         except REDIS_FAILURES:
             return None
-        restarted = self._run_id is not None and run_id != self._run_id
-        self._run_id = run_id
+        restarted = None not in (run_id, self._run_id) and run_id != self._run_id
+        self._run_id = run_id or self._run_id
         if restarted:
             return "redis_restart"
         return "write_failed" if self.writer.needs_reassert() else None
+
+    async def _server_run_id(self) -> str | None:
+        """Redis's run_id; None when its INFO has none (some proxies and managed services): then a
+        restart shows only as the worker's record missing, or as the block-count check failing."""
+        try:
+            return await self.index.server_run_id()
+        except KeyError:
+            if not self._run_id_missing_said:
+                self._run_id_missing_said = True
+                log.warning(
+                    "Redis's INFO has no run_id: a Redis restart is noticed when this worker's record is "
+                    "missing or its block count is off, not by run_id"
+                )
+            return None
 
     async def _engine_loop(self) -> None:
         await self._every(self.settings.load_interval_s, self._engine_step)

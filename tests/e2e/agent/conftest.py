@@ -1,6 +1,7 @@
 """Fixtures of the agent's end-to-end tests: one of the session's Redis servers, an index client on
 it, and an engine stand-in (the engine's HTTP side and KV-event publisher, in this process) that can
-be told to misbehave: a /metrics page of its choosing, a /health that hangs, a process start time."""
+be told to misbehave: a /metrics page of its choosing, a /health that hangs, a process start time.
+:class:`RedisProxy` puts a TCP hop between an agent and Redis that can change what Redis says."""
 
 from __future__ import annotations
 
@@ -75,6 +76,71 @@ async def engine(unique_name: str) -> AsyncIterator[FaultyEngine]:
     stand_in = await FaultyEngine(model=unique_name, block_size=BS).start()
     yield stand_in
     await stand_in.stop()
+
+
+class RedisProxy:
+    """A TCP proxy (in this process) to a Redis server on ``upstream_port``. ``hide_run_id`` renames
+    the ``run_id`` field of INFO replies, as some proxies and managed services leave it out: the bytes
+    keep their length, so the RESP framing stays valid."""
+
+    def __init__(self, upstream_port: int, hide_run_id: bool = False) -> None:
+        self.upstream_port = upstream_port
+        self.hide_run_id = hide_run_id
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> RedisProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:  # Redis is down: so is the proxy's connection
+            client_writer.close()
+            self._tasks.discard(task)
+            return
+        try:
+            await asyncio.gather(
+                self._pipe(client_reader, upstream_writer, False),
+                self._pipe(upstream_reader, client_writer, self.hide_run_id),
+                return_exceptions=True,
+            )
+        finally:
+            client_writer.close()
+            upstream_writer.close()
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hide: bool) -> None:
+        held = b""  # a chunk's tail that may be the start of "run_id:" (a RESP reply ends in \r\n)
+        try:
+            while chunk := await reader.read(65536):
+                data = held + chunk
+                held = b""
+                if hide:
+                    data = data.replace(b"run_id:", b"run_xx:")
+                    cut = next((n for n in range(6, 0, -1) if data.endswith(b"run_id:"[:n])), 0)
+                    data, held = (data[:-cut], data[-cut:]) if cut else (data, b"")
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
 
 
 def start_agent(engine: EngineStandIn, redis_url: str, *extra: str, replay: bool = True) -> AgentProcess:

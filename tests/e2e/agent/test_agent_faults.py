@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvindex.redis_index import RedisIndex
+from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
-from tests.agent_support import registered
-from tests.e2e.agent.conftest import start_agent, stop_agent
+from kvroute.devstack.embedded_redis import RedisServer, available_servers
+from tests.agent_support import registered, stored, wait_for_match
+from tests.conftest import server_kinds
+from tests.e2e.agent.conftest import RedisProxy, start_agent, stop_agent
 from tests.support import wait_until
 
 LOAD_LINES = (
@@ -51,3 +55,34 @@ async def test_bad_engine_metrics_are_counted_logged_once_and_never_stored(engin
         assert any("vllm:num_requests_waiting: not a number" in line for line in warnings)
     finally:
         stop_agent(process)
+
+
+@pytest.mark.faults
+async def test_a_redis_info_without_run_id_is_no_crash_and_a_lost_record_still_heals(engine, unique_name):
+    binary = available_servers()[server_kinds()[0]]
+    server = RedisServer(binary=binary).start()
+    proxy = await RedisProxy(server.port, hide_run_id=True).start()
+    client = RedisSettings(url=server.url).client()  # reconnects after the restart
+    index = RedisIndex(client)
+    process = start_agent(engine, proxy.url, "--verify-interval", "0.2")
+    try:
+        await engine.publisher.publish([stored(0, 5)])
+        await wait_for_match(index, unique_name, [5])
+        checks = await process.metric("kvroute_agent_verifications_total")
+
+        async def checked_again() -> bool:  # the liveness step (which reads INFO) keeps running
+            return await process.metric("kvroute_agent_verifications_total") >= checks + 3
+
+        await wait_until(checked_again, 10)
+        server.stop(kill=True)
+        server = RedisServer(binary=binary, port=server.port).start()  # empty: the record is gone
+        await wait_for_match(index, unique_name, [5])  # no run_id to compare: the missing record says it
+        assert await process.metric("kvroute_agent_reasserts_total{reason=missing}") >= 1
+        assert process.process is not None and process.process.poll() is None
+        notes = [line for line in process.log().splitlines() if "no run_id" in line]
+        assert len(notes) == 1, notes
+    finally:
+        stop_agent(process)
+        await proxy.stop()
+        await client.aclose()
+        server.stop()
