@@ -53,6 +53,16 @@ def chain_hashes(
     return out
 
 
+@dataclass(frozen=True)
+class CachedContent:
+    """What a cached hash stands for: its parent's hash (None on a chain's first block), the
+    block's token ids and the salt of a chain's first block (the engine's debug view)."""
+
+    parent: int | None
+    tokens: tuple[int, ...]
+    salt: str | None
+
+
 @dataclass
 class Block:
     block_id: int
@@ -75,6 +85,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[int, dict[int, Block]] = {}
+        self._content: dict[int, CachedContent] = {}  # per cached hash, for the debug view
         self.events: list[dict[str, Any]] = []  # published with the next engine step
 
     @property
@@ -92,6 +103,10 @@ class BlockPool:
 
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
+
+    def cached_contents(self) -> dict[int, CachedContent]:
+        """Every cached hash with its parent, tokens and salt (a consumer can rehash the chains)."""
+        return dict(self._content)
 
     def cached_block(self, hash_: int) -> Block | None:
         copies = self._cached.get(hash_)
@@ -136,6 +151,7 @@ class BlockPool:
         del copies[block.block_id]
         if not copies:
             del self._cached[block.hash]
+            del self._content[block.hash]
         self.events.append(removed_event([block.hash]))
         block.hash = None
 
@@ -162,10 +178,14 @@ class BlockPool:
         stop = min(len(blocks), len(hashes))
         if stop <= start:
             return
-        for block, hash_ in zip(blocks[start:stop], hashes[start:stop], strict=True):
+        size = self.block_size
+        for i, (block, hash_) in enumerate(zip(blocks[start:stop], hashes[start:stop], strict=True), start):
             block.hash = hash_
             self._cached.setdefault(hash_, {})[block.block_id] = block
-        size = self.block_size
+            parent = hashes[i - 1] if i else None
+            self._content[hash_] = CachedContent(
+                parent, tuple(tokens[i * size : (i + 1) * size]), salt if i == 0 else None
+            )
         extra = [[salt] if salt and i == 0 else None for i in range(start, stop)]
         self.events.append(
             stored_event(
@@ -181,6 +201,7 @@ class BlockPool:
         if self.num_free < self.num_blocks - 1:
             return False  # vLLM refuses while requests hold blocks
         self._cached.clear()
+        self._content.clear()
         for block in self.blocks:
             block.hash = None
         self.events.append(cleared_event())

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim_engine.block_pool import Block, BlockPool, chain_hashes
+from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
 
 FIRST_ORDINARY_TOKEN = 5  # below: <unk>, <s>, </s> and the chat markers of the tiny model
@@ -195,8 +196,10 @@ class SimEngine:
         max_model_len: int = 4096,
         vocab_size: int = 2048,
         on_step: Callable[[StepPlan], None] | None = None,
+        faults: EngineFaults | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
+        self.faults = faults or EngineFaults()
         self.timing = timing
         self.publisher = publisher
         self.max_model_len = max_model_len
@@ -244,7 +247,7 @@ class SimEngine:
             plan = self.schedule()
             events = self.pool.take_events()
             if events and self.publisher is not None:
-                await self.publisher.publish(events)
+                await self.publisher.publish(events, deliver=self.faults.deliver(self.publisher.next_seq))
             await asyncio.sleep(self.timing.step_seconds(plan.prefill_tokens, plan.decodes))
             self.complete(plan)
 

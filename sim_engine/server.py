@@ -25,6 +25,7 @@ from kvservice.logs import log_request
 from router.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
+from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
 from sim_engine.metrics import EngineCollector, RequestHistograms
 from sim_engine.settings import SimEngineSettings
@@ -111,13 +112,27 @@ async def _reset(request: web.Request) -> web.Response:
 
 
 async def _cached_blocks(request: web.Request) -> web.Response:
-    """The engine hashes in the prefix cache (for duplication measurements across engines)."""
-    hashes = request.app[STATE].engine.pool.cached_hashes()
-    return web.json_response({"cached_blocks": [f"{h:016x}" for h in hashes]})
+    """The engine hashes in the prefix cache (for duplication measurements across engines); with
+    ``?detail=1`` also each block's parent hash, token ids and salt, so that a checker can hash
+    every chain the way the index does (the fault suite compares the index with this view)."""
+    pool = request.app[STATE].engine.pool
+    body: dict[str, Any] = {"cached_blocks": [f"{h:016x}" for h in pool.cached_hashes()]}
+    if request.query.get("detail") in ("1", "true"):
+        body["blocks"] = [
+            {
+                "hash": f"{h:016x}",
+                "parent": None if c.parent is None else f"{c.parent:016x}",
+                "token_ids": list(c.tokens),
+                "salt": c.salt,
+            }
+            for h, c in pool.cached_contents().items()
+        ]
+    return web.json_response(body)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    response = web.Response(body=generate_latest(request.app[STATE].registry))
+    engine = request.app[STATE].engine
+    response = web.Response(body=engine.faults.metrics_text(generate_latest(request.app[STATE].registry).decode()))
     response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return response
 
@@ -252,6 +267,11 @@ class RunningEngine:
     engine: SimEngine
     publisher: KVEventPublisher | None
 
+    @property
+    def faults(self) -> EngineFaults:
+        """Knobs that make this engine misbehave while it runs (tests only)."""
+        return self.engine.faults
+
 
 def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts) -> _State:
     registry = CollectorRegistry()
@@ -307,6 +327,7 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
             publisher,
             settings.max_model_len,
             prompts.vocab_size,
+            faults=EngineFaults(drop_events_every=settings.drop_events_every),
         )
         stack.push_async_callback(engine.stop)
         engine.start()

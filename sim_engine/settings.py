@@ -47,6 +47,7 @@ class SimEngineSettings:
     max_model_len: int = 4096
     dp_rank: int = 0
     buffer_steps: int = 10_000
+    drop_events_every: int = 0  # fault injection: every Nth KV-event batch is not sent
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class SimEngineSettings:
             raise ValueError(f"--num-blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
         if self.block_size < 1 or self.max_model_len < 1 or self.buffer_steps < 1:
             raise ValueError("--block-size, --max-model-len and --buffer-steps must be positive")
+        if self.drop_events_every < 0:
+            raise ValueError(f"--drop-events-every must be >= 0 (0: drop none), got {self.drop_events_every}")
         if not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"--tokenizer {self.tokenizer} has no tokenizer.json")
         for name, endpoint in (
@@ -97,6 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help=f"default {d.max_model_len}")
     parser.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in events and metrics")
     parser.add_argument("--buffer-steps", type=int, default=d.buffer_steps, help="batches kept for replay")
+    parser.add_argument(
+        "--drop-events-every",
+        type=int,
+        default=0,
+        help="fault injection: every Nth KV-event batch is kept for replay but not sent, so subscribers see "
+        "sequence gaps (default 0: send all)",
+    )
     _add_timing_arguments(parser, d.timing)
     add_log_arguments(parser)
 
@@ -168,5 +178,6 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         max_model_len=args.max_model_len,
         dp_rank=args.dp_rank,
         buffer_steps=args.buffer_steps,
+        drop_events_every=args.drop_events_every,
         timing=timing,
     )

@@ -178,6 +178,7 @@ class SimFleet:
     num_blocks: int = 256
     speedup: float = 20.0
     max_running: int = 64
+    agent_args: list[str] = field(default_factory=list)  # more flags for every agent
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -220,6 +221,7 @@ class SimFleet:
                 self.redis_url,
                 "--ttl-ms",
                 "3000",
+                *self.agent_args,
             ]
         )
 
@@ -228,6 +230,12 @@ class SimFleet:
 
     def engine_of(self, worker_id: str):
         return next(e for e in self.engines if f"{e.url}#0" == worker_id)
+
+    async def kill_engine(self, index: int) -> None:
+        """Stop engine ``index`` at once (HTTP, KV events and replay gone); its agent keeps running."""
+        context, self._contexts[index] = self._contexts[index], None
+        if context is not None:
+            await context.__aexit__(None, None, None)
 
     async def stop(self) -> None:
         for agent in self.agents:

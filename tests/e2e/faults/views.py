@@ -1,0 +1,86 @@
+"""The three views the fault suite compares: each simulated engine's own cache (its
+``/debug/cache?detail=1``, rehashed the way the index hashes), the index in Redis (read by a fresh
+reader, so no cached gid names), and each router's ``/debug/route`` for the probe prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from redis.asyncio import Redis
+
+from kvindex.hashing import extend_sequence_hashes
+from kvindex.redis_index import RedisIndex
+
+
+async def engine_blocks(session: aiohttp.ClientSession, url: str, block_size: int) -> set[int]:
+    """The index hashes of every block the engine caches whose whole chain it caches (the part
+    an agent indexes: a block is indexed only under its parent)."""
+    async with session.get(url + "/debug/cache", params={"detail": "1"}) as response:
+        response.raise_for_status()
+        body = await response.json()
+    content = {int(b["hash"], 16): b for b in body["blocks"]}
+    hashed: dict[int, int | None] = {}
+
+    def index_hash(engine_hash: int) -> int | None:
+        if engine_hash in hashed:
+            return hashed[engine_hash]
+        block = content.get(engine_hash)
+        hashed[engine_hash] = None  # until known (a cycle would be a simulator bug: stays None)
+        if block is None:
+            return None
+        parent = None if block["parent"] is None else index_hash(int(block["parent"], 16))
+        if block["parent"] is not None and parent is None:
+            return None
+        salt = block["salt"] if parent is None else None
+        value = extend_sequence_hashes(parent, block["token_ids"], block_size, cache_salt=salt)[0]
+        hashed[engine_hash] = value
+        return value
+
+    return {h for h in (index_hash(e) for e in content) if h is not None}
+
+
+async def index_blocks(client: Redis, model: str, universe: Sequence[int]) -> dict[str, set[int]]:
+    """For each alive worker, which of ``universe`` the index credits it with."""
+    owners = await RedisIndex(client).owners_of_chain(model, universe)
+    held: dict[str, set[int]] = {}
+    for block, workers in zip(universe, owners, strict=True):
+        for worker in workers:
+            held.setdefault(worker, set()).add(block)
+    return held
+
+
+@dataclass
+class RouteView:
+    degraded: bool
+    credits: dict[str, int] = field(default_factory=dict)  # worker -> blocks the index credits
+
+
+async def route_view(session: aiohttp.ClientSession, router_url: str, prompt: list[int]) -> RouteView:
+    """The router's explanation for ``prompt``: per worker, the matched blocks that come from the
+    index (matched minus pending: "expected" prefixes of recent decisions are not index credits)."""
+    body = {"model": "tiny", "prompt": prompt}
+    async with session.post(router_url + "/debug/route", json=body) as response:
+        if response.status != 200:
+            return RouteView(degraded=True)
+        explained = await response.json()
+    credits = {w["id"]: w["matched_blocks"] - w["pending_blocks"] for w in explained["workers"]}
+    return RouteView(explained["degraded"], credits)
+
+
+def leading_run(chain: Sequence[int], held: set[int]) -> int:
+    """How many leading blocks of ``chain`` are in ``held``."""
+    run = 0
+    for block in chain:
+        if block not in held:
+            break
+        run += 1
+    return run
+
+
+async def gather_dict(calls: dict) -> dict:
+    keys = list(calls)
+    values = await asyncio.gather(*(calls[k] for k in keys))
+    return dict(zip(keys, values, strict=True))
