@@ -70,7 +70,7 @@ class ModelKeys:
 
     @property
     def meta(self) -> str:
-        """HASH: block_size, gid_seq (gid counter), block_keys (distinct block keys)."""
+        """HASH: block_size, block_keys (distinct block keys)."""
         return self.base + "meta"
 
     @property

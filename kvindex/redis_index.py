@@ -4,7 +4,8 @@ Writers (worker agents) register a worker and get its :class:`~kvindex.redis_wor
 handle, which keeps the worker's :class:`~kvindex.mirror.BlockMirror`, gid and op ids and sends
 only the resulting index operations; the ``(model, worker_id)`` write methods here are shorthands
 that look the handle up. Readers (routers) are stateless apart from a cache of gid -> worker id
-names, which never change.
+names, which never change: gids are random and never handed out again, even after Redis lost
+its data (see kvindex.generations).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from redis.exceptions import ResponseError
 
 from kvindex.codec import pack_hashes
 from kvindex.errors import NotRegisteredError
+from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror
-from kvindex.redis_worker import MAX_ITEMS_PER_CALL, RELOG_SLACK, RedisWorker, register_worker, retire
+from kvindex.redis_worker import MAX_ITEMS_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import decode, depths_from_match_reply, raise_script_error, time_ms, worker_record
 from kvindex.scripts import ScriptCall, Scripts
 from kvindex.types import (
@@ -35,6 +37,8 @@ from kvindex.types import (
     WorkerRecord,
     WriteResult,
 )
+
+MAX_CACHED_NAMES = 100_000
 
 __all__ = ["MAX_ITEMS_PER_CALL", "RELOG_SLACK", "RedisIndex", "RedisWorker"]
 
@@ -158,6 +162,8 @@ class RedisIndex:
 
     async def _worker_names(self, model: str, gids: Sequence[int]) -> dict[int, str]:
         unknown = [gid for gid in gids if (model, gid) not in self._gid_names]
+        if unknown and len(self._gid_names) > MAX_CACHED_NAMES:
+            self._gid_names.clear()  # gids of workers long gone; the ones in use are read again
         if unknown:
             values = await self._client.hmget(self.keys(model).gids, [str(g) for g in unknown])
             for gid, name in zip(unknown, values, strict=True):

@@ -21,7 +21,8 @@ from redis.exceptions import RedisError, ResponseError
 
 from kvindex.codec import encode_ops, pack_hashes
 from kvindex.errors import NotRegisteredError, StaleGenerationError
-from kvindex.keys import KeySchema, ModelKeys
+from kvindex.generations import register_worker, retire
+from kvindex.keys import KeySchema
 from kvindex.mirror import BlockMirror, IndexOp
 from kvindex.replies import decode
 from kvindex.scripts import Scripts
@@ -40,31 +41,6 @@ from kvindex.types import (
 MAX_ITEMS_PER_CALL = 4096
 # Rewrite a gid's block log once it lists this many more entries than the gid holds.
 RELOG_SLACK = 1024
-
-
-async def register_worker(
-    client: Redis, scripts: Scripts, schema: KeySchema, worker: WorkerInfo, ttl_ms: int
-) -> Registration:
-    """register.lua (a fresh, empty generation; any previous one is retired), then the model
-    joins the ``models`` set."""
-    keys = schema.for_model(worker.model)
-    record = keys.worker(worker.worker_id)  # validates the id
-    gid, epoch = await scripts.run(
-        "register",
-        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record],
-        [worker.worker_id, worker.url, worker.model, worker.block_size, worker.dp_rank, ttl_ms],
-    )
-    await client.sadd(schema.models, worker.model)
-    return Registration(int(gid), int(epoch))
-
-
-async def retire(scripts: Scripts, keys: ModelKeys, worker_id: str, mode: str, gid: int | str) -> list[object]:
-    """clear.lua: ``keep`` (a fresh empty gid) or ``leave`` (the record goes); gid '' = any."""
-    return await scripts.run(  # type: ignore[no-any-return]
-        "clear",
-        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)],
-        [worker_id, gid, mode],
-    )
 
 
 class RedisWorker:

@@ -5,23 +5,27 @@
 --              an engine restart). Its heartbeat deadline carries over.
 -- mode 'leave': the worker's record is deleted (graceful shutdown, or an operator's eviction).
 --
--- KEYS[1] meta     HASH  model settings (field gid_seq allocates gids)
+-- KEYS[1] meta     HASH  model settings (unused; kept so that callers need not change)
 -- KEYS[2] workers  HASH  worker_id -> current gid
 -- KEYS[3] gids     HASH  gid -> worker_id
 -- KEYS[4] alive    ZSET  gid -> heartbeat deadline (ms)
 -- KEYS[5] retired  ZSET  gid -> retirement time (ms)
 -- KEYS[6] record   HASH  the worker's record
 -- ARGV[1] worker_id   ARGV[2] the caller's gid, or '' for whatever gid is current
--- ARGV[3] mode: 'keep' or 'leave'
--- Returns {'ok', new gid (0 for leave)}, {'missing', 0} or {'superseded', 0}.
+-- ARGV[3] mode: 'keep' or 'leave'   ARGV[4] keep: the new gid the caller drew (see register.lua)
+-- Returns {'ok', new gid (0 for leave)}, {'taken', 0} (draw another gid), {'missing', 0} or
+-- {'superseded', 0}.
 local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
 local alive_key, retired_key, record_key = KEYS[4], KEYS[5], KEYS[6]
-local worker_id, expected_gid, mode = ARGV[1], ARGV[2], ARGV[3]
+local worker_id, expected_gid, mode, gid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 if mode ~= 'keep' and mode ~= 'leave' then
   return redis.error_reply("ERR kvroute: clear mode must be 'keep' or 'leave', got " .. tostring(mode))
+end
+if mode == 'keep' and (gid == nil or not string.match(gid, '^[1-9]%d*$') or #gid > 16 or tonumber(gid) >= 2 ^ 53) then
+  return redis.error_reply('ERR kvroute: gid must be a decimal integer in 1..2^53-1, got ' .. tostring(gid))
 end
 local old_gid = redis.call('HGET', workers_key, worker_id)
 if not old_gid then
@@ -29,6 +33,10 @@ if not old_gid then
 end
 if expected_gid ~= '' and expected_gid ~= old_gid then
   return {'superseded', 0}
+end
+if mode == 'keep' and (redis.call('HEXISTS', gids_key, gid) == 1 or redis.call('ZSCORE', alive_key, gid)
+    or redis.call('ZSCORE', retired_key, gid)) then
+  return {'taken', 0}
 end
 local deadline = redis.call('ZSCORE', alive_key, old_gid)
 redis.call('ZREM', alive_key, old_gid)
@@ -39,7 +47,6 @@ if mode == 'leave' then
   redis.call('DEL', record_key)
   return {'ok', 0}
 end
-local gid = redis.call('HINCRBY', meta_key, 'gid_seq', 1)
 redis.call('HSET', record_key, 'gid', gid, 'op', 0, 'blocks', 0)
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)

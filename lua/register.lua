@@ -1,21 +1,26 @@
--- register.lua: (re)register a worker and give it a fresh generation id (gid).
+-- register.lua: (re)register a worker under a fresh generation id (gid) that the caller drew.
 -- A new registration means a new, empty view of the worker's cache: the previous gid (if any)
 -- is retired, so its index entries stop counting at once and gc.lua deletes them later.
+-- Gids are random (the client draws them uniformly from [2^32, 2^52)), never counted: a counter
+-- in Redis is rewound by an empty restart, a FLUSHALL or a lossy failover, and would hand a gid
+-- that routers have cached as one worker's to another. A gid this model still knows (in gids,
+-- alive or retired) is refused with {'taken'}, and the caller draws again.
 --
--- KEYS[1] meta     HASH  model settings: block_size, gid_seq (gid counter), block_keys
+-- KEYS[1] meta     HASH  model settings: block_size, block_keys
 -- KEYS[2] workers  HASH  worker_id -> current gid
 -- KEYS[3] gids     HASH  gid -> worker_id (kept until the gid is garbage-collected)
 -- KEYS[4] alive    ZSET  gid -> heartbeat deadline (ms, server clock)
 -- KEYS[5] retired  ZSET  gid -> retirement time (ms); gc.lua works through it oldest first
 -- KEYS[6] record   HASH  the worker's record
 -- ARGV[1] worker_id   ARGV[2] url   ARGV[3] model   ARGV[4] block_size (> 0)
--- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (>= 0)
--- Returns {gid, epoch}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
+-- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (>= 0)   ARGV[7] the new gid (decimal, 1 <= gid < 2^53)
+-- Returns {'ok', gid, epoch} or {'taken', gid, 0}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
 -- differs from the one the model's other alive workers use.
 local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
 local alive_key, retired_key, record_key = KEYS[4], KEYS[5], KEYS[6]
 local worker_id, url, model = ARGV[1], ARGV[2], ARGV[3]
 local block_size, dp_rank, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local gid = ARGV[7]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -31,17 +36,26 @@ end
 if ttl_ms == nil or ttl_ms < 0 then
   return redis.error_reply('ERR kvroute: ttl_ms must be a non-negative number, got ' .. tostring(ARGV[6]))
 end
+-- Canonical decimal only: scripts compare gids as strings, and Lua prints big numbers as 4.5e+15.
+if gid == nil or not string.match(gid, '^[1-9]%d*$') or #gid > 16 or tonumber(gid) >= 2 ^ 53 then
+  return redis.error_reply('ERR kvroute: gid must be a decimal integer in 1..2^53-1, got ' .. tostring(gid))
+end
+if redis.call('HEXISTS', gids_key, gid) == 1 or redis.call('ZSCORE', alive_key, gid)
+    or redis.call('ZSCORE', retired_key, gid) then
+  return {'taken', gid, 0}
+end
 
 -- One block size per model: hashes of different block sizes never match, so a mismatch would
 -- silently give zero overlap. Allow a change only when no other worker of the model is alive.
 local model_block_size = tonumber(redis.call('HGET', meta_key, 'block_size'))
 local old_gid = redis.call('HGET', workers_key, worker_id)
 if model_block_size ~= nil and model_block_size ~= block_size then
-  local alive = redis.call('ZRANGEBYSCORE', alive_key, '(' .. now_ms, '+inf')
-  for _, gid in ipairs(alive) do
-    if gid ~= old_gid then
+  -- Two alive gids at most: one may be this worker's own previous generation.
+  local alive = redis.call('ZRANGEBYSCORE', alive_key, '(' .. now_ms, '+inf', 'LIMIT', 0, 2)
+  for _, other in ipairs(alive) do
+    if other ~= old_gid then
       return redis.error_reply('ERR kvroute: block size mismatch: model ' .. model .. ' is served with block_size '
-        .. model_block_size .. ' by alive worker ' .. tostring(redis.call('HGET', gids_key, gid))
+        .. model_block_size .. ' by alive worker ' .. tostring(redis.call('HGET', gids_key, other))
         .. ', worker ' .. worker_id .. ' announced ' .. block_size)
     end
   end
@@ -52,7 +66,6 @@ if old_gid then
   redis.call('ZREM', alive_key, old_gid)
   redis.call('ZADD', retired_key, now_ms, old_gid)
 end
-local gid = redis.call('HINCRBY', meta_key, 'gid_seq', 1)
 local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
 redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'block_size', block_size,
   'dp_rank', dp_rank, 'gid', gid, 'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms,
@@ -60,4 +73,4 @@ redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'blo
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)
 redis.call('ZADD', alive_key, now_ms + ttl_ms, gid)
-return {gid, epoch}
+return {'ok', gid, epoch}

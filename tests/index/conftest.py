@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis.asyncio import Redis
@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from kvindex.interface import KVIndex
 from kvindex.redis_index import RedisIndex
 from kvindex.reference import ReferenceIndex
-from kvroute.devstack.embedded_redis import RedisServer
+from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from tests.conftest import server_kinds
 
 
@@ -29,3 +29,11 @@ async def redis_client(redis_server: RedisServer) -> AsyncIterator[Redis]:
     client = Redis.from_url(redis_server.url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(params=server_kinds())
+def private_redis(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A server of each kind for this test alone: for tests that flush, kill or restart it."""
+    server = RedisServer(binary=available_servers()[request.param]).start()
+    yield server
+    server.stop()

@@ -1,0 +1,68 @@
+"""Worker generations (gids): how they are drawn, registered, retired and swapped.
+
+A gid names one generation of one worker's blocks in the block keys. Routers cache gid -> worker
+id for good, so a gid must never come back for another worker, even after Redis lost its data
+(an empty restart, a FLUSHALL, a failover that lost the last writes). A counter in Redis would be
+rewound by exactly those events; a gid is therefore drawn at random by the client, uniformly from
+[2^32, 2^52): exact as a Lua number (< 2^53), and register.lua / clear.lua refuse one the model
+still knows (the caller draws again). Two draws collide with probability 2^-52 per pair.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from redis.asyncio import Redis
+
+from kvindex.keys import KeySchema, ModelKeys
+from kvindex.replies import decode
+from kvindex.scripts import Scripts
+from kvindex.types import Registration, WorkerInfo
+
+GID_MIN = 1 << 32
+GID_MAX = 1 << 52  # exclusive
+# Draws per call before giving up: a second one is already a 2^-52 event unless Redis misbehaves.
+MAX_GID_DRAWS = 8
+
+
+def new_gid() -> int:
+    """A fresh random gid in [GID_MIN, GID_MAX)."""
+    return GID_MIN + secrets.randbelow(GID_MAX - GID_MIN)
+
+
+class GidDrawsExhaustedError(RuntimeError):
+    """Redis refused MAX_GID_DRAWS random gids in a row (it should never happen)."""
+
+
+async def register_worker(
+    client: Redis, scripts: Scripts, schema: KeySchema, worker: WorkerInfo, ttl_ms: int
+) -> Registration:
+    """register.lua (a fresh, empty generation under a random gid; any previous one is retired),
+    then the model joins the ``models`` set."""
+    keys = schema.for_model(worker.model)
+    record = keys.worker(worker.worker_id)  # validates the id
+    for _ in range(MAX_GID_DRAWS):
+        status, gid, epoch = await scripts.run(
+            "register",
+            [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record],
+            [worker.worker_id, worker.url, worker.model, worker.block_size, worker.dp_rank, ttl_ms, new_gid()],
+        )
+        if decode(status) == "ok":
+            await client.sadd(schema.models, worker.model)
+            return Registration(int(gid), int(epoch))
+    raise GidDrawsExhaustedError(f"Redis refused {MAX_GID_DRAWS} random gids for worker {worker.worker_id!r}")
+
+
+async def retire(scripts: Scripts, keys: ModelKeys, worker_id: str, mode: str, gid: int | str) -> list[object]:
+    """clear.lua: ``keep`` (a fresh empty gid) or ``leave`` (the record goes); gid '' = any.
+    Returns ``[status, new gid]``."""
+    for _ in range(MAX_GID_DRAWS):
+        args: list[str | int] = [worker_id, gid, mode]
+        if mode == "keep":
+            args.append(new_gid())
+        reply: list[object] = await scripts.run(
+            "clear", [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)], args
+        )
+        if decode(reply[0]) != "taken":  # type: ignore[arg-type]
+            return reply
+    raise GidDrawsExhaustedError(f"Redis refused {MAX_GID_DRAWS} random gids for worker {worker_id!r}")
