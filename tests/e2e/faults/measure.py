@@ -166,6 +166,9 @@ class Scene:
             if worker not in dead_workers:
                 snap.lost |= {(worker, b) for b in blocks - indexed.get(worker, set())}
         snap.quality = True
+        for worker in dead_workers & set(indexed):  # failure detection: the worker must leave first
+            snap.quality = False
+            snap.why.append(f"killed {worker} still alive in the index")
         for url in self.router_urls:
             for p, chain in enumerate(chains):
                 runs = {w: leading_run(chain, blocks) for w, blocks in held.items()}
