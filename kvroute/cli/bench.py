@@ -30,6 +30,7 @@ def add_parser(commands: Any) -> None:
     _router_flags(benchmark("router", "latency the router adds, and requests/s of one router process"))
     _replay_flags(benchmark("replay", "routing quality on a Mooncake-format trace, policies side by side"))
     _regimes_flags(benchmark("regimes", "every policy on a grid of regimes, each against the best in its cell"))
+    _soak_flags(benchmark("soak", "the whole stack under a steady chat load for N minutes, memory sampled"))
 
 
 def _index_flags(p: argparse.ArgumentParser) -> None:
@@ -153,6 +154,35 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=positive_int, default=8, help="cap output tokens (default 8)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", help="write a heat map PNG here")
+
+
+def _soak_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=positive_float, default=10.0, help="how long the load runs (default 10)")
+    p.add_argument("--rate", type=positive_float, default=10.0, help="chat turns sent per second (default 10)")
+    p.add_argument("--engines", type=positive_int, default=8, help="simulated engines, each with an agent (default 8)")
+    p.add_argument("--routers", type=positive_int, default=2, help="router replicas (default 2)")
+    p.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=256,
+        help="KV blocks per engine; small, so caches evict (default 256)",
+    )
+    p.add_argument(
+        "--sample-seconds", type=positive_float, default=5.0, help="seconds between memory samples (default 5)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.5,
+        help="fraction of the run before memory growth is measured (default 0.5: growth over the second half)",
+    )
+    p.add_argument(
+        "--max-growth-mib",
+        type=positive_float,
+        default=16.0,
+        help="largest RSS growth allowed to any process after the warm-up (default 16 MiB)",
+    )
+    p.add_argument("--json", help="also write the results and every sample here")
 
 
 def _run(args: argparse.Namespace) -> int:
