@@ -1,0 +1,76 @@
+"""Engines that misbehave without dying: KV-event messages lost on the way (sequence gaps the
+agent repairs from the replay buffer), and /metrics pages with +Inf, NaN or text where numbers
+belong (the worker stays registered and routable)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.e2e.faults.measure import MODEL, open_scene
+from tests.support import wait_until
+
+pytestmark = pytest.mark.faults
+
+
+async def test_dropped_kv_event_messages(redis_server):
+    async with open_scene(redis_server) as scene:
+        engines = [running.faults for running in scene.fleet.engines]
+        for faults in engines:
+            faults.drop_events_every = 3
+        await scene.prime()
+        await scene.traffic.progressed(60)
+        for faults in engines:
+            faults.drop_events_every = 0
+        since = time.monotonic()
+        recovery = await scene.recover(since)
+        gaps = [await agent.metric("kvroute_agent_gaps_total") for agent in scene.fleet.agents]
+        resyncs = [await agent.metric("kvroute_agent_resyncs_total") for agent in scene.fleet.agents]
+        dropped = sum(f.events_dropped for f in engines)
+        figures = scene.figures(
+            "zmq_messages_dropped", [recovery], batches_dropped=dropped, gaps=int(sum(gaps)), resyncs=int(sum(resyncs))
+        )
+        assert dropped > 0 and all(g > 0 for g in gaps), gaps
+        scene.check(figures, [recovery])
+
+
+def gauges_set_to(value: str, *names: str) -> Callable[[str], str]:
+    pattern = re.compile(rf"^((?:{'|'.join(map(re.escape, names))})(?:\{{[^}}]*\}})?) \S+$", re.M)
+    return lambda text: pattern.sub(lambda m: f"{m.group(1)} {value}", text)
+
+
+GARBAGE = [
+    gauges_set_to("+Inf", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"),
+    gauges_set_to("NaN", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    lambda _: "<html>502 Bad Gateway</html>\nvllm:num_requests_running lots\n",
+]
+SCRAPES = 20  # the agent reads /metrics every 250 ms: 5 s of garbage, longer than the 3 s TTL
+
+
+async def test_engine_metrics_garbage(redis_server):
+    async with open_scene(redis_server) as scene:
+        engines = [running.faults for running in scene.fleet.engines]
+        await scene.prime()
+        since = time.monotonic()
+        for faults, rewrite in zip(engines, GARBAGE, strict=True):
+            faults.metrics_rewrite = rewrite
+
+        async def scraped() -> bool:
+            return all(f.metrics_rewritten >= SCRAPES for f in engines)
+
+        await wait_until(scraped, 30)
+        recovery = await scene.recover(since)  # quality with the garbage still served
+        assert all(agent.process.poll() is None for agent in scene.fleet.agents), "an agent died"
+        await scene.traffic.pause()
+        chosen = []
+        for k, probe in enumerate(scene.probes):  # each probe goes to the worker that holds it
+            body = {"model": MODEL, "prompt": [*probe, 9], "max_tokens": 1}
+            async with scene.session.post(scene.router_urls[0] + "/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                chosen.append(response.headers["x-kvroute-worker"] == scene.worker(k % 3))
+        figures = scene.figures("engine_metrics_garbage", [recovery], probes_to_holder=f"{sum(chosen)}/{len(chosen)}")
+        scene.check(figures, [recovery])
+        assert all(chosen), chosen
