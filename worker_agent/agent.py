@@ -71,6 +71,7 @@ class Agent:
         self._model = settings.model
         self._run_id: str | None = None
         self._run_id_missing_said = False
+        self._heartbeat_status: HeartbeatStatus | None = None  # the heartbeat loop's last answer
         self._bad_metrics_said: set[str] = set()  # metrics whose bad values were logged (once each)
         self._last_loop_error_log = 0.0
 
@@ -81,7 +82,9 @@ class Agent:
 
     async def run(self) -> int:
         """Start, run the loops until stopped (or one crashes: exit 1), then deregister."""
-        tasks: list[asyncio.Task[None]] = []
+        # Heartbeats first and on their own: registration catches up from the replay buffer, which
+        # may take up to --replay-deadline, and the worker must stay alive meanwhile.
+        tasks = [asyncio.create_task(self._heartbeat_loop())]
         try:
             if not await self._start():
                 return self.exit_code
@@ -92,7 +95,7 @@ class Agent:
                 self._health_loop,
                 self._gc_loop,
             ]
-            tasks = [asyncio.create_task(loop()) for loop in loops]
+            tasks += [asyncio.create_task(loop()) for loop in loops]
             stop_task = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*tasks, stop_task], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -155,7 +158,12 @@ class Agent:
     async def _every(self, seconds: float, step: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``step`` every ``seconds`` until stopped. An unexpected error is counted and logged,
         and the loop goes on: a bug in one step must not take a healthy worker out of the index."""
-        while not await self._sleep(seconds):
+        due = time.monotonic()
+        while True:
+            # A fixed rate (a slow step does not push the next one back), never a burst to catch up.
+            due = max(due + seconds, time.monotonic())
+            if await self._sleep(due - time.monotonic()):
+                return
             try:
                 await step()
             except Exception:
@@ -199,6 +207,19 @@ class Agent:
                     log.exception("failed to apply engine batches; rebuilding this worker's entries")
                     await self.pipeline.reset_worker()
 
+    async def _heartbeat_loop(self) -> None:
+        await self._every(self.settings.heartbeat_interval_s, self._heartbeat_step)
+
+    async def _heartbeat_step(self) -> None:
+        """Keep the worker alive, without the writer lock: a replay or a long write never delays
+        it. A status other than OK may be a race with this agent's own clear or re-assert (a new
+        gid): the liveness step confirms it under the lock before acting."""
+        if not self.writer.registered:
+            return
+        status = await self.writer.heartbeat()
+        self._heartbeat_status = status
+        self.counters.heartbeats += status is HeartbeatStatus.OK
+
     async def _liveness_loop(self) -> None:
         self._last_verify = time.monotonic()
         # A random phase, so that a fleet started together does not re-assert together.
@@ -220,8 +241,10 @@ class Agent:
                 self._last_reassert = now
 
     async def _reassert_reason(self) -> str | None:
-        """Heartbeat, then say why the index must be rewritten (None: it need not)."""
-        status = await self.writer.heartbeat()
+        """Say why the index must be rewritten (None: it need not)."""
+        status = self._heartbeat_status
+        if status is not None and status is not HeartbeatStatus.OK:
+            status = self._heartbeat_status = await self.writer.heartbeat()  # confirmed: no write in flight
         if status is HeartbeatStatus.SUPERSEDED:
             log.error("another agent registered worker %s: stopping (exit %d)", self.writer.worker_id, EXIT_SUPERSEDED)
             self.exit_code = EXIT_SUPERSEDED

@@ -74,7 +74,9 @@ async def run_agent(settings: AgentSettings) -> int:
             RedisIndex(client, KeySchema(settings.redis.prefix)),
             EngineClient(session, settings.engine_url, settings.dp_rank),
             subscriber,
-            ReplayClient(context, settings.replay, settings.replay_timeout_s) if settings.replay else None,
+            ReplayClient(context, settings.replay, settings.replay_timeout_s, settings.replay_deadline_s)
+            if settings.replay
+            else None,
             counters,
             latency,
             stop,

@@ -25,6 +25,7 @@ class AgentCounters:
     gaps: int = 0
     replays: int = 0
     replays_incomplete: int = 0
+    replays_timed_out: int = 0  # answers without their end marker (idle, or at --replay-deadline)
     resyncs: int = 0  # gaps that replay could not repair: the worker was cleared and rebuilt
     decode_errors: int = 0
     unknown_events: int = 0
@@ -36,6 +37,7 @@ class AgentCounters:
     internal_errors: int = 0
     engine_metric_errors: int = 0  # values on the engine's /metrics ignored (NaN, +Inf, text, ...)
     verifications: int = 0  # block-count checks (index vs mirror)
+    heartbeats: int = 0  # heartbeats Redis accepted
     reasserts: Counter[str] = field(default_factory=Counter)  # by reason
 
 
@@ -59,6 +61,7 @@ _HELP = {
     "gaps": "Sequence gaps detected",
     "replays": "Replay requests sent to the engine",
     "replays_incomplete": "Replays that did not return every missing batch",
+    "replays_timed_out": "Replays that ended without the engine's end marker (idle, or at --replay-deadline)",
     "resyncs": "Unrepairable gaps: the worker's entries were cleared and rebuilt from new events",
     "decode_errors": "Malformed messages, counted and skipped",
     "unknown_events": "Events of unknown types, counted and skipped",
@@ -70,6 +73,7 @@ _HELP = {
     "internal_errors": "Unexpected errors in the agent's loops (logged; a failed batch rebuilds the worker)",
     "engine_metric_errors": "Values on the engine's /metrics ignored: NaN, infinite, not a number or out of range",
     "verifications": "Checks of the index's block count for this worker against the mirror",
+    "heartbeats": "Heartbeats Redis accepted (they run on their own schedule, beside replays and writes)",
 }
 _GAUGE_HELP = {
     "mirror_blocks": "Blocks the engine holds, as the agent's mirror knows them",

@@ -201,6 +201,7 @@ class EventPipeline:
             return
         self._counters.replays += 1
         result = await self._replay.fetch(start)
+        self._counters.replays_timed_out += not result.complete
         received_at = time.perf_counter()
         batches: list[tuple[EventBatch, int]] = []
         for frames in result.messages:

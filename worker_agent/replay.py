@@ -4,12 +4,17 @@ A DEALER, not a REQ: the engine answers one request with many messages (each buf
 from ``start_seq`` on, then an end marker), and a REQ socket only ever receives the first.
 Each fetch uses a fresh socket, so a late answer to an abandoned fetch can never be mistaken
 for the answer to the next one.
+
+A fetch ends at the end marker, after ``timeout_s`` without a message, or at ``deadline_s`` in all
+(an engine that keeps trickling would otherwise hold the agent's event stream forever); what came
+by then is used, and whatever is missing is a gap the pipeline handles (a resync).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -28,40 +33,50 @@ class ReplayResult:
 
     messages: list[list[bytes]] = field(default_factory=list)
     complete: bool = False
+    ended_by: str = ""  # why an incomplete fetch ended: "idle" or "deadline"
 
 
 class ReplayClient:
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, context: zmq.asyncio.Context, endpoint: str, timeout_s: float = 2.0, deadline_s: float = 5.0
+    ) -> None:
         self._context = context
         self.endpoint = endpoint
         self._timeout_s = timeout_s
+        self._deadline_s = deadline_s
 
     async def fetch(self, start_seq: int) -> ReplayResult:
         result = ReplayResult()
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # the answer may be the whole buffer: don't drop any
+        deadline = time.monotonic() + self._deadline_s
         try:
             socket.connect(self.endpoint)
             await socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
-            while True:
-                try:  # an idle timeout: a long answer keeps arriving
-                    frames = await asyncio.wait_for(socket.recv_multipart(), self._timeout_s)
+            while not result.complete:
+                left = deadline - time.monotonic()
+                try:  # an idle timeout (a long answer keeps arriving) within the total bound
+                    frames = await asyncio.wait_for(socket.recv_multipart(), min(self._timeout_s, max(left, 0.0)))
                 except TimeoutError:
+                    result.ended_by = "idle" if left > self._timeout_s else "deadline"
                     break
-                if len(frames) == 4 and frames[0] == b"" and frames[2] == END_MARKER_SEQ:
-                    result.complete = True
-                    break
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
-                result.messages.append(frames)
+                self._take(frames, result)
         finally:
             socket.close(linger=0)
         if not result.complete:
             log.warning(
-                "replay from %s (start seq %d) ended without its end marker after %d messages",
+                "replay from %s (start seq %d) ended without its end marker after %d messages (%s)",
                 self.endpoint,
                 start_seq,
                 len(result.messages),
+                f"nothing for {self._timeout_s:g} s" if result.ended_by == "idle" else f"{self._deadline_s:g} s in all",
             )
         return result
+
+    @staticmethod
+    def _take(frames: list[bytes], result: ReplayResult) -> None:
+        if len(frames) == 4 and frames[0] == b"" and frames[2] == END_MARKER_SEQ:
+            result.complete = True
+            return
+        result.messages.append(frames[1:] if frames and frames[0] == b"" else frames)

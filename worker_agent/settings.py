@@ -52,7 +52,8 @@ class AgentSettings:
     verify_interval_s: float = 5.0  # compare the index's block count with the mirror
     reassert_interval_s: float = 3600.0  # rewrite everything anyway, so any drift heals
     gc_interval_s: float = 10.0
-    replay_timeout_s: float = 2.0
+    replay_timeout_s: float = 2.0  # a replay's idle timeout
+    replay_deadline_s: float = 5.0  # a replay's total time bound
     # Warn when the engine keeps serving requests this long with no KV event arriving (0: never).
     events_warn_after_s: float = 30.0
 
@@ -76,6 +77,8 @@ class AgentSettings:
             raise ValueError("the heartbeat TTL must cover at least two heartbeat intervals")
         if self.reassert_interval_s <= 0 or self.verify_interval_s <= 0:
             raise ValueError("--reassert-interval and --verify-interval must be positive")
+        if not self.replay_deadline_s > 0:  # NaN too
+            raise ValueError(f"--replay-deadline must be positive, got {self.replay_deadline_s}")
         if self.worker_id is not None and not self.worker_id:
             raise ValueError("--worker-id must not be empty")
         if not self.events_warn_after_s >= 0:  # NaN too
@@ -119,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
     parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 3600)")
     parser.add_argument("--verify-interval", type=float, help="seconds between block-count checks (default 5)")
+    parser.add_argument(
+        "--replay-deadline", type=float, help="seconds one replay from the engine may take in all (default 5)"
+    )
     add_log_arguments(parser)
 
 
@@ -152,6 +158,8 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         values["reassert_interval_s"] = args.reassert_interval
     if args.verify_interval is not None:
         values["verify_interval_s"] = args.verify_interval
+    if args.replay_deadline is not None:
+        values["replay_deadline_s"] = args.replay_deadline
     if "events_warn_after" in values:
         values["events_warn_after_s"] = values.pop("events_warn_after")
     values["redis"] = RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix)

@@ -1,7 +1,8 @@
 """Fixtures of the agent's end-to-end tests: one of the session's Redis servers, an index client on
 it, and an engine stand-in (the engine's HTTP side and KV-event publisher, in this process) that can
 be told to misbehave: a /metrics page of its choosing, a /health that hangs, a process start time.
-:class:`RedisProxy` puts a TCP hop between an agent and Redis that can change what Redis says."""
+:class:`RedisProxy` puts a TCP hop between an agent and Redis that can change what Redis says;
+:class:`ReplayGate` one between an agent and the engine's replay socket that can stall an answer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from redis.asyncio import Redis
 
@@ -141,6 +144,84 @@ class RedisProxy:
                 await writer.drain()
         finally:
             writer.close()
+
+
+class ReplayGate:
+    """A ROUTER in front of the engine's replay socket. While ``stall`` is set, it relays the engine's
+    answer without its end marker and then sends the last batch again every ``drip_s`` seconds: the
+    answer neither ends nor goes idle (an engine stuck in a slow send), until ``stall`` is cleared."""
+
+    def __init__(self, upstream: str, drip_s: float = 0.3) -> None:
+        self.upstream = upstream
+        self.drip_s = drip_s
+        self.stall = False
+        self.requests = 0
+        self._context = zmq.asyncio.Context()
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind("tcp://127.0.0.1:*")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        return self._router.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+
+    def start(self) -> ReplayGate:
+        self._tasks.add(asyncio.create_task(self._serve()))
+        return self
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._context.destroy(linger=0)
+
+    async def _serve(self) -> None:
+        while True:
+            client, _, start = await self._router.recv_multipart()
+            self.requests += 1
+            answer = await self._fetch(start)
+            if not self.stall:
+                for frames in answer:
+                    await self._router.send_multipart([client, *frames])
+            else:  # everything but the end marker, then the drip
+                self._tasks.add(asyncio.create_task(self._drip(client, answer[:-1])))
+
+    async def _fetch(self, start: bytes) -> list[list[bytes]]:
+        """The engine's whole answer, end marker last."""
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.upstream)
+        answer: list[list[bytes]] = []
+        try:
+            await dealer.send_multipart([b"", start])
+            while not answer or answer[-1][2] != b"\xff" * 8:
+                answer.append(await asyncio.wait_for(dealer.recv_multipart(), 10))
+        finally:
+            dealer.close(linger=0)
+        return answer
+
+    async def _drip(self, client: bytes, batches: list[list[bytes]]) -> None:
+        for frames in batches:
+            await self._router.send_multipart([client, *frames])
+        while self.stall and batches:
+            await asyncio.sleep(self.drip_s)  # the fault itself: a trickle, not a synchronisation
+            await self._router.send_multipart([client, *batches[-1]])
+
+
+@pytest.fixture
+async def gate(engine: FaultyEngine) -> AsyncIterator[ReplayGate]:
+    assert engine.publisher is not None and engine.publisher.replay_endpoint is not None
+    replay_gate = ReplayGate(engine.publisher.replay_endpoint).start()
+    yield replay_gate
+    await replay_gate.stop()
+
+
+def gated_agent(engine: EngineStandIn, redis_url: str, gate: ReplayGate, *extra: str) -> AgentProcess:
+    """An agent whose replay requests go through ``gate``."""
+    args = agent_args(engine, redis_url)
+    args[args.index("--replay") + 1] = gate.endpoint
+    return AgentProcess([*args, *extra]).start()
 
 
 def start_agent(engine: EngineStandIn, redis_url: str, *extra: str, replay: bool = True) -> AgentProcess:

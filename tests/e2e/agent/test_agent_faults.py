@@ -11,9 +11,9 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
-from tests.agent_support import registered, stored, wait_for_match
+from tests.agent_support import CHAIN, registered, stored, wait_for_match
 from tests.conftest import server_kinds
-from tests.e2e.agent.conftest import RedisProxy, start_agent, stop_agent
+from tests.e2e.agent.conftest import RedisProxy, gated_agent, start_agent, stop_agent
 from tests.support import wait_until
 
 LOAD_LINES = (
@@ -86,3 +86,47 @@ async def test_a_redis_info_without_run_id_is_no_crash_and_a_lost_record_still_h
         await proxy.stop()
         await client.aclose()
         server.stop()
+
+
+@pytest.mark.faults
+async def test_heartbeats_go_on_while_a_replay_stalls(engine, gate, server, index, unique_name):
+    await engine.publisher.publish([stored(0, 4)])  # buffered: the agent's catch-up replays it
+    gate.stall = True
+    process = gated_agent(engine, server.url, gate, "--ttl-ms", "3000", "--replay-deadline", "120")
+    try:
+        await wait_until(lambda: registered(index, unique_name), 15)
+        beats = await process.metric("kvroute_agent_heartbeats_total")
+        lapses = []
+
+        async def alive_for_two_ttls() -> bool:  # 6 heartbeats at 1 s: twice the 3 s TTL
+            if not await registered(index, unique_name):
+                lapses.append(await index.workers(unique_name))
+            return await process.metric("kvroute_agent_heartbeats_total") >= beats + 6
+
+        await wait_until(alive_for_two_ttls, 20)
+        assert not lapses, lapses
+        assert gate.requests == 1 and await process.metric("kvroute_agent_replays_timed_out_total") == 0
+        assert await index.match(unique_name, CHAIN) == {f"{engine.url}#0": 0}  # still replaying
+        gate.stall = False  # the drip stops: the answer goes idle and the catch-up applies it
+        await wait_for_match(index, unique_name, [4])
+    finally:
+        stop_agent(process)
+
+
+@pytest.mark.faults
+async def test_a_replay_that_never_ends_is_cut_at_its_deadline(engine, gate, server, index, unique_name):
+    await engine.publisher.publish([stored(0, 4)])
+    gate.stall = True
+    process = gated_agent(engine, server.url, gate, "--replay-deadline", "1")
+    try:
+
+        async def cut() -> bool:
+            return await process.metric("kvroute_agent_replays_timed_out_total") >= 1
+
+        await wait_until(cut, 15)
+        await wait_for_match(index, unique_name, [4])  # what came before the deadline is applied
+        await engine.publisher.publish([stored(4, 6)])  # the next seq: in order, no gap
+        await wait_for_match(index, unique_name, [6])
+        assert gate.requests == 1 and await process.metric("kvroute_agent_resyncs_total") == 0
+    finally:
+        stop_agent(process)
