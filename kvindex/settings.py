@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -60,16 +61,30 @@ class RedisSettings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
-    def client(self, command_timeouts: bool = True) -> Redis:
+    def client(
+        self, command_timeouts: bool = True, max_connections: int | None = None, client_name: str | None = None
+    ) -> Redis:
         """A client that reconnects once a dropped connection is noticed (a restarted server
         closes every pooled connection; the first command on each would fail otherwise).
 
         ``command_timeouts=False`` leaves per-command socket timeouts to the caller (the router
-        bounds each decision itself; redis-py's own timeout costs a task per command)."""
-        return Redis.from_url(
-            self.url,
-            socket_timeout=self.socket_timeout_s if command_timeouts else None,
-            socket_connect_timeout=self.socket_timeout_s,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.01), retries=3),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        bounds each decision itself; redis-py's own timeout costs a task per command).
+        ``max_connections`` bounds the pool: a command waits for a free connection (at most the
+        socket timeout) instead of opening one more. ``client_name`` names the connections in
+        CLIENT LIST (spaces and control characters become '_', which Redis would refuse)."""
+        options: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout_s if command_timeouts else None,
+            "socket_connect_timeout": self.socket_timeout_s,
+            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), retries=3),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        }
+        if client_name:
+            options["client_name"] = "".join(c if c.isprintable() and not c.isspace() else "_" for c in client_name)
+        if max_connections is None:
+            return Redis.from_url(self.url, **options)
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        pool = BlockingConnectionPool.from_url(
+            self.url, max_connections=max_connections, timeout=self.socket_timeout_s, **options
         )
+        return Redis.from_pool(pool)  # the client owns the pool: aclose() closes its connections

@@ -80,6 +80,7 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
     state.metrics.degraded_mode.set(1 if state.decider.degraded else 0)
     if decision.degraded:
         state.metrics.degraded.inc()
+        state.metrics.degraded_causes.labels(decision.degraded_cause or "error").inc()
     return decision
 
 

@@ -3,12 +3,12 @@
 One decision reads, concurrently, the prompt's match in the index, every replica's in-flight
 load, and the "expected" prefixes of recent decisions; it must finish within the Redis budget
 (default 50 ms), else the router routes by its own load (round robin over the last workers it
-saw alive) and counts it. The index makes routing better, never a request fail.
+saw alive) and counts it, leaving the command to finish (:mod:`router.lookups`: cancelling it
+would cost its connection). The index makes routing better, never a request fail.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import random
@@ -25,6 +25,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
 from router.fleet import Fleet
 from router.load import ReplicaLoad
+from router.lookups import BudgetExpired, Lookups
 from router.scoring import Candidate, Choice, Policy, Scored, ScoringWeights, choose, predicted_cached_tokens
 from router.shared_load import InflightLoad, parse_expected, parse_totals
 from router.ttft import TtftLearner
@@ -46,6 +47,7 @@ class Decision:
     choice: Choice
     degraded: bool
     seconds: float
+    degraded_cause: str | None = None  # "budget", "busy" (no lookup slot in time) or "error"
 
     @property
     def prompt_blocks(self) -> int:
@@ -97,6 +99,8 @@ class Decider:
         weights: ScoringWeights,
         policy: Policy,
         redis_timeout_s: float,
+        lookup_slots: int = 29,
+        backstop_s: float = 2.0,
     ) -> None:
         self._index = index
         self._replica_load = replica_load
@@ -105,6 +109,7 @@ class Decider:
         self._weights = weights
         self._policy = policy
         self._timeout = redis_timeout_s
+        self.lookups = Lookups(lookup_slots, redis_timeout_s, backstop_s)
         self._turns = itertools.count()
         self._rng = random.Random()
         self.degraded_count = 0
@@ -120,15 +125,16 @@ class Decider:
         block_size = workers[0].block_size
         chain = self.hash_memo.sequence_hashes(tokens, block_size, cache_salt=cache_salt)
         try:
-            async with asyncio.timeout(self._timeout):
-                candidates = await self._candidates(model, chain, workers)
+            candidates = await self.lookups.run(lambda: self._candidates(model, chain, workers))
         except REDIS_FAILURES as exc:
             self._enter_degraded(exc)
+            cause = ("busy" if exc.busy else "budget") if isinstance(exc, BudgetExpired) else "error"
             candidates = [Candidate(w.worker_id, w.url, engine=w.load) for w in workers]
             choice = choose(
                 candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, self._rng, next(self._turns)
             )
-            return Decision(model, len(tokens), block_size, chain, choice, True, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            return Decision(model, len(tokens), block_size, chain, choice, True, seconds, cause)
         self._leave_degraded()
         candidates = self._with_recent(model, chain, candidates)
         choice = choose(

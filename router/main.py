@@ -26,6 +26,8 @@ from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
 
 log = logging.getLogger("router")
+# Connections kept from decision lookups: the fleet refresh, the lease renewal and the load writer.
+RESERVED_CONNECTIONS = 3
 
 
 @dataclass
@@ -39,7 +41,11 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
     """Run a router replica in this event loop until the block exits (tests, the demo). Whatever
     was started is closed again, in reverse order, also when a later step fails (a port in use)."""
     async with AsyncExitStack() as stack:
-        client = settings.redis.client(command_timeouts=False)
+        client = settings.redis.client(
+            command_timeouts=False,
+            max_connections=settings.redis_pool_size,
+            client_name=f"kvroute-router:{settings.replica_id}",
+        )
         stack.push_async_callback(client.aclose)
         schema = KeySchema(settings.redis.prefix)
         index = RedisIndex(client, schema)
@@ -57,15 +63,26 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         stack.push_async_callback(lambda: load.stop(fleet.models_with_workers()))
         session = _upstream_session(settings)
         stack.push_async_callback(session.close)
+        decider = Decider(
+            index,
+            load,
+            fleet,
+            settings.weights,
+            settings.policy,
+            settings.redis_timeout_s,
+            lookup_slots=settings.redis_pool_size - RESERVED_CONNECTIONS,
+            backstop_s=settings.redis.socket_timeout_s,
+        )
+        stack.push_async_callback(decider.lookups.aclose)
         state = RouterState(
             settings,
             index,
             fleet,
-            Decider(index, load, fleet, settings.weights, settings.policy, settings.redis_timeout_s),
+            decider,
             load,
             Tokenization(settings.tokenizer_dirs, session),
             session,
-            new_metrics(),
+            new_metrics(decider.lookups),
         )
         runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True)
         await runner.setup()

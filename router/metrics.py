@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.lookups import Lookups
 
 PREFIX = "kvroute_router_"
 
@@ -17,6 +22,7 @@ class RouterMetrics:
     decisions: Counter
     decision_seconds: Histogram
     degraded: Counter
+    degraded_causes: Counter
     retries: Counter
     upstream_errors: Counter
     prompt_tokens: Counter
@@ -28,8 +34,10 @@ class RouterMetrics:
     degraded_mode: Gauge
 
 
-def new_metrics() -> RouterMetrics:
+def new_metrics(lookups: Lookups | None = None) -> RouterMetrics:
     r = CollectorRegistry()
+    if lookups is not None:
+        r.register(LookupCollector(lookups))
     return RouterMetrics(
         registry=r,
         requests=Counter(PREFIX + "requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r),
@@ -41,6 +49,12 @@ def new_metrics() -> RouterMetrics:
             registry=r,
         ),
         degraded=Counter(PREFIX + "degraded_decisions", "Decisions made without Redis (local round robin)", registry=r),
+        degraded_causes=Counter(
+            PREFIX + "degraded_causes",
+            "Degraded decisions by cause: budget (no reply in time), busy (no lookup slot in time), error",
+            ["cause"],
+            registry=r,
+        ),
         retries=Counter(PREFIX + "upstream_retries", "Requests retried on the next best worker", registry=r),
         upstream_errors=Counter(PREFIX + "upstream_errors", "Failures before the first byte", ["worker"], registry=r),
         prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens the engines reported", ["model"], registry=r),
@@ -66,6 +80,25 @@ def new_metrics() -> RouterMetrics:
         inflight=Gauge(PREFIX + "inflight_requests", "Requests this replica is proxying", registry=r),
         degraded_mode=Gauge(PREFIX + "degraded_mode", "1 while this replica routes without Redis", registry=r),
     )
+
+
+class LookupCollector(Collector):
+    """The decision lookups' state, read at scrape time."""
+
+    def __init__(self, lookups: Lookups) -> None:
+        self._lookups = lookups
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        late = self._lookups.late_replies
+        yield CounterMetricFamily(
+            PREFIX + "redis_late_replies", "Decision lookups answered after their budget (discarded)", value=late
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "redis_lookups_inflight", "Decision lookups waiting for Redis now", value=self._lookups.in_flight
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "redis_lookup_slots", "Decision lookups that may wait for Redis at once", value=self._lookups.slots
+        )
 
 
 def usage_from_json(body: bytes) -> dict | None:
