@@ -280,16 +280,18 @@ async def open_scene(
     num_blocks: int = 512,
     agent_args: list[str] | None = None,
     warmup: int = 60,
+    router_redis_url: str | None = None,
     **router_settings,
 ) -> AsyncIterator[Scene]:
-    """A running scene with warm caches: ``warmup`` requests served and routing quality reached."""
+    """A running scene with warm caches: ``warmup`` requests served and routing quality reached.
+    ``router_redis_url``: where the routers find Redis (a proxy in front of it), if not direct."""
     async with contextlib.AsyncExitStack() as stack:
         fleet = SimFleet(redis.url, count=engines, num_blocks=num_blocks, agent_args=agent_args or [])
         stack.push_async_callback(fleet.stop)
         await fleet.start()
         running = []
         for _ in range(routers):
-            context, router = await start_router(redis.url, **router_settings)
+            context, router = await start_router(router_redis_url or redis.url, **router_settings)
             stack.push_async_callback(context.__aexit__, None, None, None)  # type: ignore[attr-defined]
             await wait_for_workers(router, engines)
             running.append(router)

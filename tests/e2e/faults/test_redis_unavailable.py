@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.e2e.faults.measure import open_scene
+from tests.support_proxy import LatencyProxy
 
 pytestmark = pytest.mark.faults
 
@@ -33,3 +34,31 @@ async def test_redis_stopped_for_5_s(redis_server):
         figures = scene.figures("redis_sigstop_5s", [recovery], degraded_decisions=degraded)
         scene.check(figures, [recovery])
         assert degraded > 0  # the traffic did run while Redis was stopped
+
+
+SLOW_S = 0.2  # each way, on every chunk: four times the router's 50 ms budget
+
+
+async def test_a_slow_redis_between_router_and_index(redis_server):
+    proxy = await LatencyProxy(redis_server.port).start()
+    try:
+        async with open_scene(redis_server, router_redis_url=proxy.url, redis_timeout_s=0.05) as scene:
+            await scene.prime()
+            opened = proxy.accepted
+            proxy.latency_s = SLOW_S
+            router = scene.routers[0].state.decider
+            degraded_before = router.degraded_count
+            await scene.traffic.progressed(60)
+            proxy.latency_s = 0.0
+            since = time.monotonic()
+            reconnects = proxy.accepted - opened
+            degraded = router.degraded_count - degraded_before
+            recovery = await scene.recover(since)
+            figures = scene.figures(
+                "slow_redis_200ms", [recovery], degraded_decisions=degraded, connections_opened_while_slow=reconnects
+            )
+            scene.check(figures, [recovery])
+            assert degraded > 0  # the decisions did meet the slow Redis
+            assert reconnects <= 32  # no reconnect storm: the router's pool is bounded (--redis-pool-size)
+    finally:
+        await proxy.stop()
