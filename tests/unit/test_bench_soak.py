@@ -26,7 +26,7 @@ def samples_of(series: dict[str, list[float]]) -> Samples:
 
 
 def no_errors() -> dict[str, dict[str, int]]:
-    return {"agent": {"gaps": 3, "replays": 1}, "router": {"requests": 100}}
+    return {"agent": {"gaps": 3, "replays": 1}, "router": {"requests": 100, "degraded_decisions": 2}}
 
 
 def test_growth_during_warm_up_does_not_count_growth_after_it_does():
@@ -49,7 +49,8 @@ def test_the_verdict_names_each_problem():
     flat = samples_of({"redis": [10.0] * 11, "router 0": [60.0] * 11})
     passed = report(ARGS, flat, load, no_errors(), 60.0)
     assert passed["passed"] and passed["problems"] == []
-    assert passed["repairs"]["agent gaps"] == 3 and passed["errors"]["agent decode_errors"] == 0
+    assert passed["recoveries"]["agent gaps"] == 3 and passed["recoveries"]["router degraded_decisions"] == 2
+    assert passed["errors"]["agent decode_errors"] == 0
 
     load.stats.fail("status 503", "http://x: 503 no workers")
     leaky = samples_of({"redis": [10.0] * 11, "router 0": [60.0] * 6 + [70, 80, 90, 100, 110]})
