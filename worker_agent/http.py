@@ -1,5 +1,5 @@
-"""The agent's own HTTP endpoints: GET /health (JSON; 200 while the worker is in the index,
-503 otherwise) and GET /metrics (Prometheus text). Each request is logged at DEBUG: scrapes and
+"""The agent's own HTTP endpoints: GET /health (JSON; 200 while the worker is in the index and
+its engine answers, 503 otherwise) and GET /metrics (Prometheus text). Each request is logged at DEBUG: scrapes and
 health checks come every few seconds and would drown the agent's own INFO lines."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def health_body(agent: Agent) -> dict[str, object]:
     gauges = agent.gauges()
     since = agent.watch.seconds_since_message()
     return {
-        "status": "ok" if gauges.registered else ("engine_down" if not agent.engine_up else "starting"),
+        "status": "engine_down" if not agent.engine_up else ("ok" if gauges.registered else "starting"),
         "worker_id": agent.settings.resolved_worker_id,
         "engine_url": agent.settings.engine_root,
         "registered": gauges.registered,
@@ -48,7 +48,7 @@ def health_body(agent: Agent) -> dict[str, object]:
 def create_app(agent: Agent, registry: CollectorRegistry) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         body = health_body(agent)
-        return web.json_response(body, status=200 if body["registered"] else 503)
+        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(registry))

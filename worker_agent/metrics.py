@@ -51,6 +51,7 @@ class Gauges:
     last_seq: int
     events_silent: bool = False
     last_event_timestamp_seconds: float = 0.0
+    engine_start_time_seconds: float = 0.0
 
 
 _HELP = {
@@ -84,6 +85,7 @@ _GAUGE_HELP = {
     "last_seq": "Seq of the last engine batch applied (-1: none yet)",
     "events_silent": "1 while the engine serves requests but no KV event arrives (check --events and --topic)",
     "last_event_timestamp_seconds": "Unix time of the last KV-event message received (0: none yet)",
+    "engine_start_time_seconds": "The engine's process_start_time_seconds as last read (0: unknown; a change: restart)",
 }
 _TRANSLATE_HELP = {
     "blocks_stored": "Blocks stored by the engine and translated",

@@ -9,8 +9,9 @@ import pytest
 
 from kvindex.types import WorkerLoad
 from tests.conftest import CAPTURES
-from worker_agent.engine import parse_metrics, root_url
+from worker_agent.engine import EngineMetrics, parse_metrics, root_url
 from worker_agent.events import EventsWatch
+from worker_agent.restarts import RestartEvidence
 from worker_agent.settings import add_arguments, settings_from_args
 
 CAPTURE = CAPTURES / "run1_metrics.txt"
@@ -200,3 +201,28 @@ def test_a_page_of_garbage_gives_nothing_and_does_not_raise():
     for text in ("\x00\xff" * 100, "vllm:num_requests_running", 'vllm:kv_cache_usage_perc{engine="0" 0.5\n'):
         metrics = parse_metrics(text, dp_rank=0)
         assert metrics.load is None and metrics.work is None and metrics.start_time is None
+
+
+def reading(start_time: float | None = None, **counters: float) -> EngineMetrics:
+    names = {"prompts": "vllm:prompt_tokens_total", "successes": "vllm:request_success_total"}
+    return EngineMetrics(None, None, {names[k]: v for k, v in counters.items()}, start_time)
+
+
+def test_a_new_start_time_is_a_restart_and_the_same_one_is_not_whatever_the_counters_do():
+    evidence = RestartEvidence()
+    assert evidence.observe(reading(1000.0, prompts=50)) is None  # the first reading: nothing to compare
+    assert evidence.observe(reading(1000.0, prompts=10)) is None  # same process: the start time wins
+    assert evidence.observe(reading(None, prompts=60)) is None  # a reading without it (a bad value)
+    why = evidence.observe(reading(2000.0, prompts=0))
+    assert why == "process_start_time_seconds changed from 1000.000 to 2000.000"
+    assert evidence.observe(reading(2000.0, prompts=5)) is None
+
+
+def test_without_a_start_time_a_counter_going_back_is_a_restart():
+    evidence = RestartEvidence()
+    assert evidence.observe(reading(prompts=100, successes=4)) is None
+    assert evidence.observe(reading(prompts=100)) is None  # a counter missing from one page is no evidence
+    assert evidence.observe(reading(prompts=120, successes=4)) is None
+    assert evidence.observe(reading(prompts=3, successes=0)) == "vllm:prompt_tokens_total went back from 120 to 3"
+    assert evidence.observe(reading(prompts=4, successes=1)) is None  # counted from the new process on
+    assert evidence.observe(reading()) is None and evidence.observe(reading(prompts=4, successes=1)) is None

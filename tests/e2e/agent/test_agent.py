@@ -174,19 +174,27 @@ async def test_an_engine_restart_empties_the_worker(engine, agent, index, unique
 
 
 @pytest.mark.faults
-async def test_an_engine_down_leaves_the_index_and_comes_back_empty(engine, agent, index, unique_name):
-    pub = engine.publisher
-    await pub.publish([stored(0, 5)])
-    await wait_for_match(index, unique_name, [5])
-    engine.healthy = False
-    await wait_for_match(index, unique_name, [], within=10)
-    status, body = await agent.health()
-    assert status == 503 and body["engine_up"] is False
-    pub.restart()
-    engine.healthy = True
-    await wait_for_match(index, unique_name, [0], within=10)
-    await pub.publish([stored(0, 3)])
-    await wait_for_match(index, unique_name, [3])
+async def test_an_engine_down_leaves_routing_and_a_new_process_comes_back_empty(engine, server, index, unique_name):
+    engine.start_time = 1_000.0
+    process = AgentProcess([*agent_args(engine, server.url), "--ttl-ms", "2000"]).start()
+    try:
+        pub = engine.publisher
+        await pub.publish([stored(0, 5)])
+        await wait_for_match(index, unique_name, [5])
+        engine.healthy = False  # heartbeats pause: the worker leaves routing when its TTL runs out
+        await wait_for_match(index, unique_name, [], within=15)
+        status, body = await process.health()
+        assert status == 503 and body["engine_up"] is False and body["status"] == "engine_down"
+        pub.restart()
+        engine.start_time = 2_000.0  # the evidence that this is a new process, with an empty cache
+        engine.healthy = True
+        await wait_for_match(index, unique_name, [0], within=10)
+        await pub.publish([stored(0, 3)])
+        await wait_for_match(index, unique_name, [3])
+        assert await process.metric("kvroute_agent_engine_restarts_total") == 1
+        assert await process.metric("kvroute_agent_engine_start_time_seconds") == 2_000.0
+    finally:
+        process.kill()
 
 
 @pytest.mark.faults

@@ -130,3 +130,55 @@ async def test_a_replay_that_never_ends_is_cut_at_its_deadline(engine, gate, ser
         assert gate.requests == 1 and await process.metric("kvroute_agent_resyncs_total") == 0
     finally:
         stop_agent(process)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("trouble", ["hangs", "says 503"])
+async def test_an_engine_away_for_a_while_comes_back_with_its_entries(engine, server, index, unique_name, trouble):
+    """A /health that times out or fails is an engine away, not a new one: heartbeats pause (the
+    worker leaves routing), the entries stay, and the same process (same start time) is back whole."""
+    engine.start_time = 1_000.0
+    process = start_agent(engine, server.url, "--ttl-ms", "2000")
+    try:
+        await engine.publisher.publish([stored(0, 5)])
+        await wait_for_match(index, unique_name, [5])
+        if trouble == "hangs":
+            engine.hang_health()  # each check times out (2 s)
+        else:
+            engine.healthy = False
+
+        async def engine_down() -> bool:
+            return await process.metric("kvroute_agent_engine_down_total") == 1
+
+        await wait_until(engine_down, 30)
+        await wait_for_match(index, unique_name, [], within=10)  # out of routing once the TTL ran out
+        status, body = await process.health()
+        assert status == 503 and body["status"] == "engine_down"
+        engine.answer_health()
+        engine.healthy = True
+        await wait_for_match(index, unique_name, [5], within=15)  # no new event needed
+        assert await process.metric("kvroute_agent_engine_restarts_total") == 0
+        assert await process.metric("kvroute_agent_resyncs_total") == 0
+    finally:
+        engine.answer_health()
+        stop_agent(process)
+
+
+@pytest.mark.faults
+async def test_an_engine_counter_going_back_is_a_restart_without_waiting_for_an_event(
+    engine, server, index, unique_name
+):
+    engine.prompt_tokens = 500.0  # no process_start_time_seconds: the counters are the evidence
+    process = start_agent(engine, server.url)
+    try:
+        await engine.publisher.publish([stored(0, 5)])
+        await wait_for_match(index, unique_name, [5])
+        engine.publisher.restart()  # a new process: nothing buffered, seq from 0
+        engine.prompt_tokens = 12.0
+        await wait_for_match(index, unique_name, [0])
+        await engine.publisher.publish([stored(0, 2)])
+        await wait_for_match(index, unique_name, [2])
+        assert await process.metric("kvroute_agent_engine_restarts_total") == 1
+        assert "vllm:prompt_tokens_total went back from 500 to 12" in process.log()
+    finally:
+        stop_agent(process)
