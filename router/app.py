@@ -19,13 +19,14 @@ from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.metrics import RouterMetrics
 from router.middleware import LOG_FIELDS, REQUEST_ID, ApiError, EdgeSettings, edge_middleware
-from router.prompts import BadPrompt, Tokenization
+from router.prompts import BadPrompt, PromptTooLong, Tokenization
 from router.proxy import UpstreamFailed, forward
 from router.scoring import Candidate
 from router.settings import RouterSettings
 
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
 _DECODER = msgspec.json.Decoder()
+TOO_DEEP = "the request body is nested too deeply"
 
 
 @dataclass
@@ -46,6 +47,8 @@ async def _json(request: web.Request) -> dict[str, Any]:
         body = _DECODER.decode(raw)  # msgspec: 2-3x json's speed on long token-id arrays
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, TOO_DEEP) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -65,8 +68,12 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
             tokens = await state.tokenization.chat(model, body, workers[0].url)
         else:
             tokens = await state.tokenization.completion(model, body, workers[0].url)
+    except PromptTooLong as exc:
+        raise ApiError(413, str(exc)) from None
     except BadPrompt as exc:
         raise ApiError(400, str(exc)) from None
+    except RecursionError:
+        raise ApiError(400, TOO_DEEP) from None
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ApiError(502, f"could not tokenize through a worker: {exc}", "upstream_error") from None
     salt = body.get("cache_salt")

@@ -26,6 +26,7 @@ from kvindex.types import WorkerRecord
 from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.lookups import BudgetExpired, Lookups
+from router.prompt_hashing import PromptHasher
 from router.scoring import Candidate, Choice, Policy, Scored, ScoringWeights, choose, predicted_cached_tokens
 from router.shared_load import InflightLoad, parse_expected, parse_totals
 from router.ttft import TtftLearner
@@ -115,6 +116,7 @@ class Decider:
         self.degraded_count = 0
         self.degraded = False  # in degraded mode now: the last decision could not use Redis
         self.hash_memo = PrefixHashMemo()
+        self.hasher = PromptHasher(self.hash_memo)
         self.learner = TtftLearner()
 
     async def decide(self, model: str, tokens: Sequence[int], cache_salt: str | None = None) -> Decision:
@@ -123,7 +125,7 @@ class Decider:
         if not workers:
             raise NoWorkers(f"no alive worker serves model {model!r}")
         block_size = workers[0].block_size
-        chain = self.hash_memo.sequence_hashes(tokens, block_size, cache_salt=cache_salt)
+        chain = await self.hasher.chain(tokens, block_size, cache_salt)  # long prompts: in slices
         try:
             candidates = await self.lookups.run(lambda: self._candidates(model, chain, workers))
         except REDIS_FAILURES as exc:

@@ -20,7 +20,7 @@ from router.app import RouterState, create_app
 from router.decide import Decider
 from router.fleet import Fleet
 from router.load import ReplicaLoad
-from router.metrics import new_metrics
+from router.metrics import StateCollector, new_metrics
 from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
@@ -74,15 +74,16 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             backstop_s=settings.redis.socket_timeout_s,
         )
         stack.push_async_callback(decider.lookups.aclose)
+        tokenization = Tokenization(settings.tokenizer_dirs, session, settings.max_prompt_tokens)
         state = RouterState(
             settings,
             index,
             fleet,
             decider,
             load,
-            Tokenization(settings.tokenizer_dirs, session),
+            tokenization,
             session,
-            new_metrics(decider.lookups),
+            new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache)),
         )
         runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True)
         await runner.setup()

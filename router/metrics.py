@@ -11,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.lookups import Lookups
+from router.prompt_hashing import PromptHasher
+from router.token_cache import TokenCache
 
 PREFIX = "kvroute_router_"
 
@@ -34,10 +36,10 @@ class RouterMetrics:
     degraded_mode: Gauge
 
 
-def new_metrics(lookups: Lookups | None = None) -> RouterMetrics:
+def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
     r = CollectorRegistry()
-    if lookups is not None:
-        r.register(LookupCollector(lookups))
+    if state is not None:
+        r.register(state)
     return RouterMetrics(
         registry=r,
         requests=Counter(PREFIX + "requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r),
@@ -82,13 +84,22 @@ def new_metrics(lookups: Lookups | None = None) -> RouterMetrics:
     )
 
 
-class LookupCollector(Collector):
-    """The decision lookups' state, read at scrape time."""
+class StateCollector(Collector):
+    """The decision lookups', the prompt hasher's and the tokenize cache's state, read at scrape time."""
 
-    def __init__(self, lookups: Lookups) -> None:
-        self._lookups = lookups
+    def __init__(self, lookups: Lookups, hasher: PromptHasher, cache: TokenCache) -> None:
+        self._lookups, self._hasher, self._cache = lookups, hasher, cache
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            PREFIX + "prompts_hashing", "Long prompts being hashed in slices now", value=self._hasher.in_progress
+        )
+        yield CounterMetricFamily(
+            PREFIX + "prompts_sliced", "Prompts hashed in slices (long ones)", value=self._hasher.sliced
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "tokenize_cache_tokens", "Token ids held by the /tokenize cache", value=self._cache.tokens
+        )
         late = self._lookups.late_replies
         yield CounterMetricFamily(
             PREFIX + "redis_late_replies", "Decision lookups answered after their budget (discarded)", value=late

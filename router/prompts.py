@@ -1,8 +1,9 @@
 """A request's prompt token ids, identical to the engine's.
 
 With a model directory configured (``--tokenizer MODEL=DIR``) the router tokenizes itself (long
-texts off the event loop); otherwise it asks a worker's ``/tokenize`` and caches the answer.
-Token-id prompts are used as they are.
+texts off the event loop); otherwise it asks a worker's ``/tokenize`` and caches the answer (by
+size: :class:`~router.token_cache.TokenCache`). Token-id prompts are used as they are. A prompt
+longer than ``max_prompt_tokens`` is refused (:class:`PromptTooLong`, 413) before it is hashed.
 """
 
 from __future__ import annotations
@@ -11,28 +12,46 @@ import asyncio
 import hashlib
 import json
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from router.token_cache import TokenCache
 from router.tokenizer import ModelPrompts, PromptError
 
 OFF_LOOP_CHARS = 2_000  # longer texts are tokenized in a thread
-CACHE_ENTRIES = 4_096
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 
 
 class BadPrompt(ValueError):
     """The request's prompt or messages are malformed (400)."""
 
 
+class PromptTooLong(BadPrompt):
+    """The prompt has more tokens than this router accepts (413)."""
+
+
 class Tokenization:
-    def __init__(self, tokenizer_dirs: dict[str, Path], session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        tokenizer_dirs: dict[str, Path],
+        session: aiohttp.ClientSession,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    ) -> None:
         self._models = {model: ModelPrompts(directory) for model, directory in tokenizer_dirs.items()}
         self._session = session
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.max_prompt_tokens = max_prompt_tokens
+        self.cache = TokenCache()
+
+    def _checked(self, tokens: Sequence[int]) -> Sequence[int]:
+        if len(tokens) > self.max_prompt_tokens:
+            raise PromptTooLong(
+                f"the prompt has {len(tokens)} tokens; this router accepts at most {self.max_prompt_tokens} "
+                "(--max-prompt-tokens)"
+            )
+        return tokens
 
     async def completion(self, model: str, body: dict[str, Any], worker_url: str) -> Sequence[int]:
         """Tokens of a completion's prompt (for a batch: its first prompt, which routes it)."""
@@ -40,6 +59,7 @@ class Tokenization:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of prompts: the first one routes it
         if isinstance(prompt, list) and prompt:
+            self._checked(prompt)  # before building anything from it
             try:  # array('I') checks every id in C, and hashing reads its bytes as they are
                 return array("I", prompt)
             except (TypeError, OverflowError):
@@ -49,10 +69,11 @@ class Tokenization:
         add_special = bool(body.get("add_special_tokens", True))
         prompts = self._models.get(model)
         if prompts is not None:
-            return await self._run(prompts.encode, prompt, add_special, heavy=len(prompt) > OFF_LOOP_CHARS)
+            tokens = await self._run(prompts.encode, prompt, add_special, heavy=len(prompt) > OFF_LOOP_CHARS)
+            return self._checked(tokens)
         return await self._ask(worker_url, {"model": model, "prompt": prompt, "add_special_tokens": add_special})
 
-    async def chat(self, model: str, body: dict[str, Any], worker_url: str) -> list[int]:
+    async def chat(self, model: str, body: dict[str, Any], worker_url: str) -> Sequence[int]:
         messages = body.get("messages")
         add_generation_prompt = bool(body.get("add_generation_prompt", True))
         if not isinstance(messages, list) or not messages:
@@ -63,9 +84,10 @@ class Tokenization:
             return await self._ask(worker_url, request)
         size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
         try:
-            return await self._run(prompts.chat_tokens, messages, add_generation_prompt, heavy=size > OFF_LOOP_CHARS)
+            tokens = await self._run(prompts.chat_tokens, messages, add_generation_prompt, heavy=size > OFF_LOOP_CHARS)
         except PromptError as exc:
             raise BadPrompt(str(exc)) from None
+        return self._checked(tokens)
 
     @staticmethod
     async def _run(function: Any, *args: Any, heavy: bool) -> list[int]:
@@ -73,18 +95,19 @@ class Tokenization:
             return list(await asyncio.get_running_loop().run_in_executor(None, function, *args))
         return list(function(*args))
 
-    async def _ask(self, worker_url: str, request: dict[str, Any]) -> list[int]:
+    async def _ask(self, worker_url: str, request: dict[str, Any]) -> Sequence[int]:
         key = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
-        cached = self._cache.get(key)
+        cached = self.cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(key)
             return cached
         async with self._session.post(f"{worker_url}/tokenize", json=request) as response:
             if response.status == 400:
                 raise BadPrompt((await response.text())[:500])
             response.raise_for_status()
-            tokens = list((await response.json())["tokens"])
-        self._cache[key] = tokens
-        while len(self._cache) > CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return tokens
+            tokens = (await response.json()).get("tokens")
+        try:
+            ids = array("I", self._checked(tokens))
+        except (TypeError, OverflowError):
+            raise aiohttp.ClientPayloadError(f"{worker_url}/tokenize answered no token ids") from None
+        self.cache.put(key, ids)
+        return ids

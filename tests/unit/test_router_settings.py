@@ -1,0 +1,49 @@
+"""router.settings: the limits, the pool and the retention from flags or KVROUTE_* variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.main import build_parser
+from router.settings import RouterSettings, settings_from_args
+
+
+def _settings(argv: list[str], env: dict[str, str] | None = None) -> RouterSettings:
+    return settings_from_args(build_parser().parse_args(argv), env or {})
+
+
+def test_defaults():
+    settings = _settings([])
+    assert settings.max_body_bytes == 32 << 20 and settings.max_prompt_tokens == 1 << 20
+    assert settings.redis_pool_size == 32 and settings.worker_retain_s == 30.0
+
+
+def test_variables_set_what_no_flag_does_and_flags_win():
+    env = {
+        "KVROUTE_MAX_BODY_BYTES": "2048",
+        "KVROUTE_MAX_PROMPT_TOKENS": "500",
+        "KVROUTE_REDIS_POOL_SIZE": "8",
+        "KVROUTE_WORKER_RETAIN_S": "2.5",
+    }
+    settings = _settings([], env)
+    assert (settings.max_body_bytes, settings.max_prompt_tokens, settings.redis_pool_size) == (2048, 500, 8)
+    assert settings.worker_retain_s == 2.5
+    flagged = _settings(["--max-prompt-tokens", "7", "--redis-pool-size", "4", "--worker-retain-s", "0"], env)
+    assert (flagged.max_prompt_tokens, flagged.redis_pool_size, flagged.worker_retain_s) == (7, 4, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], {"KVROUTE_MAX_PROMPT_TOKENS": "lots"}, "KVROUTE_MAX_PROMPT_TOKENS must be an integer, got 'lots'"),
+        ([], {"KVROUTE_WORKER_RETAIN_S": "soon"}, "KVROUTE_WORKER_RETAIN_S must be a number, got 'soon'"),
+        (["--max-prompt-tokens", "0"], {}, "--max-prompt-tokens must be at least 1"),
+        (["--redis-pool-size", "3"], {}, "--redis-pool-size must be at least 4"),
+        (["--worker-retain-s", "-1"], {}, "--worker-retain-s must be 0 or more"),
+        ([], {"KVROUTE_MAX_BODY_BYTES": "100"}, "--max-body-bytes must be at least 1024"),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_setting(argv, env, message):
+    with pytest.raises(ValueError) as error:
+        _settings(argv, env)
+    assert message in str(error.value) and "\n" not in str(error.value)
