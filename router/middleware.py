@@ -20,6 +20,7 @@ from aiohttp import web
 from kvservice.logs import log_request
 
 access_log = logging.getLogger("router.access")
+error_log = logging.getLogger("router.errors")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_fields", dict)
 QUIET_PATHS = frozenset({"/metrics", "/health", "/ready"})  # probes: logged at DEBUG
@@ -96,6 +97,17 @@ def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -
             reply = _http_error(exc, request)
             status = reply.status
             return reply
+        except Exception:
+            if request.writer.output_size > 0:
+                raise  # a reply was already under way: aiohttp closes the connection
+            # A bug, not the client's mistake: the traceback goes to the log, once, and the
+            # client gets an OpenAI-shaped 500 naming the request id to look for.
+            status = 500
+            error_log.exception(
+                "internal error on %s %s (request %s)", request.method, request.path, request[REQUEST_ID]
+            )
+            message = f"internal error in the router; its log has the details under request id {request[REQUEST_ID]}"
+            return error_response(500, message, "internal_error")
         finally:
             count(_route_label(request), status)
             _log_access(request, status, time.perf_counter() - started)
