@@ -19,6 +19,7 @@ from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.metrics import RouterMetrics
 from router.middleware import LOG_FIELDS, REQUEST_ID, ApiError, EdgeSettings, edge_middleware
+from router.openapi import document_bytes
 from router.prompts import BadPrompt, PromptTooLong, Tokenization
 from router.proxy import UpstreamFailed, forward
 from router.scoring import Candidate
@@ -227,6 +228,9 @@ def create_app(state: RouterState) -> web.Application:
     async def ready(_: web.Request) -> web.Response:
         return _readiness(state)
 
+    async def openapi(_: web.Request) -> web.Response:
+        return web.Response(body=document_bytes(), content_type="application/json")
+
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(state.metrics.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
@@ -243,6 +247,7 @@ def create_app(state: RouterState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 
