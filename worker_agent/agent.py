@@ -37,7 +37,8 @@ from prometheus_client import Histogram
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from worker_agent.engine import EngineClient, EngineMetrics
-from worker_agent.events import EventsWatch
+from worker_agent.events import EventsWatch, stay_connected
+from worker_agent.inbox import Inbox
 from worker_agent.liveness import Liveness
 from worker_agent.metrics import AgentCounters, Gauges
 from worker_agent.pipeline import EventPipeline, Received
@@ -73,6 +74,7 @@ class Agent:
         self.watch = EventsWatch(settings.events, settings.topic, settings.events_warn_after_s)
         self.liveness = Liveness(settings, index, self.writer, counters)
         self.restarts = RestartEvidence()
+        self.inbox = Inbox(settings.max_queued_messages, settings.max_queued_bytes, counters)
         self.engine_up = False
         self.exit_code = 0
         self._subscriber = subscriber
@@ -93,6 +95,8 @@ class Agent:
         # Heartbeats first and on their own: registration catches up from the replay buffer, which
         # may take up to --replay-deadline, and the worker must stay alive meanwhile.
         tasks = [asyncio.create_task(self._every(self.settings.heartbeat_interval_s, self._heartbeat_step))]
+        tasks.append(asyncio.create_task(self.inbox.fill_from(self._subscriber, self.watch.message)))
+        tasks.append(asyncio.create_task(stay_connected(self._subscriber, self.settings.events, self.counters)))
         try:
             if not await self._start():
                 return self.exit_code
@@ -194,20 +198,9 @@ class Agent:
 
     # --- events ---------------------------------------------------------------------------
 
-    async def _receive(self) -> list[Received]:
-        """The next message, and any queued behind it (up to MAX_MESSAGES_PER_STEP)."""
-        messages = [Received(await self._subscriber.recv_multipart())]
-        while len(messages) < MAX_MESSAGES_PER_STEP:
-            try:
-                messages.append(Received(await self._subscriber.recv_multipart(flags=zmq.NOBLOCK)))
-            except zmq.Again:
-                break
-        self.watch.message()
-        return messages
-
     async def _events_loop(self) -> None:
         while True:
-            messages = await self._receive()
+            messages = await self.inbox.take(MAX_MESSAGES_PER_STEP)
             await self._guarded(functools.partial(self._apply, messages), "_apply")
 
     async def _apply(self, messages: list[Received]) -> None:
@@ -328,4 +321,6 @@ class Agent:
             events_silent=self.watch.silent,
             last_event_timestamp_seconds=self.watch.last_message_time or 0.0,
             engine_start_time_seconds=self.restarts.start_time or 0.0,
+            queued_messages=len(self.inbox),
+            queued_bytes=self.inbox.bytes,
         )

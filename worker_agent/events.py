@@ -22,11 +22,15 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvservice.lifecycle import StartupError, listening
+from worker_agent.metrics import AgentCounters
 
 log = logging.getLogger(__name__)
-RECEIVE_HWM = 100_000  # vLLM's own send HWM: ride out bursts
+# The agent's reader moves messages into its inbox (worker_agent.inbox, bounded in bytes too) as
+# they arrive, so ZMQ's own queue stays near empty; this only caps it should the reader fall behind.
+RECEIVE_HWM = 1_000
 
 
 def binds(endpoint: str) -> bool:
@@ -34,10 +38,15 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint
 
 
-def subscribe(socket: zmq.asyncio.Socket, endpoint: str, topic: str) -> None:
+def subscribe(socket: zmq.asyncio.Socket, endpoint: str, topic: str, max_message_bytes: int = 16 << 20) -> None:
     """Set up ``socket`` (a SUB) for ``topic`` and bind or connect it to ``endpoint``. A bind that
-    fails (the port is taken) or an endpoint ZMQ rejects is a :class:`StartupError`."""
+    fails (the port is taken) or an endpoint ZMQ rejects is a :class:`StartupError`.
+
+    A frame over ``max_message_bytes`` makes ZMQ drop the connection before the frame is held
+    (ZMQ_MAXMSGSIZE): it never reaches the agent, and shows as a sequence gap once the engine's
+    publisher is connected again."""
     socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
     try:
@@ -48,6 +57,36 @@ def subscribe(socket: zmq.asyncio.Socket, endpoint: str, topic: str) -> None:
             socket.connect(endpoint)
     except zmq.ZMQError as exc:
         raise StartupError(f"cannot use --events {endpoint}: {exc.strerror}") from None
+
+
+async def stay_connected(socket: zmq.asyncio.Socket, endpoint: str, counters: AgentCounters) -> None:
+    """Forever: count each dropped connection to the engine's publisher, and connect again.
+
+    ZMQ reconnects a connection that failed by itself, but not one it dropped for a protocol error,
+    and a frame over ZMQ_MAXMSGSIZE is one: the agent would never hear the engine again. So on every
+    disconnect of an endpoint it connects to, the agent disconnects and connects it afresh (which is
+    what ZMQ would have done for any other failure). A bound endpoint needs nothing: the engine's
+    PUB connects, and reconnects, by itself."""
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    last_log = 0.0
+    try:
+        while True:
+            parse_monitor_message(await monitor.recv_multipart())
+            counters.events_disconnects += 1
+            if time.monotonic() - last_log > 5.0:
+                last_log = time.monotonic()
+                log.warning(
+                    "lost the connection to the KV-event publisher at %s (%d so far): the engine went away, "
+                    "or sent a message over --max-message-bytes (it is a gap); connecting again",
+                    endpoint,
+                    counters.events_disconnects,
+                )
+            if not binds(endpoint):
+                socket.disconnect(endpoint)
+                socket.connect(endpoint)
+    finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
 
 
 class EventsWatch:

@@ -65,7 +65,9 @@ async def run_agent(settings: AgentSettings) -> int:
         stack.callback(context.destroy, linger=0)
         subscriber = context.socket(zmq.SUB)
         stack.callback(subscriber.close, linger=0)
-        subscribe(subscriber, settings.events, settings.topic)  # first: nothing published from now on is lost
+        subscribe(
+            subscriber, settings.events, settings.topic, settings.max_message_bytes
+        )  # first: nothing published from now on is lost
         session = await stack.enter_async_context(aiohttp.ClientSession())
         counters = AgentCounters()
         registry, latency = new_registry()
@@ -74,9 +76,7 @@ async def run_agent(settings: AgentSettings) -> int:
             RedisIndex(client, KeySchema(settings.redis.prefix)),
             EngineClient(session, settings.engine_url, settings.dp_rank),
             subscriber,
-            ReplayClient(context, settings.replay, settings.replay_timeout_s, settings.replay_deadline_s)
-            if settings.replay
-            else None,
+            _replay_client(context, settings),
             counters,
             latency,
             stop,
@@ -86,6 +86,19 @@ async def run_agent(settings: AgentSettings) -> int:
             await _serve_http(stack, create_app(agent, registry), settings)
         _log_start(settings)
         return await agent.run()
+
+
+def _replay_client(context: zmq.asyncio.Context, settings: AgentSettings) -> ReplayClient | None:
+    if settings.replay is None:
+        return None
+    return ReplayClient(
+        context,
+        settings.replay,
+        settings.replay_timeout_s,
+        settings.replay_deadline_s,
+        settings.max_message_bytes,
+        settings.max_queued_bytes,
+    )
 
 
 def _log_start(settings: AgentSettings) -> None:

@@ -28,6 +28,8 @@ class AgentCounters:
     replays_timed_out: int = 0  # answers without their end marker (idle, or at --replay-deadline)
     resyncs: int = 0  # gaps that replay could not repair: the worker was cleared and rebuilt
     decode_errors: int = 0
+    dropped_messages: int = 0  # the inbox was full: each one is a sequence gap
+    events_disconnects: int = 0  # the connection to the engine's publisher dropped
     unknown_events: int = 0
     unknown_keys: int = 0
     wrong_topic: int = 0
@@ -52,6 +54,8 @@ class Gauges:
     events_silent: bool = False
     last_event_timestamp_seconds: float = 0.0
     engine_start_time_seconds: float = 0.0
+    queued_messages: int = 0
+    queued_bytes: int = 0
 
 
 _HELP = {
@@ -65,6 +69,8 @@ _HELP = {
     "replays_timed_out": "Replays that ended without the engine's end marker (idle, or at --replay-deadline)",
     "resyncs": "Unrepairable gaps: the worker's entries were cleared and rebuilt from new events",
     "decode_errors": "Malformed messages, counted and skipped",
+    "dropped_messages": "KV-event messages dropped because the agent held too many (a gap, repaired by replay)",
+    "events_disconnects": "Connections to the engine's KV-event publisher lost (engine gone, or a message too big)",
     "unknown_events": "Events of unknown types, counted and skipped",
     "unknown_keys": "Events with keys this decoder does not know",
     "wrong_topic": "Messages on another topic, skipped",
@@ -87,6 +93,8 @@ _GAUGE_HELP = {
     "last_event_timestamp_seconds": "Unix time of the last KV-event message received (0: none yet)",
     "engine_start_time_seconds": "The engine's process_start_time_seconds as last read (0: unknown; a change: restart)",
 }
+_GAUGE_HELP["queued_messages"] = "KV-event messages received and not yet applied"
+_GAUGE_HELP["queued_bytes"] = "Bytes of the KV-event messages received and not yet applied"
 _TRANSLATE_HELP = {
     "blocks_stored": "Blocks stored by the engine and translated",
     "blocks_removed": "Block copies removed by the engine and translated",

@@ -54,6 +54,10 @@ class AgentSettings:
     gc_interval_s: float = 10.0
     replay_timeout_s: float = 2.0  # a replay's idle timeout
     replay_deadline_s: float = 5.0  # a replay's total time bound
+    # Limits on what one engine can make the agent hold (see docs/agent.md, "Limits").
+    max_message_bytes: int = 16 << 20  # per ZMQ frame: ~27x a 64k-token step's batch
+    max_queued_messages: int = 100_000  # received, not yet applied (vLLM's own send HWM)
+    max_queued_bytes: int = 256 << 20
     # Warn when the engine keeps serving requests this long with no KV event arriving (0: never).
     events_warn_after_s: float = 30.0
 
@@ -79,6 +83,13 @@ class AgentSettings:
             raise ValueError("--reassert-interval and --verify-interval must be positive")
         if not self.replay_deadline_s > 0:  # NaN too
             raise ValueError(f"--replay-deadline must be positive, got {self.replay_deadline_s}")
+        for flag, value in (
+            ("--max-message-bytes", self.max_message_bytes),
+            ("--max-queued-messages", self.max_queued_messages),
+            ("--max-queued-bytes", self.max_queued_bytes),
+        ):
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
         if self.worker_id is not None and not self.worker_id:
             raise ValueError("--worker-id must not be empty")
         if not self.events_warn_after_s >= 0:  # NaN too
@@ -125,6 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replay-deadline", type=float, help="seconds one replay from the engine may take in all (default 5)"
     )
+    parser.add_argument(
+        "--max-message-bytes", type=int, help="largest KV-event message frame accepted (default 16 MiB)"
+    )
+    parser.add_argument(
+        "--max-queued-messages", type=int, help="KV-event messages held before dropping (default 100000)"
+    )
+    parser.add_argument("--max-queued-bytes", type=int, help="KV-event bytes held before dropping (default 256 MiB)")
     add_log_arguments(parser)
 
 
@@ -160,6 +178,9 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         values["verify_interval_s"] = args.verify_interval
     if args.replay_deadline is not None:
         values["replay_deadline_s"] = args.replay_deadline
+    for name in ("max_message_bytes", "max_queued_messages", "max_queued_bytes"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
     if "events_warn_after" in values:
         values["events_warn_after_s"] = values.pop("events_warn_after")
     values["redis"] = RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix)

@@ -11,6 +11,8 @@ from kvindex.types import WorkerLoad
 from tests.conftest import CAPTURES
 from worker_agent.engine import EngineMetrics, parse_metrics, root_url
 from worker_agent.events import EventsWatch
+from worker_agent.inbox import Inbox
+from worker_agent.metrics import AgentCounters
 from worker_agent.restarts import RestartEvidence
 from worker_agent.settings import add_arguments, settings_from_args
 
@@ -52,6 +54,12 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--ttl-ms", "500"], {}, "two heartbeat"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--replay", "tcp://*:2"], {}, "engine's host"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--events-warn-after", "-1"], {}, ">= 0"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--replay-deadline", "0"], {}, "--replay-deadline"),
+        (
+            ["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--max-queued-bytes", "0"],
+            {},
+            "--max-queued-bytes",
+        ),
         (
             ["--engine-url", "http://e:8000", "--events", "tcp://e:1"],
             {"KVROUTE_EVENTS_WARN_AFTER": "soon"},
@@ -226,3 +234,15 @@ def test_without_a_start_time_a_counter_going_back_is_a_restart():
     assert evidence.observe(reading(prompts=3, successes=0)) == "vllm:prompt_tokens_total went back from 120 to 3"
     assert evidence.observe(reading(prompts=4, successes=1)) is None  # counted from the new process on
     assert evidence.observe(reading()) is None and evidence.observe(reading(prompts=4, successes=1)) is None
+
+
+async def test_the_inbox_holds_what_its_bounds_allow_and_counts_the_rest():
+    counters = AgentCounters()
+    inbox = Inbox(max_messages=3, max_bytes=100, counters=counters)
+    assert inbox.put([b"kv", b"a" * 40]) and inbox.put([b"kv", b"b" * 40])
+    assert not inbox.put([b"kv", b"c" * 40])  # 126 bytes would be over 100
+    assert inbox.put([b"kv", b"d"]) and not inbox.put([b"kv"])  # the fourth message is one too many
+    assert counters.dropped_messages == 2 and len(inbox) == 3 and inbox.bytes == 87
+    taken = await inbox.take(2)
+    assert [m.frames[1] for m in taken] == [b"a" * 40, b"b" * 40] and inbox.bytes == 3
+    assert inbox.put([b"kv", b"e" * 40]) and len(inbox) == 2

@@ -11,7 +11,8 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
-from tests.agent_support import CHAIN, registered, stored, wait_for_match
+from sim_engine.kv_events import removed_event
+from tests.agent_support import CHAIN, registered, removed, stored, wait_for_match
 from tests.conftest import server_kinds
 from tests.e2e.agent.conftest import RedisProxy, gated_agent, start_agent, stop_agent
 from tests.support import wait_until
@@ -180,5 +181,71 @@ async def test_an_engine_counter_going_back_is_a_restart_without_waiting_for_an_
         await wait_for_match(index, unique_name, [2])
         assert await process.metric("kvroute_agent_engine_restarts_total") == 1
         assert "vllm:prompt_tokens_total went back from 500 to 12" in process.log()
+    finally:
+        stop_agent(process)
+
+
+@pytest.mark.faults
+async def test_a_full_inbox_drops_messages_and_the_index_ends_exact(engine, gate, server, index, unique_name):
+    """While a replay holds the event stream, a burst overflows the agent's inbox (4 messages here):
+    the dropped ones are a gap like any other, repaired from the engine's buffer."""
+    args = ("--max-queued-messages", "4", "--replay-deadline", "3")
+    process = gated_agent(engine, server.url, gate, *args)
+    pub = engine.publisher
+    try:
+        await wait_until(lambda: registered(index, unique_name), 15)
+        await pub.publish([stored(0, 8)])
+        await wait_for_match(index, unique_name, [8])
+        gate.stall = True
+        await pub.publish([removed(7)], deliver=False)  # lost: the next one opens a gap -> a replay
+        await pub.publish([removed(6)])
+
+        async def replaying() -> bool:
+            return gate.requests == 2  # the start-up catch-up, then this gap
+
+        await wait_until(replaying, 10)
+        burst = [[removed(b)] for b in (5, 4, 3, 2, 1)] + [[stored(1, 2)], [stored(2, 3)], [removed(2)]]
+        for events in burst:  # 4 wait in the inbox, 4 are dropped, among them the last removal
+            await pub.publish(events)
+        gate.stall = False
+
+        async def dropped() -> bool:
+            return await process.metric("kvroute_agent_dropped_messages_total") >= 1
+
+        await wait_until(dropped, 10)
+        await pub.publish([])  # an empty batch after the burst shows the gap at its end
+        await wait_for_match(index, unique_name, [2])  # the engine holds blocks 0 and 1
+        assert await process.metric("kvroute_agent_resyncs_total") == 0
+        assert any("dropped" in line and "--max-queued-messages 4" in line for line in process.log().splitlines())
+    finally:
+        stop_agent(process)
+
+
+@pytest.mark.faults
+async def test_a_message_over_the_size_limit_never_reaches_the_index(engine, server, index, unique_name):
+    process = start_agent(engine, server.url, "--max-message-bytes", "65536")
+    pub = engine.publisher
+    try:
+        await pub.publish([stored(0, 4)])
+        await wait_for_match(index, unique_name, [4])
+        noise = [removed_event([10**12 + i]) for i in range(3000)]  # removals of unknown blocks
+        frames = await pub.publish([stored(4, 6), *noise])
+        assert len(frames[2]) > 65536
+        received = await process.metric("kvroute_agent_batches_received_total")
+
+        async def connected_again() -> bool:  # ZMQ dropped the connection on it; the agent reconnects
+            await pub.publish([])
+            return await process.metric("kvroute_agent_batches_received_total") > received
+
+        await wait_until(connected_again, 15, interval=0.2)
+
+        async def resynced() -> bool:  # the replay socket refuses the big message too: unrepairable
+            return await process.metric("kvroute_agent_resyncs_total") == 1
+
+        await wait_until(resynced, 15)
+        await wait_for_match(index, unique_name, [0])  # cleared rather than guessed: blocks 4, 5 never indexed
+        assert await process.metric("kvroute_agent_blocks_stored_total") == 4
+        assert await process.metric("kvroute_agent_events_disconnects_total") >= 1
+        assert process.process is not None and process.process.poll() is None
     finally:
         stop_agent(process)
