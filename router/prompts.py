@@ -56,8 +56,10 @@ class Tokenization:
     async def completion(self, model: str, body: dict[str, Any], worker_url: str) -> Sequence[int]:
         """Tokens of a completion's prompt (for a batch: its first prompt, which routes it)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list | array):
             prompt = prompt[0]  # a batch of prompts: the first one routes it
+        if isinstance(prompt, array) and prompt:  # a long one, decoded in slices (router.body)
+            return self._checked(prompt)
         if isinstance(prompt, list) and prompt:
             self._checked(prompt)  # before building anything from it
             try:  # array('I') checks every id in C, and hashing reads its bytes as they are

@@ -45,7 +45,9 @@ async def test_deeply_nested_json_is_a_one_line_400_and_the_router_keeps_serving
 async def test_the_nesting_message_names_the_problem(router):
     async with (
         aiohttp.ClientSession() as session,
-        session.post(router.url + "/v1/completions", data=_nested(100_000).encode()) as response,
+        session.post(
+            router.url + "/v1/completions", data=b'{"prompt": ' + _nested(100_000).encode() + b"}"
+        ) as response,
     ):
         reply = await response.json()
     assert response.status == 400 and reply["error"]["message"] == "the request body is nested too deeply"
