@@ -42,7 +42,14 @@ class Fields(msgspec.Struct):
     add_generation_prompt: Any = msgspec.UNSET
 
 
+class TokenizeAnswer(msgspec.Struct):
+    """A worker's ``/tokenize`` answer, as far as the router reads it."""
+
+    tokens: msgspec.Raw = msgspec.Raw()
+
+
 _FIELDS = msgspec.json.Decoder(Fields)
+_TOKENIZED = msgspec.json.Decoder(TokenizeAnswer)
 _IDS = msgspec.json.Decoder(list[int])
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 _ANY = msgspec.json.Decoder()
@@ -67,6 +74,30 @@ async def decode_body(raw: bytes, max_prompt_tokens: int) -> dict[str, Any]:
     return body
 
 
+async def decode_token_answer(raw: bytes, max_prompt_tokens: int) -> array:
+    """The token ids of a ``/tokenize`` answer, a long list in slices (as :func:`decode_prompt`);
+    :class:`BodyError` when it has none or too many."""
+    try:
+        answer = _TOKENIZED.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        raise BodyError("the answer is not a JSON object") from None
+    tokens = await decode_prompt(bytes(answer.tokens), max_prompt_tokens)
+    if isinstance(tokens, array):
+        return tokens
+    if not isinstance(tokens, list):
+        raise BodyError("the answer has no 'tokens' array")
+    if len(tokens) > max_prompt_tokens:
+        raise BodyError(too_long(len(tokens), max_prompt_tokens), 413)
+    try:
+        return array("I", tokens)
+    except (TypeError, OverflowError):
+        raise BodyError("token ids must be integers in 0..4294967295") from None
+
+
+def too_long(tokens: int, limit: int) -> str:
+    return f"the prompt has {tokens} tokens; this router accepts at most {limit} (--max-prompt-tokens)"
+
+
 async def decode_prompt(raw: bytes, max_prompt_tokens: int) -> Any:
     """``raw`` decoded; a long flat array of numbers in slices, into an ``array('I')``; of a
     long batch only its first prompt (the one that routes it)."""
@@ -80,10 +111,7 @@ async def decode_prompt(raw: bytes, max_prompt_tokens: int) -> Any:
         return _decode(_ANY, raw)
     tokens = raw.count(b",") + 1
     if tokens > max_prompt_tokens:
-        raise BodyError(
-            f"the prompt has {tokens} tokens; this router accepts at most {max_prompt_tokens} (--max-prompt-tokens)",
-            413,
-        )
+        raise BodyError(too_long(tokens, max_prompt_tokens), 413)
     return await _token_ids(raw)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from router.body import BodyError, decode_token_answer, too_long
 from router.token_cache import TokenCache
 from router.tokenizer import ModelPrompts, PromptError
 
@@ -47,10 +48,7 @@ class Tokenization:
 
     def _checked(self, tokens: Sequence[int]) -> Sequence[int]:
         if len(tokens) > self.max_prompt_tokens:
-            raise PromptTooLong(
-                f"the prompt has {len(tokens)} tokens; this router accepts at most {self.max_prompt_tokens} "
-                "(--max-prompt-tokens)"
-            )
+            raise PromptTooLong(too_long(len(tokens), self.max_prompt_tokens))
         return tokens
 
     async def completion(self, model: str, body: dict[str, Any], worker_url: str) -> Sequence[int]:
@@ -106,10 +104,12 @@ class Tokenization:
             if response.status == 400:
                 raise BadPrompt((await response.text())[:500])
             response.raise_for_status()
-            tokens = (await response.json()).get("tokens")
-        try:
-            ids = array("I", self._checked(tokens))
-        except (TypeError, OverflowError):
-            raise aiohttp.ClientPayloadError(f"{worker_url}/tokenize answered no token ids") from None
+            answer = await response.read()
+        try:  # a long answer is decoded in slices, like a long token-id prompt
+            ids = await decode_token_answer(answer, self.max_prompt_tokens)
+        except BodyError as exc:
+            if exc.status == 413:
+                raise PromptTooLong(str(exc)) from None
+            raise aiohttp.ClientPayloadError(f"{worker_url}/tokenize: {exc}") from None
         self.cache.put(key, ids)
         return ids

@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from router.body import SLICE_BYTES, TOO_DEEP, BodyError, decode_body
+from router.body import SLICE_BYTES, TOO_DEEP, BodyError, decode_body, decode_token_answer
 
 LONG = [(i * 7919) % 200_000 for i in range(3 * SLICE_BYTES // 6)]  # ~3 slices of ids
 
@@ -83,3 +83,19 @@ async def test_a_long_prompt_yields_to_the_event_loop_between_slices():
     await asyncio.sleep(0)
     assert not task.done()
     assert (await task)["prompt"] == array("I", LONG)
+
+
+async def test_a_tokenize_answer_gives_its_ids_as_an_array_long_or_short():
+    answer = {"count": len(LONG), "max_model_len": 4096, "tokens": LONG, "token_strs": None}
+    assert await decode_token_answer(json.dumps(answer).encode(), 10**7) == array("I", LONG)
+    assert await decode_token_answer(b'{"tokens": [3, 4]}', 10) == array("I", [3, 4])
+
+
+@pytest.mark.parametrize(
+    ("raw", "limit", "status"),
+    [(b'{"tokens": [1, 2, 3]}', 2, 413), (b"{}", 10, 400), (b'{"tokens": "x"}', 10, 400), (b"[]", 10, 400)],
+)
+async def test_a_tokenize_answer_without_usable_ids_is_an_error(raw, limit, status):
+    with pytest.raises(BodyError) as error:
+        await decode_token_answer(raw, limit)
+    assert error.value.status == status
