@@ -211,6 +211,9 @@ class Agent:
                 await self._register_and_catch_up()
             try:
                 await self.pipeline.process(messages)
+                if self.inbox.lost and not len(self.inbox):  # the dropped ones came after these
+                    self.inbox.lost = False
+                    await self.pipeline.repair_drops()
             except Exception:  # a bug must not stop the agent: rebuild from the replay buffer
                 self.counters.internal_errors += 1
                 log.exception("failed to apply engine batches; rebuilding this worker's entries")

@@ -4,8 +4,10 @@ A reader task drains the SUB socket into the inbox as fast as messages arrive, s
 agent holds is counted here rather than in ZMQ's queue (which counts messages, not bytes). When
 Redis is slow or a replay holds the event stream, messages wait here; when the inbox is full, a
 new message is dropped, counted and logged. A dropped message is a sequence gap like one ZMQ
-drops: the next message that is applied shows it, and the pipeline repairs it from the engine's
-replay buffer or, failing that, clears and rebuilds the worker (never over-crediting it).
+drops, repaired from the engine's replay buffer or, failing that, by clearing and rebuilding the
+worker (never over-crediting it). Unlike a ZMQ drop, the agent knows of it: :attr:`Inbox.lost`
+says so, and once the inbox is empty the agent repairs at once rather than wait for a later
+message to show the gap (the dropped ones may have been the last for a while).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Inbox:
         self.max_messages = max_messages
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.lost = False  # a message was dropped since the agent last repaired
         self._counters = counters
         self._items: deque[tuple[Received, int]] = deque()
         self._ready = asyncio.Event()
@@ -52,6 +55,7 @@ class Inbox:
         return True
 
     def _drop(self) -> None:
+        self.lost = True
         self._counters.dropped_messages += 1
         dropped = self._counters.dropped_messages
         now = time.monotonic()

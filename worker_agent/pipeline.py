@@ -166,6 +166,15 @@ class EventPipeline:
         self.reset()
         await self.writer.clear()
 
+    async def repair_drops(self) -> None:
+        """Messages after the last one applied were dropped before reaching the pipeline: fetch
+        everything from the next seq on (later live copies are duplicates), or resync."""
+        if self._sequencer.expected is None:
+            return  # nothing applied yet: the next message's seq shows what is missing
+        self._counters.gaps += 1
+        log.info("messages were dropped after seq %d: repairing from the replay buffer", self.last_seq)
+        await self._repair(self._sequencer.expected, None)
+
     async def catch_up(self) -> None:
         """On (re)registration (the worker is empty): forget the old stream and rebuild from every
         batch the engine still buffers."""

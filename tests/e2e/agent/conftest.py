@@ -84,14 +84,18 @@ async def engine(unique_name: str) -> AsyncIterator[FaultyEngine]:
 class RedisProxy:
     """A TCP proxy (in this process) to a Redis server on ``upstream_port``. ``hide_run_id`` renames
     the ``run_id`` field of INFO replies, as some proxies and managed services leave it out: the bytes
-    keep their length, so the RESP framing stays valid."""
+    keep their length, so the RESP framing stays valid. :meth:`pause` holds every command until
+    :meth:`resume` (a Redis that stopped answering)."""
 
     def __init__(self, upstream_port: int, hide_run_id: bool = False) -> None:
         self.upstream_port = upstream_port
         self.hide_run_id = hide_run_id
         self.port = 0
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     @property
     def url(self) -> str:
@@ -102,11 +106,18 @@ class RedisProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
+    def pause(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     async def stop(self) -> None:
+        self.resume()
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
+        for writer in self._writers:
+            writer.close()  # the pipes end and their tasks return
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
@@ -119,21 +130,27 @@ class RedisProxy:
             client_writer.close()
             self._tasks.discard(task)
             return
+        self._writers |= {client_writer, upstream_writer}
         try:
             await asyncio.gather(
-                self._pipe(client_reader, upstream_writer, False),
+                self._pipe(client_reader, upstream_writer, False, self._flowing),
                 self._pipe(upstream_reader, client_writer, self.hide_run_id),
                 return_exceptions=True,
             )
         finally:
             client_writer.close()
             upstream_writer.close()
+            self._writers -= {client_writer, upstream_writer}
             self._tasks.discard(task)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hide: bool) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hide: bool, gate: asyncio.Event | None = None
+    ) -> None:
         held = b""  # a chunk's tail that may be the start of "run_id:" (a RESP reply ends in \r\n)
         try:
             while chunk := await reader.read(65536):
+                if gate is not None:
+                    await gate.wait()
                 data = held + chunk
                 held = b""
                 if hide:

@@ -12,9 +12,9 @@ from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from sim_engine.kv_events import removed_event
-from tests.agent_support import CHAIN, registered, removed, stored, wait_for_match
+from tests.agent_support import BS, CHAIN, registered, removed, stored, wait_for_match
 from tests.conftest import server_kinds
-from tests.e2e.agent.conftest import RedisProxy, gated_agent, start_agent, stop_agent
+from tests.e2e.agent.conftest import FaultyEngine, RedisProxy, gated_agent, start_agent, stop_agent
 from tests.support import wait_until
 
 LOAD_LINES = (
@@ -213,7 +213,7 @@ async def test_a_full_inbox_drops_messages_and_the_index_ends_exact(engine, gate
             return await process.metric("kvroute_agent_dropped_messages_total") >= 1
 
         await wait_until(dropped, 10)
-        await pub.publish([])  # an empty batch after the burst shows the gap at its end
+        # No later message is needed to show the gap: the agent knows it dropped some.
         await wait_for_match(index, unique_name, [2])  # the engine holds blocks 0 and 1
         assert await process.metric("kvroute_agent_resyncs_total") == 0
         assert any("dropped" in line and "--max-queued-messages 4" in line for line in process.log().splitlines())
@@ -249,3 +249,38 @@ async def test_a_message_over_the_size_limit_never_reaches_the_index(engine, ser
         assert process.process is not None and process.process.poll() is None
     finally:
         stop_agent(process)
+
+
+@pytest.mark.faults
+async def test_without_replay_drops_never_leave_blocks_the_engine_lacks(server, index, unique_name):
+    """Redis stops answering mid-write; a burst overflows the inbox; with no replay endpoint the
+    dropped removals are lost for good: the worker is cleared rather than left claiming them."""
+    engine = await FaultyEngine(model=unique_name, block_size=BS).start(replay=False)
+    proxy = await RedisProxy(server.port).start()
+    process = start_agent(engine, proxy.url, "--max-queued-messages", "4", replay=False)
+    pub = engine.publisher
+    try:
+        await wait_until(lambda: registered(index, unique_name), 15)
+        await pub.publish([stored(0, 8)])
+        await wait_for_match(index, unique_name, [8])
+        proxy.pause()
+        await pub.publish([removed(7)])
+
+        async def writing() -> bool:  # the agent took it and is waiting on Redis (2 s timeout)
+            return await process.metric("kvroute_agent_batches_received_total") == 2
+
+        await wait_until(writing, 10)
+        for block in (6, 5, 4, 3, 2, 1):  # 4 wait in the inbox; the removals of 2 and 1 are dropped
+            await pub.publish([removed(block)])
+
+        async def dropped() -> bool:
+            return await process.metric("kvroute_agent_dropped_messages_total") >= 1
+
+        await wait_until(dropped, 10)
+        proxy.resume()  # no later message is needed: the agent knows it dropped some
+        await wait_for_match(index, unique_name, [0])  # the engine holds block 0 alone; never more claimed
+        assert await process.metric("kvroute_agent_resyncs_total") == 1
+    finally:
+        stop_agent(process)
+        await proxy.stop()
+        await engine.stop()
