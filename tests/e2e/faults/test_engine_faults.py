@@ -54,7 +54,6 @@ async def test_engine_metrics_garbage(redis_server):
     async with open_scene(redis_server) as scene:
         engines = [running.faults for running in scene.fleet.engines]
         await scene.prime()
-        since = time.monotonic()
         for faults, rewrite in zip(engines, GARBAGE, strict=True):
             faults.metrics_rewrite = rewrite
 
@@ -62,7 +61,7 @@ async def test_engine_metrics_garbage(redis_server):
             return all(f.metrics_rewritten >= SCRAPES for f in engines)
 
         await wait_until(scraped, 30)
-        recovery = await scene.recover(since)  # quality with the garbage still served
+        recovery = await scene.recover(time.monotonic())  # with the garbage still served: ~0 if never lost
         assert all(agent.process.poll() is None for agent in scene.fleet.agents), "an agent died"
         await scene.traffic.pause()
         chosen = []
