@@ -5,13 +5,15 @@ belong (the worker stays registered and routable)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import pytest
 
 from tests.e2e.faults.measure import MODEL, open_scene
-from tests.support import wait_until
+from tests.support import ROOT, wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -73,3 +75,11 @@ async def test_engine_metrics_garbage(redis_server):
         figures = scene.figures("engine_metrics_garbage", [recovery], probes_to_holder=f"{sum(chosen)}/{len(chosen)}")
         scene.check(figures, [recovery])
         assert all(chosen), chosen
+
+
+def test_a_negative_drop_events_every_is_refused_in_one_line():
+    command = [sys.executable, "-m", "sim_engine", "--port", "0", "--drop-events-every", "-1"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].endswith("--drop-events-every must be >= 0 (0: drop none), got -1")
+    assert "Traceback" not in result.stderr
