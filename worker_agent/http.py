@@ -1,9 +1,12 @@
 """The agent's own HTTP endpoints: GET /health (JSON; 200 while the worker is in the index and
-its engine answers, 503 otherwise) and GET /metrics (Prometheus text). Each request is logged at DEBUG: scrapes and
-health checks come every few seconds and would drown the agent's own INFO lines."""
+its engine answers, 503 otherwise) and GET /metrics (Prometheus text). Each request is one
+access-log record (:func:`kvservice.logs.log_request`, as the router and the simulated engine
+write them): at DEBUG for these two paths, which scrapers and health checks call every few
+seconds and would drown the agent's own INFO lines, at INFO for anything else (a wrong path)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -11,20 +14,30 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvservice.logs import log_request
 from worker_agent.agent import Agent
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+QUIET_PATHS = frozenset({"/metrics", "/health"})  # probes and scrapes: logged at DEBUG
 
 
 @web.middleware
-async def _log_at_debug(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def _access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
-    response = await handler(request)
-    if log.isEnabledFor(logging.DEBUG):
-        took_ms = 1000 * (time.perf_counter() - started)
-        log.debug("%s %s %d in %.1f ms", request.method, request.path, response.status, took_ms)
-    return response
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's code)
+        raise
+    finally:
+        log_request(log, request.method, request.path, status, time.perf_counter() - started, QUIET_PATHS)
 
 
 def health_body(agent: Agent) -> dict[str, object]:
@@ -55,7 +68,7 @@ def create_app(agent: Agent, registry: CollectorRegistry) -> web.Application:
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 
-    app = web.Application(middlewares=[_log_at_debug])
+    app = web.Application(middlewares=[_access_log])
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import fields
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
 from tests.conftest import CAPTURES
 from worker_agent.engine import EngineMetrics, parse_metrics, root_url
 from worker_agent.events import EventsWatch
 from worker_agent.inbox import Inbox
-from worker_agent.metrics import AgentCounters
+from worker_agent.metrics import AgentCollector, AgentCounters, Gauges, new_registry
 from worker_agent.restarts import RestartEvidence
 from worker_agent.settings import add_arguments, settings_from_args
+from worker_agent.translate import TranslateCounters
 
 CAPTURE = CAPTURES / "run1_metrics.txt"
 
@@ -246,3 +250,20 @@ async def test_the_inbox_holds_what_its_bounds_allow_and_counts_the_rest():
     taken = await inbox.take(2)
     assert [m.frames[1] for m in taken] == [b"a" * 40, b"b" * 40] and inbox.bytes == 3
     assert inbox.put([b"kv", b"e" * 40]) and len(inbox) == 2
+
+
+def test_every_counter_and_gauge_is_on_the_metrics_page_with_its_help():
+    counters = AgentCounters(engine_metric_errors=2, dropped_messages=3, replays_timed_out=1, heartbeats=9)
+    gauges = Gauges(0, 0, 0, True, True, 7, engine_start_time_seconds=1.5e9, queued_messages=4, queued_bytes=99)
+    registry, _ = new_registry()
+    registry.register(AgentCollector(counters, TranslateCounters, lambda: gauges))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    counter_names = {f.name for f in fields(AgentCounters)} - {"reasserts"}
+    for name in counter_names:  # a counter without a help text would silently be left out
+        assert families[f"kvroute_agent_{name}"].type == "counter" and families[f"kvroute_agent_{name}"].documentation
+    for name in (f.name for f in fields(Gauges)):
+        assert families[f"kvroute_agent_{name}"].type == "gauge"
+    values = {s.name: s.value for f in families.values() for s in f.samples}
+    assert values["kvroute_agent_engine_metric_errors_total"] == 2 and values["kvroute_agent_heartbeats_total"] == 9
+    assert values["kvroute_agent_dropped_messages_total"] == 3 and values["kvroute_agent_replays_timed_out_total"] == 1
+    assert values["kvroute_agent_queued_bytes"] == 99 and values["kvroute_agent_engine_start_time_seconds"] == 1.5e9

@@ -76,13 +76,16 @@ def test_a_wildcard_replay_endpoint_is_a_bad_setting():
     assert "--replay must name the engine's host" in line
 
 
-async def test_json_logs_are_one_object_per_line_and_requests_log_at_debug(engine, server, index, unique_name):
+async def test_json_logs_are_one_object_per_line_and_scrapes_log_at_debug(engine, server, index, unique_name):
     process = AgentProcess([*agent_args(engine, server.url), "--log-format", "json"]).start()
     try:
         await wait_until(lambda: registered(index, unique_name), 10)
         for _ in range(3):
             await process.metrics()
             await process.health()
+        wrong_path = f"http://127.0.0.1:{process.metrics_port}/nope"
+        async with aiohttp.ClientSession() as session, session.get(wrong_path) as response:
+            assert response.status == 404
         await engine.publisher.publish([stored(0, 2)])
         await wait_for_match(index, unique_name, [2])
         assert process.terminate() == 0
@@ -92,8 +95,12 @@ async def test_json_logs_are_one_object_per_line_and_requests_log_at_debug(engin
     assert all({"ts", "level", "logger", "message"} <= entry.keys() for entry in entries)
     assert any(e["level"] == "INFO" and e["message"].startswith("registered worker") for e in entries)
     requests = [e for e in entries if e["logger"] == "worker_agent.http"]
-    assert len(requests) >= 6 and {e["level"] for e in requests} == {"DEBUG"}
-    assert {"GET /metrics", "GET /health"} <= {" ".join(e["message"].split()[:2]) for e in requests}
+    scrapes = [e for e in requests if e["path"] in ("/metrics", "/health")]
+    assert len(scrapes) >= 6 and {e["level"] for e in scrapes} == {"DEBUG"}  # kvservice.logs' record
+    assert {"GET /metrics 200", "GET /health 200"} <= {e["message"] for e in scrapes}
+    assert all(e["method"] == "GET" and e["status"] == 200 and e["ms"] >= 0 for e in scrapes)
+    (wrong,) = [e for e in requests if e["path"] == "/nope"]  # not a probe: worth an INFO line
+    assert wrong["level"] == "INFO" and wrong["status"] == 404 and wrong["message"] == "GET /nope 404"
 
 
 def sim_engine_process(model: str, port: int, events: int, replay: int) -> subprocess.Popen[bytes]:
