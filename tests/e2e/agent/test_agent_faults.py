@@ -284,3 +284,32 @@ async def test_without_replay_drops_never_leave_blocks_the_engine_lacks(server, 
         stop_agent(process)
         await proxy.stop()
         await engine.stop()
+
+
+@pytest.mark.faults
+async def test_a_redis_that_stops_answering_for_a_while_only_pauses_the_worker(engine, server, index, unique_name):
+    """Longer than the TTL: the worker drops out of routing, events keep reaching the mirror, and
+    once Redis answers the worker is back whole, with nothing cleared."""
+    proxy = await RedisProxy(server.port).start()
+    process = start_agent(engine, proxy.url, "--ttl-ms", "2000")
+    pub = engine.publisher
+    try:
+        await pub.publish([stored(0, 6)])
+        await wait_for_match(index, unique_name, [6])
+        proxy.pause()
+        await pub.publish([stored(6, 9), removed(8)])  # applied to the mirror; Redis does not answer
+
+        async def out_of_routing_and_failing() -> bool:
+            failing = await process.metric("kvroute_agent_redis_errors_total") >= 1
+            return failing and not await registered(index, unique_name)
+
+        await wait_until(out_of_routing_and_failing, 20)
+        proxy.resume()
+        await wait_for_match(index, unique_name, [8])
+        assert await registered(index, unique_name)
+        metrics = await process.metrics()
+        assert metrics["kvroute_agent_resyncs_total"] == metrics["kvroute_agent_engine_restarts_total"] == 0
+        assert metrics["kvroute_agent_clears_total"] == 0 and metrics["kvroute_agent_engine_up"] == 1
+    finally:
+        stop_agent(process)
+        await proxy.stop()
