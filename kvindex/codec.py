@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 from kvindex.mirror import IndexAdd, IndexOp, IndexSub
 
-MAX_COUNT_PER_ITEM = 0xFFFF
-
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
     try:
@@ -32,48 +30,32 @@ def unpack_hashes(blob: bytes) -> list[int]:
 class StoreArgs:
     hashes: bytes
     flags: bytes
-    counts: bytes
     parents: bytes
 
 
 def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
-    """Encode additions for an apply.lua segment: flag 'r' (chain start), 'c' (parent is the previous item)
-    or 'p' (parent given explicitly). Counts above 65535 are split into several items."""
+    """Encode additions for an apply.lua segment: flag 'r' (chain start), 'c' (parent is the
+    previous item) or 'p' (parent given explicitly, in ``parents``)."""
     hashes: list[int] = []
     flags = bytearray()
-    counts: list[int] = []
     parents: list[int] = []
     previous: int | None = None
     for add in adds:
-        remaining = add.count
-        while remaining > 0:
-            chunk = min(remaining, MAX_COUNT_PER_ITEM)
-            if add.parent is None:
-                flags += b"r"
-            elif add.parent == previous and remaining == add.count:
-                flags += b"c"
-            else:
-                flags += b"p"
-                parents.append(add.parent)
-            hashes.append(add.block)
-            counts.append(chunk)
-            remaining -= chunk
+        if add.parent is None:
+            flags += b"r"
+        elif add.parent == previous:
+            flags += b"c"
+        else:
+            flags += b"p"
+            parents.append(add.parent)
+        hashes.append(add.block)
         previous = add.block
-    return StoreArgs(pack_hashes(hashes), bytes(flags), struct.pack(f">{len(counts)}H", *counts), pack_hashes(parents))
+    return StoreArgs(pack_hashes(hashes), bytes(flags), pack_hashes(parents))
 
 
-def encode_subs(subs: Sequence[IndexSub]) -> tuple[bytes, bytes]:
-    """Encode subtractions for an apply.lua segment: the hashes and their 2-byte counts."""
-    hashes: list[int] = []
-    counts: list[int] = []
-    for sub in subs:
-        remaining = sub.count
-        while remaining > 0:
-            chunk = min(remaining, MAX_COUNT_PER_ITEM)
-            hashes.append(sub.block)
-            counts.append(chunk)
-            remaining -= chunk
-    return pack_hashes(hashes), struct.pack(f">{len(counts)}H", *counts)
+def encode_subs(subs: Sequence[IndexSub]) -> bytes:
+    """Encode subtractions for an apply.lua segment: the hashes."""
+    return pack_hashes([sub.block for sub in subs])
 
 
 def encode_ops(ops: Sequence[IndexOp]) -> tuple[bytes, list[bytes]]:
@@ -89,9 +71,9 @@ def encode_ops(ops: Sequence[IndexOp]) -> tuple[bytes, list[bytes]]:
         if isinstance(segment[0], IndexAdd):
             kinds += b"a"
             encoded = encode_adds(segment)  # type: ignore[arg-type]
-            args += [encoded.hashes, encoded.flags, encoded.counts, encoded.parents]
+            args += [encoded.hashes, encoded.flags, encoded.parents]
         else:
             kinds += b"s"
-            args += list(encode_subs(segment))  # type: ignore[arg-type]
+            args.append(encode_subs(segment))  # type: ignore[arg-type]
         start = end
     return bytes(kinds), args

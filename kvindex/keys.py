@@ -119,7 +119,7 @@ class ModelKeys:
         return self.base + "b:"
 
     def block(self, block_hash: int) -> str:
-        """ZSET: member gid, score = copies of the block that gid holds."""
+        """SET: the gids that hold the block."""
         return self.block_prefix + block_hex(block_hash)
 
     # --- shared routing state (router replicas) ---------------------------------------------

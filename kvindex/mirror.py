@@ -3,8 +3,13 @@
 The writer of a worker (its agent) keeps this mirror. It knows every block the engine holds, how
 many copies, and each block's parent. The shared index only lists a worker's *indexed* blocks:
 held blocks whose whole chain of ancestors is held too. A block whose ancestor is gone can never
-be a prefix hit, so leaving it out changes no match result, and it makes every worker's indexed
-set prefix-closed, which is what lets match.lua search over depth instead of reading every block.
+be a prefix hit, so leaving it out changes no match result, and it keeps each worker's entries
+prefix-closed, so that the index holds nothing a match could use only partly.
+
+Copies are counted here, not in Redis: the index records whether a worker holds a block, so a
+block is added when it becomes indexed and taken out when it stops being indexed (its last copy
+goes, or an ancestor does); a second copy of an indexed block, or the removal of one of two
+copies, is no index operation at all.
 
 Pure data structure, no I/O: it turns stores and removals into ordered index operations.
 """
@@ -19,19 +24,17 @@ from kvindex.types import BlockChange, RemovedBlocks, StoredRun, WriteResult
 
 @dataclass(frozen=True)
 class IndexAdd:
-    """Add ``count`` copies of ``block`` to the index; ``parent`` is indexed already (or None)."""
+    """Add ``block`` to the worker's indexed blocks; ``parent`` is indexed already (or None)."""
 
     block: int
     parent: int | None
-    count: int
 
 
 @dataclass(frozen=True)
 class IndexSub:
-    """Take ``count`` copies of ``block`` out of the index."""
+    """Take ``block`` out of the worker's indexed blocks."""
 
     block: int
-    count: int
 
 
 IndexOp = IndexAdd | IndexSub
@@ -99,8 +102,6 @@ class BlockMirror:
                 missing += 1
             elif copies > 1:
                 self._copies[block] = copies - 1
-                if block in self._indexed:
-                    subs.append(IndexSub(block, 1))
             else:
                 self._drop(block, subs)
         return subs, missing
@@ -112,12 +113,12 @@ class BlockMirror:
         self._indexed.clear()
 
     def indexed_in_order(self) -> list[IndexAdd]:
-        """Every indexed block with its full copy count, each parent before its children."""
+        """Every indexed block, each parent before its children."""
         out: list[IndexAdd] = []
         stack = [b for b in self._indexed if self._parent[b] is None]
         while stack:
             block = stack.pop()
-            out.append(IndexAdd(block, self._parent[block], self._copies[block]))
+            out.append(IndexAdd(block, self._parent[block]))
             stack.extend(c for c in self._children.get(block, ()) if c in self._indexed)
         return out
 
@@ -126,10 +127,7 @@ class BlockMirror:
         if copies is not None:
             # Parent links come from the first store; chained hashes make later ones equal.
             self._copies[block] = copies + 1
-            if block in self._indexed:
-                adds.append(IndexAdd(block, self._parent[block], 1))
-                return True
-            return False
+            return block in self._indexed
         self._copies[block] = 1
         self._parent[block] = parent
         if parent is not None:
@@ -145,14 +143,14 @@ class BlockMirror:
         while stack:
             block = stack.pop()
             self._indexed.add(block)
-            out.append(IndexAdd(block, self._parent[block], self._copies[block]))
+            out.append(IndexAdd(block, self._parent[block]))
             stack.extend(c for c in self._children.get(block, ()) if c not in self._indexed)
 
     def _drop(self, block: int, subs: list[IndexSub]) -> None:
         if block in self._indexed:
             self._unindex_descendants(block, subs)
             self._indexed.discard(block)
-            subs.append(IndexSub(block, 1))
+            subs.append(IndexSub(block))
         del self._copies[block]
         parent = self._parent.pop(block)
         if parent is not None:
@@ -172,4 +170,4 @@ class BlockMirror:
             stack.extend(c for c in self._children.get(child, ()) if c in self._indexed)
         for child in reversed(order):
             self._indexed.discard(child)
-            subs.append(IndexSub(child, self._copies[child]))
+            subs.append(IndexSub(child))

@@ -23,7 +23,14 @@ from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TT
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror
 from kvindex.redis_worker import MAX_ITEMS_PER_CALL, RELOG_SLACK, RedisWorker
-from kvindex.replies import decode, depths_from_match_reply, raise_script_error, time_ms, worker_record
+from kvindex.replies import (
+    block_owners,
+    decode,
+    depths_from_match_reply,
+    raise_script_error,
+    time_ms,
+    worker_record,
+)
 from kvindex.scripts import ScriptCall, Scripts
 from kvindex.types import (
     BlockChange,
@@ -149,7 +156,7 @@ class RedisIndex:
     def match_call(self, model: str, chain: Sequence[int]) -> ScriptCall:
         """:meth:`match` as a script call, for callers that batch it with others."""
         keys = self.keys(model)
-        return ("match", [keys.alive], [keys.block_prefix, pack_hashes(chain)])
+        return ("match", [keys.alive], [keys.block_prefix, pack_hashes(chain).hex()])
 
     async def match_result(self, model: str, reply: Any) -> dict[str, int]:
         if isinstance(reply, ResponseError):
@@ -181,7 +188,8 @@ class RedisIndex:
         return {int(gid) for gid, deadline in entries if deadline > now_ms}
 
     async def owners(self, model: str, block: int) -> dict[str, int]:
-        """Alive workers that hold ``block`` in the index, with their copy counts."""
+        """Alive workers that hold ``block`` in the index, each with 1 (the index records who
+        holds a block; copies are counted by each writer's mirror)."""
         return (await self.owners_of_chain(model, [block]))[0]
 
     async def owners_of_chain(self, model: str, chain: Sequence[int]) -> list[dict[str, int]]:
@@ -190,9 +198,9 @@ class RedisIndex:
         keys = self.keys(model)
         async with self._client.pipeline(transaction=False) as pipe:
             for block in chain:
-                pipe.zrange(keys.block(block), 0, -1, withscores=True)
+                pipe.smembers(keys.block(block))
             replies = await pipe.execute()
-        held = [{int(gid): int(score) for gid, score in entries if int(gid) in alive} for entries in replies]
+        held = [block_owners(members, alive) for members in replies]
         names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
         return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
 

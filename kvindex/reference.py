@@ -190,8 +190,9 @@ class ReferenceIndex:
         return out
 
     async def owners(self, model: str, block: int) -> dict[str, int]:
+        """Workers that hold ``block`` (and its ancestors), each with 1: copies are the writer's."""
         return {
-            worker_id: worker.copies[block]
+            worker_id: 1
             for worker_id, worker in self._models.get(model, _Model()).workers.items()
             if self._alive(worker) and block in worker.copies and worker.reachable(block)
         }

@@ -51,6 +51,12 @@ def gid_list(csv: bytes | str) -> list[int]:
     return [int(g) for g in text.split(",")] if text else []
 
 
+def block_owners(members: set[bytes], alive: set[int]) -> dict[int, int]:
+    """A block key's members (SMEMBERS) -> {alive gid: 1}; members that are not gids (written by
+    hand) are left out."""
+    return {int(m): 1 for m in members if m.isdigit() and int(m) in alive}
+
+
 def depths_from_match_reply(reply: list[bytes | int]) -> dict[int, int]:
     """match.lua's reply -> {alive gid: matched blocks} (see the script's header)."""
     depths = dict.fromkeys(gid_list(reply[0]), 0)  # type: ignore[arg-type]

@@ -2,12 +2,13 @@
 -- A change list is a sequence of segments, each either additions ('a') or subtractions ('s');
 -- an engine batch (or several consecutive ones) becomes one call, so routers never see half of it.
 --
--- Additions: each block key is a ZSET member=gid, score=reference count (vLLM stores a second
--- copy of a block it already holds and later sends one BlockRemoved per copy). The index stays
--- prefix-closed: a block is accepted only when its parent is indexed for the same gid (or it is a
--- chain's first block), so match.lua can search over depth exactly.
--- Subtractions: a block leaves the gid's set when its count reaches 0 (Redis deletes an empty
--- ZSET). The caller sends a chain's descendants before their ancestor (kvindex.mirror does).
+-- Additions: each block key is a SET of the gids that hold the block (copies are counted by the
+-- writer's mirror, which adds a block when it becomes indexed and subtracts it when it stops
+-- being indexed). A block is accepted only when its parent is indexed for the same gid (or it is
+-- a chain's first block). match.lua does not rely on that: it reads a gid's presence at every
+-- depth it credits.
+-- Subtractions: the gid leaves the block's set (Redis deletes an empty set). The caller sends a
+-- chain's descendants before their ancestor (kvindex.mirror does).
 -- Idempotent: each call carries an op id that must exceed the last one applied for the gid;
 -- a replayed call (same op id) changes nothing and returns 'dup'.
 --
@@ -18,30 +19,27 @@
 -- ARGV[4] segment kinds, one char per segment: 'a' or 's'; then per segment, in order:
 --   'a': hashes (8 bytes big-endian per item), parent flags (one char per item: 'r' chain start,
 --        'c' parent is the previous item of the segment, 'p' parent is the next 8 bytes of the
---        explicit parents), counts (2 bytes big-endian per item, 1..65535), explicit parents
---   's': hashes (8 bytes big-endian per item), counts (2 bytes big-endian per item)
+--        explicit parents), explicit parents
+--   's': hashes (8 bytes big-endian per item)
 -- Returns {'ok'|'dup', accepted, skipped (parent not indexed), new entries, log entries,
---          subtracted, missing (not indexed for the gid), entries removed}.
+--          subtracted, missing (not indexed for the gid), entries removed}; an accepted block
+-- the gid held already is no new entry, and every subtracted block is a removed entry.
 local record_key, log_key, meta_key = KEYS[1], KEYS[2], KEYS[3]
 local gid, op_id, block_prefix, kinds = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local HEX = '%02x%02x%02x%02x%02x%02x%02x%02x'
 local accepted, skipped, added, new_keys = 0, 0, 0, 0
-local subtracted, missing, removed, gone_keys = 0, 0, 0, 0
+local missing, removed, gone_keys = 0, 0, 0
 local appended = {}
 
 local function block_key(bytes, pos)
   return block_prefix .. string.format(HEX, string.byte(bytes, pos, pos + 7))
 end
 
-local function count_at(counts, i)
-  return string.byte(counts, 2 * i + 1) * 256 + string.byte(counts, 2 * i + 2)
-end
-
-local function check_adds(hashes, flags, counts, parents)
+local function check_adds(hashes, flags, parents)
   local n = #hashes / 8
-  if n % 1 ~= 0 or #flags ~= n or #counts ~= 2 * n or #parents % 8 ~= 0 then
+  if n % 1 ~= 0 or #flags ~= n or #parents % 8 ~= 0 then
     return 'arguments malformed: ' .. #hashes .. ' hash bytes, ' .. #flags .. ' flags, '
-      .. #counts .. ' count bytes, ' .. #parents .. ' parent bytes'
+      .. #parents .. ' parent bytes'
   end
   if string.find(flags, '[^rcp]') or string.sub(flags, 1, 1) == 'c' then
     return 'parent flags must be r, c or p, and the first may not be c'
@@ -53,32 +51,31 @@ local function check_adds(hashes, flags, counts, parents)
   return nil
 end
 
-local function check_subs(hashes, counts)
-  local n = #hashes / 8
-  if n % 1 ~= 0 or #counts ~= 2 * n then
-    return 'arguments malformed: ' .. #hashes .. ' hash bytes, ' .. #counts .. ' count bytes'
+local function check_subs(hashes)
+  if #hashes % 8 ~= 0 then
+    return 'arguments malformed: ' .. #hashes .. ' hash bytes'
   end
   return nil
 end
 
-local function apply_adds(hashes, flags, counts, parents)
+local function apply_adds(hashes, flags, parents)
   local parent_pos, previous_ok = 1, false
   for i = 0, #hashes / 8 - 1 do
-    local flag, count, parent_ok = string.sub(flags, i + 1, i + 1), count_at(counts, i), false
+    local flag, parent_ok = string.sub(flags, i + 1, i + 1), false
     if flag == 'r' then
       parent_ok = true
     elseif flag == 'c' then
       parent_ok = previous_ok
     else
-      parent_ok = redis.call('ZSCORE', block_key(parents, parent_pos), gid) ~= false
+      parent_ok = redis.call('SISMEMBER', block_key(parents, parent_pos), gid) == 1
       parent_pos = parent_pos + 8
     end
-    if parent_ok and count > 0 then
+    if parent_ok then
       local key = block_key(hashes, 8 * i + 1)
-      if tonumber(redis.call('ZINCRBY', key, count, gid)) == count then
+      if redis.call('SADD', key, gid) == 1 then
         added = added + 1
         appended[added] = string.sub(hashes, 8 * i + 1, 8 * i + 8)
-        if redis.call('ZCARD', key) == 1 then
+        if redis.call('SCARD', key) == 1 then
           new_keys = new_keys + 1
         end
       end
@@ -91,23 +88,16 @@ local function apply_adds(hashes, flags, counts, parents)
   end
 end
 
-local function apply_subs(hashes, counts)
+local function apply_subs(hashes)
   for i = 0, #hashes / 8 - 1 do
-    local key, count = block_key(hashes, 8 * i + 1), count_at(counts, i)
-    local score = redis.call('ZSCORE', key, gid)
-    if not score then
-      missing = missing + 1
-    else
-      subtracted = subtracted + 1
-      if tonumber(score) - count <= 0 then
-        redis.call('ZREM', key, gid)
-        removed = removed + 1
-        if redis.call('EXISTS', key) == 0 then
-          gone_keys = gone_keys + 1
-        end
-      else
-        redis.call('ZINCRBY', key, -count, gid)
+    local key = block_key(hashes, 8 * i + 1)
+    if redis.call('SREM', key, gid) == 1 then
+      removed = removed + 1
+      if redis.call('EXISTS', key) == 0 then
+        gone_keys = gone_keys + 1
       end
+    else
+      missing = missing + 1
     end
   end
 end
@@ -121,11 +111,11 @@ end
 local arg, problem = 5, nil
 for k = 1, #kinds do
   if string.sub(kinds, k, k) == 'a' then
-    problem = check_adds(ARGV[arg] or '', ARGV[arg + 1] or '', ARGV[arg + 2] or '', ARGV[arg + 3] or '')
-    arg = arg + 4
+    problem = check_adds(ARGV[arg] or '', ARGV[arg + 1] or '', ARGV[arg + 2] or '')
+    arg = arg + 3
   else
-    problem = check_subs(ARGV[arg] or '', ARGV[arg + 1] or '')
-    arg = arg + 2
+    problem = check_subs(ARGV[arg] or '')
+    arg = arg + 1
   end
   if problem then
     return redis.error_reply('ERR kvroute: apply segment ' .. k .. ': ' .. problem)
@@ -147,11 +137,11 @@ end
 arg = 5
 for k = 1, #kinds do
   if string.sub(kinds, k, k) == 'a' then
-    apply_adds(ARGV[arg], ARGV[arg + 1], ARGV[arg + 2], ARGV[arg + 3])
-    arg = arg + 4
+    apply_adds(ARGV[arg], ARGV[arg + 1], ARGV[arg + 2])
+    arg = arg + 3
   else
-    apply_subs(ARGV[arg], ARGV[arg + 1])
-    arg = arg + 2
+    apply_subs(ARGV[arg])
+    arg = arg + 1
   end
 end
 
@@ -166,4 +156,4 @@ if new_keys - gone_keys ~= 0 then
   redis.call('HINCRBY', meta_key, 'block_keys', new_keys - gone_keys)
 end
 redis.call('HSET', record_key, 'op', op_id)
-return {'ok', accepted, skipped, added, log_len / 8, subtracted, missing, removed}
+return {'ok', accepted, skipped, added, log_len / 8, removed, missing, removed}

@@ -60,7 +60,7 @@ while budget > 0 do
     local chunk = redis.call('GETRANGE', log_key, remaining - 8 * take, remaining - 1)
     for j = take - 1, 0, -1 do
       local key = block_prefix .. string.format(HEX, string.byte(chunk, 8 * j + 1, 8 * j + 8))
-      if redis.call('ZREM', key, gid) == 1 then
+      if redis.call('SREM', key, gid) == 1 then
         removed = removed + 1
         if redis.call('EXISTS', key) == 0 then
           gone_keys = gone_keys + 1

@@ -1,80 +1,126 @@
 -- match.lua: for a prompt's chain of block hashes, the number of leading blocks every ALIVE
--- worker generation (gid) holds, in one round trip.
--- Every gid's entries are prefix-closed (apply.lua accepts a block only under an indexed parent;
--- removals and gc take children first), so along a chain the owner sets shrink monotonically:
--- owners(i) contains owners(i+1). Equal ZCARDs at two depths therefore mean equal owner sets in
--- between, and a bisection over depth finds the few depths where the set shrinks. Cost grows with
--- the number of distinct match lengths times log(chain length), not with the chain length.
--- Dead or retired gids may still own entries (until gc.lua runs) but are never reported.
+-- worker generation (gid) holds, in one round trip. Exact for every gid whatever state the block
+-- keys are in: a gid is credited with depth d only if it is a member of every block key 0..d-1,
+-- so entries that other gids got wrong, evicted or deleted keys, or members added by hand can
+-- move no other gid's match. Nothing is inferred from set sizes or from a gid's other entries.
+--
+-- The walk: the candidates are the alive gids in block 0's set. Going down the chain 32 keys at
+-- a time, one SINTER gives the gids that are in every key of the segment; candidates not among
+-- them stopped inside it, and halving the segment with further SINTERs finds the depth where
+-- each of them stopped. The walk ends when no candidate is left. SINTER runs in Redis's C code
+-- over sets of integers (intsets): about one key lookup per block reached plus one membership
+-- test per (candidate, block), and a few SINTERs more per distinct match length. This costs more
+-- than inferring owners from set sizes (which any damaged key fools): see docs/benchmarks.md.
+-- Keys are built for the blocks the walk reaches only.
 --
 -- KEYS[1] alive  ZSET  gid -> heartbeat deadline (ms, server clock)
--- ARGV[1] block key prefix (shares KEYS[1]'s hash tag)
--- ARGV[2] the chain: 8 bytes big-endian per block hash, block 0 first
--- Returns {alive gids as 'g1,g2,...', depth, 'gids owning block depth-1', depth, ...}, deepest
--- first. A gid's match is the first depth whose group lists it, 0 if none; only alive gids count.
+-- ARGV[1] block key prefix (shares KEYS[1]'s hash tag; block keys are SETs of the gids that hold
+--         the block)
+-- ARGV[2] the chain: 16 lower-case hex digits per block hash (the key suffixes), block 0 first
+-- Returns {alive gids as 'g1,g2,...', depth, 'gids whose match is depth', depth, ...}, deepest
+-- first; an alive gid in no group matched 0 blocks.
 local alive_key = KEYS[1]
 local block_prefix, chain = ARGV[1], ARGV[2]
-local n = #chain / 8
-local HEX = '%02x%02x%02x%02x%02x%02x%02x%02x'
+local n = #chain / 16
+local SEGMENT = 32
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local cards = {}
-local boundaries = {}
 
-if n % 1 ~= 0 then
-  return redis.error_reply('ERR kvroute: match needs 8 bytes per block hash, got ' .. #chain .. ' bytes')
+if n % 1 ~= 0 or string.find(chain, '[^0-9a-f]') then
+  return redis.error_reply('ERR kvroute: match needs 16 hex digits per block hash, got ' .. #chain .. ' characters')
 end
 local alive = redis.call('ZRANGEBYSCORE', alive_key, '(' .. now_ms, '+inf')
-if #alive == 0 then
-  return {''}
+local out = {table.concat(alive, ',')}
+if #alive == 0 or n == 0 then
+  return out
 end
 
-local function block_key(i)
-  return block_prefix .. string.format(HEX, string.byte(chain, 8 * i + 1, 8 * i + 8))
-end
-local function card(i)
-  local c = cards[i]
-  if c == nil then
-    c = redis.call('ZCARD', block_key(i))
-    cards[i] = c
+local keys = {}  -- keys[d + 1] is block d's key, built up to the deepest segment reached
+local function build_keys(through)
+  for d = #keys, through do
+    keys[d + 1] = block_prefix .. string.sub(chain, 16 * d + 1, 16 * d + 16)
   end
-  return c
 end
 
--- Boundaries: depths i where owners(i) loses members at i + 1 (depth n counts as empty).
-if n > 0 and card(0) > 0 then
-  if card(n - 1) > 0 then
-    boundaries[#boundaries + 1] = n - 1
-  end
-  local stack = {}
-  if card(0) > card(n - 1) then
-    stack[1] = {0, n - 1}
-  end
-  while #stack > 0 do
-    local span = table.remove(stack)
-    local lo, hi = span[1], span[2]
-    if hi == lo + 1 then
-      boundaries[#boundaries + 1] = lo
-    else
-      local mid = math.floor((lo + hi) / 2)
-      if card(lo) > card(mid) then
-        stack[#stack + 1] = {lo, mid}
-      end
-      if card(mid) > card(hi) then
-        stack[#stack + 1] = {mid, hi}
-      end
+-- The gids of `set` that are in every key of depths lo..hi, and how many.
+local function members_in(lo, hi, set)
+  local found, count = {}, 0
+  for _, gid in ipairs(redis.call('SINTER', unpack(keys, lo + 1, hi + 1))) do
+    if set[gid] then
+      found[gid] = true
+      count = count + 1
     end
   end
+  return found, count
 end
 
--- Deepest boundary first: a gid's match length is one past the deepest block it owns; the client
--- gives each gid the depth of the first group it appears in. Members travel as comma-separated
--- strings and liveness is applied by the client: building per-member replies or a Lua set of the
--- alive gids would cost Redis more CPU than everything else in this script.
-table.sort(boundaries, function(a, b) return a > b end)
-local out = {table.concat(alive, ',')}
-for _, b in ipairs(boundaries) do
-  out[#out + 1] = b + 1
-  out[#out + 1] = table.concat(redis.call('ZRANGE', block_key(b), 0, -1), ',')
+local groups = {}  -- {depth, 'gids'} for each match length found
+local function add_group(depth, set)
+  local gids = {}
+  for gid in pairs(set) do
+    gids[#gids + 1] = gid
+  end
+  groups[#groups + 1] = {depth, table.concat(gids, ',')}
+end
+
+-- The gids of `set` are in every key above lo and not in all of lo..hi: find where each stops.
+local function place(set, lo, hi)
+  if lo == hi then
+    add_group(lo, set)
+    return
+  end
+  local mid = math.floor((lo + hi) / 2)
+  local through, through_count = members_in(lo, mid, set)
+  local stopped, stopped_count = {}, 0
+  for gid in pairs(set) do
+    if not through[gid] then
+      stopped[gid] = true
+      stopped_count = stopped_count + 1
+    end
+  end
+  if stopped_count > 0 then
+    place(stopped, lo, mid)
+  end
+  if through_count > 0 then
+    place(through, mid + 1, hi)
+  end
+end
+
+build_keys(0)
+local live = {}
+for _, gid in ipairs(alive) do
+  live[gid] = true
+end
+local candidates, count = {}, 0
+for _, gid in ipairs(redis.call('SMEMBERS', keys[1])) do
+  if live[gid] then
+    candidates[gid] = true
+    count = count + 1
+  end
+end
+local lo = 1
+while count > 0 and lo < n do
+  local hi = math.min(lo + SEGMENT - 1, n - 1)
+  build_keys(hi)
+  local kept, kept_count = members_in(lo, hi, candidates)
+  if kept_count < count then
+    local stopped = {}
+    for gid in pairs(candidates) do
+      if not kept[gid] then
+        stopped[gid] = true
+      end
+    end
+    place(stopped, lo, hi)
+  end
+  candidates, count = kept, kept_count
+  lo = hi + 1
+end
+if count > 0 then
+  add_group(n, candidates)
+end
+table.sort(groups, function(a, b) return a[1] > b[1] end)
+for _, group in ipairs(groups) do
+  out[#out + 1] = group[1]
+  out[#out + 1] = group[2]
 end
 return out

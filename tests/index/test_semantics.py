@@ -49,7 +49,7 @@ async def test_duplicate_stores_are_reference_counted(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
     await index.store(unique_name, "a", [run(CHAIN, 3, 4)])  # vLLM's second copy of the last block
-    assert await index.owners(unique_name, CHAIN[3]) == {"a": 2}
+    assert await index.owners(unique_name, CHAIN[3]) == {"a": 1}  # held; copies are the writer's
     await index.remove(unique_name, "a", [CHAIN[3]])
     assert await index.match(unique_name, CHAIN) == {"a": 4}
     await index.remove(unique_name, "a", [CHAIN[3]])

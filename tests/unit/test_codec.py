@@ -1,26 +1,22 @@
-import struct
-
 import pytest
 
-from kvindex.codec import encode_adds, encode_subs, pack_hashes, unpack_hashes
+from kvindex.codec import encode_adds, encode_ops, encode_subs, pack_hashes, unpack_hashes
 from kvindex.mirror import IndexAdd, IndexSub
 
 
 def test_adds_use_continuation_flags_for_chains():
-    args = encode_adds([IndexAdd(10, None, 1), IndexAdd(11, 10, 2), IndexAdd(20, 10, 1)])
+    args = encode_adds([IndexAdd(10, None), IndexAdd(11, 10), IndexAdd(20, 10)])
     assert args.flags == b"rcp"
     assert unpack_hashes(args.hashes) == [10, 11, 20]
-    assert struct.unpack(">3H", args.counts) == (1, 2, 1)
     assert unpack_hashes(args.parents) == [10]
 
 
-def test_large_counts_are_split_into_items():
-    args = encode_adds([IndexAdd(7, 3, 70_000)])
-    assert args.flags == b"pp"
-    assert struct.unpack(">2H", args.counts) == (65535, 4465)
-    hashes, counts = encode_subs([IndexSub(7, 65_536)])
-    assert unpack_hashes(hashes) == [7, 7]
-    assert struct.unpack(">2H", counts) == (65535, 1)
+def test_ops_become_segments_of_one_kind_in_their_order():
+    kinds, args = encode_ops([IndexAdd(1, None), IndexAdd(2, 1), IndexSub(2), IndexSub(1), IndexAdd(1, None)])
+    assert kinds == b"asa"
+    assert [len(a) for a in args] == [16, 2, 0, 16, 8, 1, 0]
+    assert unpack_hashes(args[3]) == [2, 1]
+    assert encode_subs([IndexSub(7)]) == pack_hashes([7])
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**64]])

@@ -30,8 +30,8 @@ ops = st.lists(
 )
 
 
-def expected_indexed(copies: dict[int, int]) -> dict[int, int]:
-    return {b: c for b, c in copies.items() if all(a in copies for a in path_to(b))}
+def expected_indexed(copies: dict[int, int]) -> set[int]:
+    return {b for b in copies if all(a in copies for a in path_to(b))}
 
 
 @settings(max_examples=300)
@@ -39,7 +39,7 @@ def expected_indexed(copies: dict[int, int]) -> dict[int, int]:
 def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
     mirror = BlockMirror()
     held: dict[int, int] = {}
-    index: dict[int, int] = {}  # what a backend holds after applying the emitted operations
+    index: set[int] = set()  # what a backend holds after applying the emitted operations
     for kind, arg, length in operations:
         if kind == "store":
             run = path_to(arg)[-length:]
@@ -50,7 +50,8 @@ def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
             for add in adds:
                 assert add.parent is None or add.parent in index, "parents must be indexed first"
                 assert add.parent == PARENT[add.block]
-                index[add.block] = index.get(add.block, 0) + add.count
+                assert add.block not in index, "a block is added once, when it becomes indexed"
+                index.add(add.block)
             assert orphaned == sum(1 for b in run if b not in expected_indexed(held))
         elif kind == "remove":
             subs, missing = mirror.remove(arg)
@@ -64,16 +65,14 @@ def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
                     expected_missing += 1
             assert missing == expected_missing
             for sub in subs:
-                index[sub.block] -= sub.count
-                if index[sub.block] == 0:
-                    del index[sub.block]
-                    assert not any(PARENT[c] == sub.block for c in index), "children leave before parents"
+                index.remove(sub.block)  # a block is taken out once, when it stops being indexed
+                assert not any(PARENT[c] == sub.block for c in index), "children leave before parents"
         else:
             mirror.clear()
             held.clear()
             index.clear()
         assert index == expected_indexed(held)
-        assert {a.block: a.count for a in mirror.indexed_in_order()} == index
+        assert {a.block for a in mirror.indexed_in_order()} == index
         assert mirror.indexed_count == len(index)
 
 
@@ -90,7 +89,7 @@ def test_orphans_join_the_index_when_their_ancestor_returns():
     mirror = BlockMirror()
     mirror.store([StoredRun(None, (0, 1, 2, 3))])
     subs, _ = mirror.remove([1])
-    assert [(s.block, s.count) for s in subs] == [(3, 1), (2, 1), (1, 1)]
+    assert [s.block for s in subs] == [3, 2, 1]
     assert not mirror.is_indexed(2) and mirror.copies(2) == 1
     adds, orphaned = mirror.store([StoredRun(0, (1,))])
     assert orphaned == 0
