@@ -4,9 +4,12 @@
 --    registers again).
 -- 2. Retired gids, oldest first, have their entries removed by reading their block log
 --    backwards (children before parents, so every gid stays prefix-closed while collected).
---    A cursor per gid makes progress across calls; at most `budget` entries per call, so one
---    call never blocks Redis for long. Entries of retired gids never count in match.lua, so
---    collection is only about memory.
+--    A cursor per gid makes progress across calls. A call does at most `budget` units of work:
+--    one per entry removed, and one for each gid finished with nothing left to remove (a
+--    worker that registered and left without blocks), so one call never blocks Redis for long
+--    however many gids wait. A cursor beyond the end of its log (the log was lost or replaced)
+--    counts from the log's end. Entries of retired gids never count in match.lua, so collection
+--    is only about memory.
 --
 -- KEYS[1] workers  HASH  worker_id -> current gid
 -- KEYS[2] gids     HASH  gid -> worker_id
@@ -15,7 +18,7 @@
 -- KEYS[5] cursors  HASH  gid -> log bytes still to collect
 -- KEYS[6] meta     HASH  model settings (field block_keys counts distinct block keys)
 -- ARGV[1] worker record key prefix   ARGV[2] block log key prefix   ARGV[3] block key prefix
--- ARGV[4] budget: most entries to remove in this call (> 0)   ARGV[5] grace_ms (>= 0)
+-- ARGV[4] budget: most units of work in this call (> 0)   ARGV[5] grace_ms (>= 0)
 -- Keys built from the prefixes share the model's hash tag, so they live in KEYS[1]'s slot.
 -- Returns {workers retired, entries removed, gids finished, gids still pending}.
 local workers_key, gids_key, alive_key = KEYS[1], KEYS[2], KEYS[3]
@@ -54,7 +57,9 @@ while budget > 0 do
   end
   local gid = oldest[1]
   local log_key = log_prefix .. gid
-  local remaining = tonumber(redis.call('HGET', cursors_key, gid) or redis.call('STRLEN', log_key))
+  local log_bytes = redis.call('STRLEN', log_key)
+  local remaining = math.min(tonumber(redis.call('HGET', cursors_key, gid)) or log_bytes, log_bytes)
+  remaining = remaining - remaining % 8
   local take = math.min(budget, remaining / 8)
   if take > 0 then
     local chunk = redis.call('GETRANGE', log_key, remaining - 8 * take, remaining - 1)
@@ -69,6 +74,8 @@ while budget > 0 do
     end
     remaining = remaining - 8 * take
     budget = budget - take
+  else
+    budget = budget - 1  -- nothing to remove: finishing the gid is the unit of work
   end
   if remaining == 0 then
     redis.call('DEL', log_key)
