@@ -1,7 +1,7 @@
 -- gc.lua: delete the index entries of workers that are gone, in bounded steps.
--- 1. Workers whose heartbeat deadline passed more than grace_ms ago (up to 1000 per call) are
---    deregistered: their gid is retired and their record deleted (an agent that comes back finds its record 'missing' and
---    registers again).
+-- 1. Workers whose heartbeat deadline passed more than grace_ms ago (up to min(budget, 1000) per
+--    call) are deregistered: their gid is retired and their record deleted (an agent that comes
+--    back finds its record 'missing' and registers again).
 -- 2. Retired gids, oldest first, have their entries removed by reading their block log
 --    backwards (children before parents, so every gid stays prefix-closed while collected).
 --    A cursor per gid makes progress across calls. A call does at most `budget` units of work:
@@ -38,7 +38,8 @@ if grace_ms == nil or grace_ms < 0 then
   return redis.error_reply('ERR kvroute: gc grace_ms must be a non-negative number, got ' .. tostring(ARGV[5]))
 end
 
-local dead = redis.call('ZRANGEBYSCORE', alive_key, '-inf', now_ms - grace_ms, 'LIMIT', 0, MAX_DEAD_PER_CALL)
+local dead = redis.call('ZRANGEBYSCORE', alive_key, '-inf', now_ms - grace_ms, 'LIMIT', 0,
+  math.min(budget, MAX_DEAD_PER_CALL))
 for _, gid in ipairs(dead) do
   local worker_id = redis.call('HGET', gids_key, gid)
   if worker_id and redis.call('HGET', workers_key, worker_id) == gid then

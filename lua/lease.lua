@@ -6,7 +6,8 @@
 -- KEYS[2] inflight  HASH  this replica's load (fields '<r|t|u>:<worker id>')
 -- ARGV[1] replica id   ARGV[2] lease ttl_ms (> 0)   ARGV[3] in-flight key prefix
 -- ARGV[4..] field, value pairs of the snapshot (counts > 0 only)
--- Returns the number of expired replicas removed.
+-- Returns the number of expired replicas removed (at most 100 per call; UNLINK frees their hashes
+-- outside the script, so a large hash costs the call nothing).
 local replicas_key, inflight_key = KEYS[1], KEYS[2]
 local replica, ttl_ms, inflight_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local clock = redis.call('TIME')
@@ -19,13 +20,13 @@ if (#ARGV - 3) % 2 ~= 0 then
   return redis.error_reply('ERR kvroute: lease snapshot needs field, value pairs')
 end
 redis.call('ZADD', replicas_key, now_ms + ttl_ms, replica)
-redis.call('DEL', inflight_key)
+redis.call('UNLINK', inflight_key)
 for i = 4, #ARGV, 2 do
   redis.call('HSET', inflight_key, ARGV[i], ARGV[i + 1])
 end
 local expired = redis.call('ZRANGEBYSCORE', replicas_key, '-inf', '(' .. now_ms, 'LIMIT', 0, 100)
 for _, dead in ipairs(expired) do
-  redis.call('DEL', inflight_prefix .. dead)
+  redis.call('UNLINK', inflight_prefix .. dead)
   redis.call('ZREM', replicas_key, dead)
 end
 return #expired

@@ -1,0 +1,81 @@
+"""Every Lua script's cost is bounded by its arguments, not by how much data piled up: each
+script whose loops could run over data has a bound, and each bound is tested here (gc's budget
+for retired gids is in test_gc.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvindex.errors import BlockSizeMismatchError
+from kvindex.redis_index import RedisIndex
+from kvindex.types import WorkerInfo
+
+LONG_TTL = 60_000
+
+
+async def lease(index: RedisIndex, model: str, replica: str, *pairs: str | int) -> None:
+    keys = index.keys(model)
+    await index.scripts.call(
+        "lease", [keys.replicas, keys.inflight(replica)], [replica, LONG_TTL, keys.inflight_prefix, *pairs]
+    )
+
+
+async def inflight_totals(index: RedisIndex, model: str) -> dict[str, float]:
+    keys = index.keys(model)
+    flat = await index.scripts.call("inflight", [keys.replicas], [keys.inflight_prefix])
+    return {flat[i].decode(): float(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+async def test_inflight_sums_the_64_most_recent_replicas(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    for i in range(70):
+        await lease(index, unique_name, f"replica-{i}", "r:w", 1)
+    assert await inflight_totals(index, unique_name) == {"r:w": 64.0}
+
+
+async def test_inflight_skips_a_replica_hash_too_large_to_sum(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    await lease(index, unique_name, "sane", "r:w", 2)
+    await lease(index, unique_name, "garbage")
+    garbage = {f"r:x{i}": 1 for i in range(20_000)}
+    await redis_client.hset(index.keys(unique_name).inflight("garbage"), mapping=garbage)
+    assert await inflight_totals(index, unique_name) == {"r:w": 2.0}
+
+
+async def test_gc_retires_at_most_budget_dead_workers_per_call(redis_client, unique_name):
+    index = RedisIndex(redis_client)
+    for i in range(30):
+        handle = await index.register(WorkerInfo(f"w{i}", unique_name, f"http://w{i}", 16), LONG_TTL)
+        await handle.heartbeat(0)
+    retired = [(await index.gc(unique_name, budget=10, grace_ms=0)).workers_retired for _ in range(4)]
+    assert retired == [10, 10, 10, 0]
+
+
+async def test_a_block_size_mismatch_among_many_alive_workers_names_one_of_them(redis_client, unique_name):
+    """register.lua reads two alive gids at most to find another alive worker (one may be the
+    registering worker's own previous generation), not the whole fleet."""
+    index = RedisIndex(redis_client)
+    for i in range(50):
+        await index.register(WorkerInfo(f"w{i}", unique_name, f"http://w{i}", 16), LONG_TTL)
+    with pytest.raises(BlockSizeMismatchError, match=r"by alive worker w\d+, worker w0 announced 32"):
+        await index.register(WorkerInfo("w0", unique_name, "http://w0", 32), LONG_TTL)
+
+
+async def lazyfreed(client) -> int:
+    return int((await client.info("memory")).get("lazyfreed_objects", 0))
+
+
+async def test_lease_frees_large_hashes_outside_the_script(redis_client, unique_name):
+    """A replica's hash is deleted with UNLINK (freed by a background thread), so its size costs
+    lease.lua nothing: the snapshot rewrite and an expired replica's hash both."""
+    index = RedisIndex(redis_client)
+    keys = index.keys(unique_name)
+    await lease(index, unique_name, "big")
+    await redis_client.hset(keys.inflight("big"), mapping={f"r:x{i}": 1 for i in range(1000)})
+    before = await lazyfreed(redis_client)
+    await lease(index, unique_name, "big", "r:w", 1)  # the rewrite drops the 1000 fields
+    await redis_client.hset(keys.inflight("big"), mapping={f"r:x{i}": 1 for i in range(1000)})
+    await redis_client.zadd(keys.replicas, {"big": 1})  # its lease ran out long ago
+    await lease(index, unique_name, "other")  # drops expired replicas
+    assert not await redis_client.exists(keys.inflight("big"))
+    assert await lazyfreed(redis_client) - before == 2
