@@ -14,6 +14,7 @@ registered again through the same index (the new registration has its own handle
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
@@ -37,8 +38,11 @@ from kvindex.types import (
     WriteResult,
 )
 
-# Items per apply.lua call: keeps each script run around a few milliseconds.
-MAX_ITEMS_PER_CALL = 4096
+# Index operations per apply.lua call. One engine batch is one call, so readers see all of it or
+# none of it: a vLLM step stores at most max_num_batched_tokens / block_size blocks and evicts
+# about as many, so this fits a whole step of up to 128k tokens at 16-token blocks. A call of
+# this size keeps Redis busy ~25 ms (~1.5 us per operation); only a larger batch is split.
+MAX_ITEMS_PER_CALL = 16384
 # Rewrite a gid's block log once it lists this many more entries than the gid holds.
 RELOG_SLACK = 1024
 
@@ -65,7 +69,9 @@ class RedisWorker:
         self.log_entries = 0
         self.dirty = False  # a write failed: Redis may lack part of the mirror until reassert()
         self.load: WorkerLoad | None = None
+        self.split_batches = 0  # engine batches too large for one apply.lua call (split over several)
         self.active = True
+        self._lock = asyncio.Lock()  # one write at a time: a re-assert's snapshot stays whole
         self._client = client
         self._scripts = scripts
         self._schema = schema
@@ -114,40 +120,71 @@ class RedisWorker:
         return await self.apply([RemovedBlocks(tuple(blocks))])
 
     async def apply(self, changes: Sequence[BlockChange]) -> WriteResult:
-        """Apply stores and removals in order: one apply.lua call (unless above
-        MAX_ITEMS_PER_CALL items), so readers see all of it or none of it.
+        """Apply one engine batch of stores and removals, in order, as one apply.lua call:
+        readers see all of it or none of it (see :meth:`apply_batches`)."""
+        return await self.apply_batches([changes])
+
+    async def apply_batches(self, batches: Sequence[Sequence[BlockChange]]) -> WriteResult:
+        """Apply engine batches in order. Each batch reaches Redis whole in one apply.lua call;
+        consecutive batches share a call up to MAX_ITEMS_PER_CALL index operations. Only a
+        single batch larger than that is split over several calls (counted in
+        :attr:`split_batches`): readers may then see part of it.
 
         The mirror is updated first. If Redis cannot be reached, the handle is marked dirty:
         later calls only update the mirror, and :meth:`reassert` (which the agent retries until
         it succeeds) writes everything back. A StaleGenerationError (Redis lost data, or another
         registration took over) is raised and also calls for :meth:`reassert`."""
         self._check_open()
-        ops, result = self.mirror.apply(changes)
-        if self.dirty:
+        async with self._lock:
+            calls, result = self._plan_calls(batches)
+            if self.dirty:
+                return result
+            try:
+                await self._send_calls(calls)
+            except (RedisError, OSError) as exc:
+                if not isinstance(exc, ResponseError):
+                    self.dirty = True  # unknown whether Redis applied it
+                raise
             return result
-        try:
-            await self._send(ops)
-        except (RedisError, OSError) as exc:
-            if not isinstance(exc, ResponseError):
-                self.dirty = True  # unknown whether Redis applied it
-            raise
-        return result
+
+    def _plan_calls(self, batches: Sequence[Sequence[BlockChange]]) -> tuple[list[list[IndexOp]], WriteResult]:
+        """The batches' index operations (the mirror updated), grouped into apply.lua calls."""
+        calls: list[list[IndexOp]] = []
+        current: list[IndexOp] = []
+        result = WriteResult()
+        for batch in batches:
+            ops, batch_result = self.mirror.apply(batch)
+            result += batch_result
+            if current and len(current) + len(ops) > MAX_ITEMS_PER_CALL:
+                calls.append(current)
+                current = []
+            if len(ops) > MAX_ITEMS_PER_CALL:
+                self.split_batches += 1
+                pieces = [ops[i : i + MAX_ITEMS_PER_CALL] for i in range(0, len(ops), MAX_ITEMS_PER_CALL)]
+                calls.extend(pieces[:-1])
+                current = list(pieces[-1])
+            else:
+                current.extend(ops)
+        if current or not calls:
+            calls.append(current)  # even an empty call: Redis checks that this gid is current
+        return calls, result
 
     async def clear(self) -> None:
         """Drop all of the worker's blocks (it stays registered, under a fresh generation)."""
         self._check_open()
-        self.mirror.clear()
-        if self.dirty:
-            return
-        try:
-            status, gid = await retire(self._scripts, self.keys, self.worker_id, "keep", self.gid)
-        except (RedisError, OSError) as exc:
-            if not isinstance(exc, ResponseError):
-                self.dirty = True
-            raise
-        if decode(status) != "ok":  # type: ignore[arg-type]
-            raise StaleGenerationError(f"worker {self.worker_id!r} is {decode(status)} in the index")  # type: ignore[arg-type]
-        self.gid, self.op, self.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
+        async with self._lock:
+            self.mirror.clear()
+            if self.dirty:
+                return
+            try:
+                status, gid = await retire(self._scripts, self.keys, self.worker_id, "keep", self.gid)
+            except (RedisError, OSError) as exc:
+                if not isinstance(exc, ResponseError):
+                    self.dirty = True
+                raise
+            if decode(status) != "ok":  # type: ignore[arg-type]
+                raise StaleGenerationError(f"worker {self.worker_id!r} is {decode(status)} in the index")  # type: ignore[arg-type]
+            self.gid, self.op, self.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
 
     def needs_reassert(self) -> bool:
         """True after a write failed: Redis may lack changes the mirror has."""
@@ -206,10 +243,15 @@ class RedisWorker:
     # --- sending ----------------------------------------------------------------------------
 
     async def _send(self, ops: Sequence[IndexOp]) -> None:
+        """``ops`` in as few apply.lua calls as MAX_ITEMS_PER_CALL allows (a re-assert's refill)."""
+        await self._send_calls(
+            [list(ops[i : i + MAX_ITEMS_PER_CALL]) for i in range(0, max(len(ops), 1), MAX_ITEMS_PER_CALL)]
+        )
+
+    async def _send_calls(self, calls: Sequence[Sequence[IndexOp]]) -> None:
         keys = self.keys
-        # Even an empty batch goes to Redis: it checks that this writer's generation is current.
-        for start in range(0, max(len(ops), 1), MAX_ITEMS_PER_CALL):
-            kinds, args = encode_ops(ops[start : start + MAX_ITEMS_PER_CALL])
+        for ops in calls:
+            kinds, args = encode_ops(ops)
             reply = await self._scripts.run(
                 "apply",
                 [keys.worker(self.worker_id), keys.log(self.gid), keys.meta],
