@@ -1,7 +1,9 @@
 """The fault suite's scene and its measurements.
 
 A :class:`Scene` is a private Redis, simulated engines with agent processes, router replicas and
-shared-prefix :class:`~tests.e2e.faults.traffic.Traffic`. A scenario breaks something, then
+shared-prefix :class:`~tests.e2e.faults.traffic.Traffic`; each engine is also primed with probe
+prefixes of its own (never sent as traffic), so that crediting one worker with another's blocks
+shows. A scenario breaks something, then
 :meth:`Scene.recover` measures, against each engine's own view of its cache:
 
 * failed requests: every request of the traffic that did not come back 200;
@@ -172,10 +174,20 @@ class Scene:
         for url in self.router_urls:
             for p, chain in enumerate(chains):
                 runs = {w: leading_run(chain, blocks) for w, blocks in held.items()}
-                await self._route_check(snap, url, p, chain, runs, dead_workers, count_dead)
+                await self._route_check(snap, url, p, runs, dead_workers, count_dead)
         return snap
 
-    async def _route_check(self, snap, url, p, chain, runs, dead_workers, count_dead) -> None:
+    async def _route_check(
+        self,
+        snap: Snapshot,
+        url: str,
+        p: int,
+        runs: dict[str, int],
+        dead_workers: set[str],
+        count_dead: bool,
+    ) -> None:
+        """Probe ``p`` through the router at ``url``: wrong credits into ``snap``, and whether the
+        router credits it the way the engines hold it (``runs``: each worker's leading blocks)."""
         try:
             view = await route_view(self.session, url, self.probes[p])
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -4,7 +4,6 @@ reader, so no cached gid names), and each router's ``/debug/route`` for the prob
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -78,9 +77,3 @@ def leading_run(chain: Sequence[int], held: set[int]) -> int:
             break
         run += 1
     return run
-
-
-async def gather_dict(calls: dict) -> dict:
-    keys = list(calls)
-    values = await asyncio.gather(*(calls[k] for k in keys))
-    return dict(zip(keys, values, strict=True))
