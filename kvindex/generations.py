@@ -66,3 +66,37 @@ async def retire(scripts: Scripts, keys: ModelKeys, worker_id: str, mode: str, g
         if decode(reply[0]) != "taken":  # type: ignore[arg-type]
             return reply
     raise GidDrawsExhaustedError(f"Redis refused {MAX_GID_DRAWS} random gids for worker {worker_id!r}")
+
+
+async def stage_generation(
+    scripts: Scripts, keys: ModelKeys, worker_id: str, gid: int, stage_ttl_ms: int
+) -> int | None:
+    """stage.lua: a fresh gid staged for a re-assert of the worker whose current gid is ``gid``;
+    None when that registration is gone (Redis lost data) or was taken over."""
+    for _ in range(MAX_GID_DRAWS):
+        staged = new_gid()
+        status = decode(
+            await scripts.run(
+                "stage",
+                [keys.gids, keys.alive, keys.retired, keys.worker(worker_id)],
+                [worker_id, gid, staged, stage_ttl_ms],
+            )
+        )
+        if status == "ok":
+            return staged
+        if status != "taken":
+            return None
+    raise GidDrawsExhaustedError(f"Redis refused {MAX_GID_DRAWS} random gids for worker {worker_id!r}")
+
+
+async def swap_generation(
+    scripts: Scripts, keys: ModelKeys, worker_id: str, gid: int, staged: int, ttl_ms: int
+) -> Registration | None:
+    """swap.lua: the staged gid becomes current and ``gid`` is retired, in one step; None when
+    the registration or the stage is gone."""
+    status, epoch = await scripts.run(
+        "swap",
+        [keys.workers, keys.alive, keys.retired, keys.worker(worker_id)],
+        [worker_id, gid, staged, ttl_ms],
+    )
+    return Registration(staged, int(epoch)) if decode(status) == "ok" else None

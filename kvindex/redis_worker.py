@@ -22,7 +22,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from kvindex.codec import encode_ops, pack_hashes
 from kvindex.errors import NotRegisteredError, StaleGenerationError
-from kvindex.generations import register_worker, retire
+from kvindex.generations import register_worker, retire, stage_generation, swap_generation
 from kvindex.keys import KeySchema
 from kvindex.mirror import BlockMirror, IndexOp
 from kvindex.replies import decode
@@ -45,6 +45,9 @@ from kvindex.types import (
 MAX_ITEMS_PER_CALL = 16384
 # Rewrite a gid's block log once it lists this many more entries than the gid holds.
 RELOG_SLACK = 1024
+# How long a gid staged for a re-assert waits for its swap before gc may collect it: far longer
+# than any refill (a million blocks at ~100,000 per second take ~10 s).
+STAGE_TTL_MS = 600_000
 
 
 class RedisWorker:
@@ -70,6 +73,7 @@ class RedisWorker:
         self.dirty = False  # a write failed: Redis may lack part of the mirror until reassert()
         self.load: WorkerLoad | None = None
         self.split_batches = 0  # engine batches too large for one apply.lua call (split over several)
+        self.stage_ttl_ms = STAGE_TTL_MS
         self.active = True
         self._lock = asyncio.Lock()  # one write at a time: a re-assert's snapshot stays whole
         self._client = client
@@ -191,19 +195,48 @@ class RedisWorker:
         return self.dirty
 
     async def reassert(self) -> Registration:
-        """Register again under a fresh generation and write the whole mirror back: used when
-        Redis lost data (restart, failover, flush), a write failed, or to heal drift."""
+        """Write the whole mirror to Redis again under a fresh generation: used when Redis lost
+        data (restart, failover, flush), a write failed, to heal drift, and periodically.
+
+        While Redis still holds this registration, the mirror goes into a staged gid that no
+        reader counts (stage.lua), and swap.lua then makes it current and retires the old gid in
+        one step: readers see the old generation until that moment and the whole new one after
+        it, never an empty worker. When the registration is gone (Redis lost its data) or another
+        client took it over, the worker registers afresh and is refilled (its blocks come back
+        call by call)."""
         self._check_open()
+        async with self._lock:
+            try:
+                registration = await self._refill_staged()
+                if registration is None:
+                    registration = await self._register_and_refill()
+                self.dirty = False
+                if self.load is not None:
+                    await self.report_load(self.load)
+            except (RedisError, OSError, StaleGenerationError):
+                self.dirty = True
+                raise
+            return registration
+
+    async def _refill_staged(self) -> Registration | None:
+        staged = await stage_generation(self._scripts, self.keys, self.worker_id, self.gid, self.stage_ttl_ms)
+        if staged is None:
+            return None
+        ops = self.mirror.indexed_in_order()
+        op = log_entries = 0
+        for start in range(0, len(ops), MAX_ITEMS_PER_CALL):
+            op += 1
+            log_entries = await self._apply_call(staged, op, ops[start : start + MAX_ITEMS_PER_CALL])
+        registration = await swap_generation(self._scripts, self.keys, self.worker_id, self.gid, staged, self.ttl_ms)
+        if registration is not None:
+            self.gid, self.epoch, self.op, self.log_entries = staged, registration.epoch, op, log_entries
+        return registration
+
+    async def _register_and_refill(self) -> Registration:
         registration = await register_worker(self._client, self._scripts, self._schema, self.info, self.ttl_ms)
         self.gid, self.epoch = registration.gid, registration.epoch
-        self.op, self.log_entries, self.dirty = 0, 0, False
-        try:
-            await self._send(list(self.mirror.indexed_in_order()))
-            if self.load is not None:
-                await self.report_load(self.load)
-        except (RedisError, OSError, StaleGenerationError):
-            self.dirty = True
-            raise
+        self.op, self.log_entries = 0, 0
+        await self._send(self.mirror.indexed_in_order())
         return registration
 
     async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
@@ -228,8 +261,9 @@ class RedisWorker:
     async def deregister(self) -> None:
         """Leave the index (the worker's entries stop counting at once); closes the handle."""
         self._check_open()
-        await retire(self._scripts, self.keys, self.worker_id, "leave", self.gid)
-        self.close()
+        async with self._lock:
+            await retire(self._scripts, self.keys, self.worker_id, "leave", self.gid)
+            self.close()
 
     async def indexed_blocks(self) -> int | None:
         """How many blocks Redis indexes for this generation (None when the record is gone or
@@ -249,23 +283,27 @@ class RedisWorker:
         )
 
     async def _send_calls(self, calls: Sequence[Sequence[IndexOp]]) -> None:
-        keys = self.keys
         for ops in calls:
-            kinds, args = encode_ops(ops)
-            reply = await self._scripts.run(
-                "apply",
-                [keys.worker(self.worker_id), keys.log(self.gid), keys.meta],
-                [self.gid, self._next_op(), keys.block_prefix, kinds, *args],
-            )
-            skipped, log_entries, missing = int(reply[2]), int(reply[4]), int(reply[6])
-            if skipped or missing:
-                raise StaleGenerationError(
-                    f"Redis lacks {skipped + missing} blocks that worker {self.worker_id!r} indexed "
-                    "before: the index lost data; re-assert the worker"
-                )
-            self.log_entries = log_entries
+            self.log_entries = await self._apply_call(self.gid, self._next_op(), ops)
         if self.log_entries > 2 * self.mirror.indexed_count + RELOG_SLACK:
             await self._relog()
+
+    async def _apply_call(self, gid: int, op: int, ops: Sequence[IndexOp]) -> int:
+        """One apply.lua call for ``gid``; the gid's block-log length after it."""
+        keys = self.keys
+        kinds, args = encode_ops(ops)
+        reply = await self._scripts.run(
+            "apply",
+            [keys.worker(self.worker_id), keys.log(gid), keys.meta],
+            [gid, op, keys.block_prefix, kinds, *args],
+        )
+        skipped, log_entries, missing = int(reply[2]), int(reply[4]), int(reply[6])
+        if skipped or missing:
+            raise StaleGenerationError(
+                f"Redis lacks {skipped + missing} blocks that worker {self.worker_id!r} indexed "
+                "before: the index lost data; re-assert the worker"
+            )
+        return log_entries
 
     async def _relog(self) -> None:
         blocks = [add.block for add in self.mirror.indexed_in_order()]

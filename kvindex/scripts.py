@@ -26,6 +26,8 @@ SCRIPT_NAMES = (
     "load",
     "clear",
     "relog",
+    "stage",
+    "swap",
     "gc",
     "match",
     "lease",

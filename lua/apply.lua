@@ -12,7 +12,9 @@
 -- Idempotent: each call carries an op id that must exceed the last one applied for the gid;
 -- a replayed call (same op id) changes nothing and returns 'dup'.
 --
--- KEYS[1] record  HASH    the worker's record (fields gid, op, blocks)
+-- The gid is the worker's current one, or the one staged for its re-assert (stage.lua), whose
+-- op id and block count are kept in the record's pending_op and pending_blocks until swap.lua.
+-- KEYS[1] record  HASH    the worker's record (fields gid, op, blocks; pending, pending_op, pending_blocks)
 -- KEYS[2] log     STRING  8-byte hashes of blocks that joined this gid, in order (gc.lua reads it)
 -- KEYS[3] meta    HASH    model settings (field block_keys counts distinct block keys)
 -- ARGV[1] gid   ARGV[2] op id (integer > last op)   ARGV[3] block key prefix
@@ -126,11 +128,15 @@ if arg - 1 ~= #ARGV then
     .. (arg - 1) .. ' arguments, got ' .. #ARGV)
 end
 local current = redis.call('HGET', record_key, 'gid')
+local op_field, blocks_field = 'op', 'blocks'
 if current ~= gid then
-  return redis.error_reply('ERR kvroute: stale generation: gid ' .. gid .. ' is not current (current: '
-    .. tostring(current) .. ')')
+  if redis.call('HGET', record_key, 'pending') ~= gid then
+    return redis.error_reply('ERR kvroute: stale generation: gid ' .. gid .. ' is not current (current: '
+      .. tostring(current) .. ')')
+  end
+  op_field, blocks_field = 'pending_op', 'pending_blocks'  -- a re-assert fills its staged gid
 end
-if op_id <= tonumber(redis.call('HGET', record_key, 'op') or '0') then
+if op_id <= tonumber(redis.call('HGET', record_key, op_field) or '0') then
   return {'dup', 0, 0, 0, 0, 0, 0, 0}
 end
 
@@ -150,10 +156,10 @@ if added > 0 then
   log_len = redis.call('APPEND', log_key, table.concat(appended))
 end
 if added - removed ~= 0 then
-  redis.call('HINCRBY', record_key, 'blocks', added - removed)
+  redis.call('HINCRBY', record_key, blocks_field, added - removed)
 end
 if new_keys - gone_keys ~= 0 then
   redis.call('HINCRBY', meta_key, 'block_keys', new_keys - gone_keys)
 end
-redis.call('HSET', record_key, 'op', op_id)
+redis.call('HSET', record_key, op_field, op_id)
 return {'ok', accepted, skipped, added, log_len / 8, removed, missing, removed}

@@ -14,7 +14,7 @@
 -- KEYS[1] workers  HASH  worker_id -> current gid
 -- KEYS[2] gids     HASH  gid -> worker_id
 -- KEYS[3] alive    ZSET  gid -> heartbeat deadline (ms)
--- KEYS[4] retired  ZSET  gid -> retirement time (ms)
+-- KEYS[4] retired  ZSET  gid -> retirement time (ms), or until when a gid is staged (stage.lua)
 -- KEYS[5] cursors  HASH  gid -> log bytes still to collect
 -- KEYS[6] meta     HASH  model settings (field block_keys counts distinct block keys)
 -- ARGV[1] worker record key prefix   ARGV[2] block log key prefix   ARGV[3] block key prefix
@@ -52,7 +52,8 @@ for _, gid in ipairs(dead) do
 end
 
 while budget > 0 do
-  local oldest = redis.call('ZRANGE', retired_key, 0, 0)
+  -- Gids staged for a re-assert (stage.lua) wait here with a score in the future: not yet.
+  local oldest = redis.call('ZRANGEBYSCORE', retired_key, '-inf', now_ms, 'LIMIT', 0, 1)
   if #oldest == 0 then
     break
   end
