@@ -11,6 +11,11 @@ block is added when it becomes indexed and taken out when it stops being indexed
 goes, or an ancestor does); a second copy of an indexed block, or the removal of one of two
 copies, is no index operation at all.
 
+A limit (the engine's cache size, see RedisWorker) caps the indexed blocks: a store that would
+index more is held but not indexed, and counted in ``over_limit``. An engine never holds more
+blocks than its cache has, so only a runaway mirror (lost removal events, a buggy engine) meets
+it, and one worker can then not grow the shared index past its own capacity.
+
 Pure data structure, no I/O: it turns stores and removals into ordered index operations.
 """
 
@@ -43,7 +48,10 @@ IndexOp = IndexAdd | IndexSub
 class BlockMirror:
     """Reference-counted blocks of one worker with their parent links."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit  # most blocks indexed at once (None: no limit)
+        self.over_limit = 0  # stored blocks left out of the index because of the limit
+        self._capped: set[int] = set()  # held blocks the limit left out (their chain was indexed)
         self._copies: dict[int, int] = {}
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, set[int]] = {}
@@ -80,7 +88,7 @@ class BlockMirror:
 
     def store(self, runs: Iterable[StoredRun]) -> tuple[list[IndexAdd], int]:
         """Record stored runs; returns the index additions (parents first) and how many stored
-        blocks could not be indexed because an ancestor is not held."""
+        blocks could not be indexed (an ancestor is not held, or the limit is reached)."""
         adds: list[IndexAdd] = []
         orphaned = 0
         for run in runs:
@@ -107,6 +115,7 @@ class BlockMirror:
         return subs, missing
 
     def clear(self) -> None:
+        self._capped.clear()
         self._copies.clear()
         self._parent.clear()
         self._children.clear()
@@ -127,26 +136,42 @@ class BlockMirror:
         if copies is not None:
             # Parent links come from the first store; chained hashes make later ones equal.
             self._copies[block] = copies + 1
-            return block in self._indexed
-        self._copies[block] = 1
-        self._parent[block] = parent
-        if parent is not None:
-            self._children.setdefault(parent, set()).add(block)
-        if parent is None or parent in self._indexed:
-            self._collect_subtree(block, adds)
-            return True
-        return False
+            if block in self._indexed:
+                return True
+            parent = self._parent[block]  # held but not indexed: its ancestor, or the limit
+        else:
+            self._copies[block] = 1
+            self._parent[block] = parent
+            if parent is not None:
+                self._children.setdefault(parent, set()).add(block)
+        if (parent is not None and parent in self._capped) or (
+            (parent is None or parent in self._indexed) and self._full()
+        ):
+            self._capped.add(block)
+            self.over_limit += 1
+            return False
+        if parent is not None and parent not in self._indexed:
+            return False
+        self._collect_subtree(block, adds)
+        return True
+
+    def _full(self) -> bool:
+        return self.limit is not None and len(self._indexed) >= self.limit
 
     def _collect_subtree(self, root: int, out: list[IndexAdd]) -> None:
-        """Index ``root`` and every held, not yet indexed descendant, parents first."""
+        """Index ``root`` and every held, not yet indexed descendant, parents first, while the
+        limit allows (descendants left out stay held and join when they are stored again)."""
         stack = [root]
-        while stack:
+        while stack and not self._full():
             block = stack.pop()
             self._indexed.add(block)
+            self._capped.discard(block)
             out.append(IndexAdd(block, self._parent[block]))
             stack.extend(c for c in self._children.get(block, ()) if c not in self._indexed)
+        self._capped.update(stack)
 
     def _drop(self, block: int, subs: list[IndexSub]) -> None:
+        self._capped.discard(block)
         if block in self._indexed:
             self._unindex_descendants(block, subs)
             self._indexed.discard(block)

@@ -45,6 +45,18 @@ from kvindex.types import (
 MAX_ITEMS_PER_CALL = 16384
 # Rewrite a gid's block log once it lists this many more entries than the gid holds.
 RELOG_SLACK = 1024
+
+
+def capacity_limit(capacity_blocks: int) -> int:
+    """Most blocks a worker indexes when its engine caches ``capacity_blocks``: the capacity plus
+    a small slack (1/64 + 16). An engine never holds more distinct blocks than its cache has,
+    and vLLM reports an eviction before the store that reuses the block, so the slack only
+    absorbs what the agent cannot see exactly (the engine's reserved null block, a capacity
+    reported a little off or changed by an engine restart); a mirror that runs away (lost
+    removal events, a buggy engine) stops within 2% of the engine's real size."""
+    return capacity_blocks + capacity_blocks // 64 + 16
+
+
 # How long a gid staged for a re-assert waits for its swap before gc may collect it: far longer
 # than any refill (a million blocks at ~100,000 per second take ~10 s).
 STAGE_TTL_MS = 600_000
@@ -74,6 +86,7 @@ class RedisWorker:
         self.load: WorkerLoad | None = None
         self.split_batches = 0  # engine batches too large for one apply.lua call (split over several)
         self.stage_ttl_ms = STAGE_TTL_MS
+        self._explicit_limit: int | None = None  # set_block_limit(); else the engine's capacity
         self.active = True
         self._lock = asyncio.Lock()  # one write at a time: a re-assert's snapshot stays whole
         self._client = client
@@ -249,9 +262,32 @@ class RedisWorker:
         status = await self._scripts.run("heartbeat", keys, [self.gid, self.ttl_ms])
         return HeartbeatStatus(decode(status))
 
+    # --- the block limit ----------------------------------------------------------------------
+
+    @property
+    def block_limit(self) -> int | None:
+        """Most blocks this worker indexes (None: no limit known): :meth:`set_block_limit`, else
+        :func:`capacity_limit` of the engine's cache size from the last :meth:`report_load`."""
+        return self.mirror.limit
+
+    @property
+    def blocks_over_limit(self) -> int:
+        """Stored blocks left out of the index because the limit was reached (cumulative)."""
+        return self.mirror.over_limit
+
+    def set_block_limit(self, limit: int | None) -> None:
+        """Index at most ``limit`` blocks (None: go back to the engine's reported capacity)."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"block limit must be >= 0, got {limit}")
+        self._explicit_limit = limit
+        capacity = self.load.capacity_blocks if self.load is not None else None
+        self.mirror.limit = limit if limit is not None else capacity_limit(capacity) if capacity else None
+
     async def report_load(self, load: WorkerLoad) -> HeartbeatStatus:
         self._check_open()
         self.load = load
+        if self._explicit_limit is None and load.capacity_blocks:
+            self.mirror.limit = capacity_limit(load.capacity_blocks)
         args: list[str | int] = [self.gid, load.running, load.waiting, repr(load.kv_usage)]
         if load.capacity_blocks:
             args.append(load.capacity_blocks)

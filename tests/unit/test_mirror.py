@@ -94,3 +94,36 @@ def test_orphans_join_the_index_when_their_ancestor_returns():
     adds, orphaned = mirror.store([StoredRun(0, (1,))])
     assert orphaned == 0
     assert [a.block for a in adds] == [1, 2, 3]
+
+
+@settings(max_examples=200)
+@given(ops, st.integers(0, 6))
+def test_a_limited_mirror_never_indexes_more_than_its_limit(operations, limit):
+    mirror = BlockMirror(limit=limit)
+    index: set[int] = set()
+    for kind, arg, length in operations:
+        if kind == "store":
+            run = path_to(arg)[-length:]
+            adds, _ = mirror.store([StoredRun(PARENT[run[0]], tuple(run))])
+            for add in adds:
+                assert add.parent is None or add.parent in index, "parents must be indexed first"
+                index.add(add.block)
+        elif kind == "remove":
+            subs, _ = mirror.remove(arg)
+            for sub in subs:
+                index.remove(sub.block)
+                assert not any(PARENT[c] == sub.block for c in index), "children leave before parents"
+        else:
+            mirror.clear()
+            index.clear()
+        assert len(index) <= limit and mirror.indexed_count == len(index)
+        assert {a.block for a in mirror.indexed_in_order()} == index
+
+
+def test_a_block_left_out_by_the_limit_joins_when_stored_again_with_room():
+    mirror = BlockMirror(limit=2)
+    adds, skipped = mirror.store([StoredRun(None, (0, 1, 2, 3))])
+    assert [a.block for a in adds] == [0, 1] and skipped == 2 and mirror.over_limit == 2
+    mirror.limit = 4
+    adds, skipped = mirror.store([StoredRun(1, (2, 3))])
+    assert [a.block for a in adds] == [2, 3] and skipped == 0 and mirror.over_limit == 2
