@@ -273,7 +273,7 @@ def encoded_events(draw: st.DrawFn) -> tuple[Any, Any, set[str]]:
     """(wire form, expected event or None for an unknown type, unknown keys), either encoding."""
     if draw(st.integers(0, 9)) == 0:
         kind = draw(short_text.filter(lambda k: k not in ("BlockStored", "BlockRemoved", "AllBlocksCleared")))
-        return {"type": kind, **draw(st.dictionaries(short_text, anything, max_size=3))}, None, set()
+        return {"type": kind, **draw(st.dictionaries(unknown_names, anything, max_size=3))}, None, set()
     kind, fields = draw(known_events)
     if draw(st.booleans()):  # the older positional encoding: a prefix of the fields in vLLM's order
         order = {"BlockStored": STORED_ORDER, "BlockRemoved": REMOVED_ORDER}.get(kind, ())
