@@ -72,6 +72,16 @@ class Decision:
         return [self.chain[d - 1] for d in checkpoints(len(self.chain))]
 
 
+@dataclass(frozen=True)
+class IndexView:
+    """One lookup's answer: matched blocks, every replica's booked load and the expected
+    prefixes, per worker id."""
+
+    matches: dict[str, int]
+    totals: dict[str, InflightLoad]
+    expected_depth: dict[str, int]
+
+
 def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
     """``candidate`` with the prefix it is expected to hold soon (a recent decision sent it there)
     counted as matched; the part beyond what it holds now is being prefilled there by requests in
@@ -127,7 +137,7 @@ class Decider:
         block_size = workers[0].block_size
         chain = await self.hasher.chain(tokens, block_size, cache_salt)  # long prompts: in slices
         try:
-            candidates = await self.lookups.run(lambda: self._candidates(model, chain, workers))
+            view = await self.lookups.run(lambda: self._lookup(model, chain))
         except REDIS_FAILURES as exc:
             self._enter_degraded(exc)
             cause = ("busy" if exc.busy else "budget") if isinstance(exc, BudgetExpired) else "error"
@@ -138,7 +148,7 @@ class Decider:
             seconds = time.perf_counter() - started
             return Decision(model, len(tokens), block_size, chain, choice, True, seconds, cause)
         self._leave_degraded()
-        candidates = self._with_recent(model, chain, candidates)
+        candidates = self._with_recent(model, chain, self._candidates(model, view, workers))
         choice = choose(
             candidates,
             len(chain),
@@ -182,7 +192,8 @@ class Decider:
             return candidates
         return [_expecting(c, depth[c.worker_id]) for c in candidates]
 
-    async def _candidates(self, model: str, chain: list[int], workers: list[WorkerRecord]) -> list[Candidate]:
+    async def _lookup(self, model: str, chain: list[int]) -> IndexView:
+        """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.lookups`)."""
         depths = checkpoints(len(chain))
         match_reply, totals_reply, expected_reply = await self._index.scripts.call_many(
             [
@@ -195,22 +206,28 @@ class Decider:
             if isinstance(reply, Exception):
                 raise reply
         matches = await self._index.match_result(model, match_reply)
-        totals = parse_totals(totals_reply)
-        for unsent_worker, delta in self._replica_load.unsent(model).items():
-            totals[unsent_worker] = totals.get(unsent_worker, InflightLoad()) + delta
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
             if worker_id is not None:
                 expected_depth[worker_id] = max(expected_depth[worker_id], depth)
+        return IndexView(matches, parse_totals(totals_reply), expected_depth)
+
+    def _candidates(self, model: str, view: IndexView, workers: list[WorkerRecord]) -> list[Candidate]:
+        """The workers as Redis sees them, plus this replica's bookings not yet written there.
+        Read here, with no await between it and the booking of this decision: a burst decided
+        together must each see the ones just before it, or they herd onto one worker."""
+        totals = dict(view.totals)
+        for unsent_worker, delta in self._replica_load.unsent(model).items():
+            totals[unsent_worker] = totals.get(unsent_worker, InflightLoad()) + delta
         candidates = [
             Candidate(
                 w.worker_id,
                 w.url,
-                matches.get(w.worker_id, 0),
+                view.matches.get(w.worker_id, 0),
                 totals.get(w.worker_id, InflightLoad()),
                 w.load,
                 cached_blocks=w.blocks,
             )
             for w in workers
         ]
-        return [_expecting(c, expected_depth[c.worker_id]) for c in candidates]
+        return [_expecting(c, view.expected_depth[c.worker_id]) for c in candidates]
