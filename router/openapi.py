@@ -254,7 +254,7 @@ def _json_reply(description: str, schema: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
 
 
-def build_document() -> dict[str, Any]:
+def _paths() -> dict[str, Any]:
     explain_body = {
         "anyOf": [
             {"$ref": "#/components/schemas/CompletionRequest"},
@@ -310,6 +310,10 @@ def build_document() -> dict[str, Any]:
             {"200": {"description": "OpenAPI 3", "content": {JSON: {"schema": {"type": "object"}}}}},
         ),
     }
+    return paths
+
+
+def build_document() -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
         "info": {
@@ -318,7 +322,7 @@ def build_document() -> dict[str, Any]:
             "description": "A KV-cache-aware, OpenAI-compatible router for vLLM fleets (docs/router.md). Every "
             'error has OpenAI\'s shape: {"error": {"message", "type", "param", "code"}}.',
         },
-        "paths": paths,
+        "paths": _paths(),
         "components": {
             "schemas": SCHEMAS,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "with --api-key"}},

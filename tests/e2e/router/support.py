@@ -3,6 +3,8 @@ HTTP/ZMQ) and agent processes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 from kvindex.hashing import sequence_hashes
@@ -62,11 +64,9 @@ class Traffic:
         self.statuses: list[int] = []
         self.failures: list[tuple[int, dict]] = []
         self._stopping = False
-        self._tasks: list = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> Traffic:
-        import asyncio
-
         self._tasks = [asyncio.create_task(self._client(n)) for n in range(self.clients)]
         return self
 
