@@ -46,6 +46,7 @@ class EngineStandIn:
     block_size: int = 4
     healthy: bool = True
     load: tuple[int, int, float] = (0, 0, 0.0)
+    num_gpu_blocks: int | None = None  # the KV-cache size its /metrics reports (vLLM's cache_config_info)
     port: int = field(default_factory=free_port)
     publisher: KVEventPublisher | None = None
     _runner: web.AppRunner | None = None
@@ -83,9 +84,13 @@ class EngineStandIn:
             f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} {waiting}\n"
             f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
             f"# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0"}} 1.0\n'
+            f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0"{self._capacity_label}}} 1.0\n'
         )
         return web.Response(text=text, content_type="text/plain")
+
+    @property
+    def _capacity_label(self) -> str:
+        return "" if self.num_gpu_blocks is None else f',num_gpu_blocks="{self.num_gpu_blocks}"'
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})

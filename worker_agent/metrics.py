@@ -40,6 +40,8 @@ class AgentCounters:
     engine_metric_errors: int = 0  # values on the engine's /metrics ignored (NaN, +Inf, text, ...)
     verifications: int = 0  # block-count checks (index vs mirror)
     heartbeats: int = 0  # heartbeats Redis accepted
+    blocks_over_limit: int = 0  # stores the index refused: the worker held its engine's capacity
+    split_batches: int = 0  # engine batches too large for one atomic apply call
     reasserts: Counter[str] = field(default_factory=Counter)  # by reason
 
 
@@ -81,6 +83,8 @@ _HELP = {
     "engine_metric_errors": "Values on the engine's /metrics ignored: NaN, infinite, not a number or out of range",
     "verifications": "Checks of the index's block count for this worker against the mirror",
     "heartbeats": "Heartbeats Redis accepted (they run on their own schedule, beside replays and writes)",
+    "blocks_over_limit": "Stored blocks not indexed: the worker already held its engine's KV capacity",
+    "split_batches": "Engine batches too large for one atomic index call, written in several (readers may see part)",
 }
 _GAUGE_HELP = {
     "mirror_blocks": "Blocks the engine holds, as the agent's mirror knows them",

@@ -39,9 +39,10 @@ class Received:
 
 @dataclass
 class _Pending:
-    """Changes of in-order batches not yet written, with their receive times."""
+    """Changes of in-order batches not yet written (one list per engine batch, so that each
+    reaches Redis whole: ``RedisWorker.apply_batches``), with their receive times."""
 
-    changes: list[BlockChange] = field(default_factory=list)
+    batches: list[list[BlockChange]] = field(default_factory=list)
     received_at: list[float] = field(default_factory=list)
 
 
@@ -185,10 +186,11 @@ class EventPipeline:
     async def _accept(self, batch: EventBatch, digest: int, received_at: float, pending: _Pending) -> None:
         translated = self._translator.translate(batch.events)
         if translated.clear:
-            pending.changes.clear()  # the clear wipes them anyway
+            pending.batches.clear()  # the clear wipes them anyway
             await self._flush(pending)
             await self.writer.clear()
-        pending.changes.extend(translated.changes)
+        if translated.changes:
+            pending.batches.append(list(translated.changes))
         pending.received_at.append(received_at)
         self._sequencer.applied(batch.seq, digest)
         self.last_seq = batch.seq
@@ -196,12 +198,12 @@ class EventPipeline:
         self._counters.events_applied += len(batch.events)
 
     async def _flush(self, pending: _Pending) -> None:
-        if pending.changes:
-            await self.writer.apply(pending.changes)
+        if pending.batches:
+            await self.writer.apply_batches(pending.batches)
         now = time.perf_counter()
         for received_at in pending.received_at:
             self._latency.observe(now - received_at)
-        pending.changes, pending.received_at = [], []
+        pending.batches, pending.received_at = [], []
 
     async def _repair(self, start: int, until: int | None) -> None:
         """Apply batches [start, until) (until None: all there are) from the replay buffer."""

@@ -35,6 +35,8 @@ class WorkerWriter:
         self.ttl_ms = ttl_ms
         self._counters = counters
         self._last_error_log = 0.0
+        self._limits_of: RedisWorker | None = None
+        self._limits_seen = (0, 0)
 
     @property
     def registered(self) -> bool:
@@ -87,16 +89,31 @@ class WorkerWriter:
         return True
 
     async def apply(self, changes: list[BlockChange]) -> None:
+        await self.apply_batches([changes])
+
+    async def apply_batches(self, batches: list[list[BlockChange]]) -> None:
+        """Engine batches in order; each reaches Redis in one atomic call (if it fits one)."""
         handle = self._live()
         if handle is None:
             return
         try:
-            await handle.apply(changes)
+            await handle.apply_batches(batches)
+            self._count_limits(handle)
         except StaleGenerationError as exc:
             log.warning("the index lost this worker's data (%s); re-asserting", exc)
             await self.reassert("lost_data")
         except REDIS_FAILURES as exc:
             self._failed("write", exc)
+
+    def _count_limits(self, handle: RedisWorker) -> None:
+        """Add what the handle refused or split since last seen to the agent's counters (a new
+        handle, after a registration, counts from 0)."""
+        if handle is not self._limits_of:
+            self._limits_of, self._limits_seen = handle, (0, 0)
+        over, split = handle.blocks_over_limit, handle.split_batches
+        self._counters.blocks_over_limit += over - self._limits_seen[0]
+        self._counters.split_batches += split - self._limits_seen[1]
+        self._limits_seen = (over, split)
 
     async def clear(self) -> None:
         handle = self._live()

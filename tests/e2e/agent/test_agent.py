@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
+from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
-from sim_engine.kv_events import cleared_event
+from sim_engine.kv_events import cleared_event, stored_event
 from tests.agent_support import BS, CHAIN, agent_args, registered, removed, stored, wait_for_match
 from tests.conftest import server_kinds
 from tests.support import AgentProcess, EngineStandIn, wait_until
@@ -280,3 +281,26 @@ async def test_a_block_key_lost_in_redis_heals_at_the_next_store_below_it(engine
     await pub.publish([stored(6, 8)])  # Redis refuses block 6 (its parent is gone): re-assert
     await wait_for_match(index, unique_name, [8])
     assert await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
+
+
+async def test_an_engine_storing_past_its_capacity_cannot_grow_the_index(engine, agent, index, unique_name):
+    """A buggy engine that announces more blocks than its KV cache holds: the worker indexes at most
+    its capacity (plus kvindex's slack), and the agent counts what it left out."""
+    engine.num_gpu_blocks = 4  # the handle's limit: 4 + 4 // 64 + 16 = 20 blocks
+
+    async def capacity_known() -> bool:
+        records = await index.workers(unique_name)
+        return bool(records) and records[0].load is not None and records[0].load.capacity_blocks == 4
+
+    await wait_until(capacity_known, 10)
+    tokens = list(range(1000, 1000 + 32 * BS))
+    chain = sequence_hashes(tokens, BS)
+    await engine.publisher.publish([stored_event([8_000_000 + i for i in range(32)], None, tokens, BS)])
+
+    async def over_limit_counted() -> bool:
+        return await agent.metric("kvroute_agent_blocks_over_limit_total") == 12
+
+    await wait_until(over_limit_counted, 10)
+    assert list((await index.match(unique_name, chain)).values()) == [20]
+    (record,) = await index.workers(unique_name)
+    assert record.blocks == 20
