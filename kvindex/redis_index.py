@@ -204,10 +204,12 @@ class RedisIndex:
         names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
         return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
 
-    async def server_run_id(self) -> str:
-        """The Redis process's run_id: it changes when the server restarts or fails over."""
+    async def server_run_id(self) -> str | None:
+        """The Redis process's run_id: it changes when the server restarts or fails over. None
+        when INFO has none (some proxies and managed services leave it out)."""
         info = await self._client.info("server")
-        return str(info["run_id"])
+        run_id = info.get("run_id")
+        return None if run_id is None else str(run_id)
 
     async def server_memory(self) -> dict[str, int]:
         """Redis's own view of its size, for `kvroute index stats`."""

@@ -94,13 +94,11 @@ class Liveness:
     async def _server_run_id(self) -> str | None:
         """Redis's run_id; None when its INFO has none (some proxies and managed services): then a
         restart shows only as the worker's record missing, or as the block-count check failing."""
-        try:
-            return await self.index.server_run_id()
-        except KeyError:
-            if not self._run_id_missing_said:
-                self._run_id_missing_said = True
-                log.warning(
-                    "Redis's INFO has no run_id: a Redis restart is noticed when this worker's record is "
-                    "missing or its block count is off, not by run_id"
-                )
-            return None
+        run_id = await self.index.server_run_id()
+        if run_id is None and not self._run_id_missing_said:
+            self._run_id_missing_said = True
+            log.warning(
+                "Redis's INFO has no run_id: a Redis restart is noticed when this worker's record is "
+                "missing or its block count is off, not by run_id"
+            )
+        return run_id
