@@ -28,10 +28,16 @@ FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
 
 
 class ReplicaLoad:
-    def __init__(self, shared: SharedLoad, lease_ttl_ms: int, expected_ttl_ms: int = 2_000) -> None:
+    def __init__(
+        self, shared: SharedLoad, lease_ttl_ms: int, expected_ttl_ms: int = 2_000, write_timeout_s: float = 2.0
+    ) -> None:
         self.shared = shared
         self._ttl_ms = lease_ttl_ms
         self._expected_ttl_ms = expected_ttl_ms
+        # A write is cut off only past this (the socket timeout): cancelling a command on the wire
+        # costs its connection, so a Redis slower than the renewal period must not make every
+        # renewal and flush reconnect (router/lookups.py says the same of decisions).
+        self._write_timeout_s = write_timeout_s
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
@@ -94,7 +100,7 @@ class ReplicaLoad:
                 expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
                 self._sending = deltas
                 try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
-                    async with asyncio.timeout(1.0):
+                    async with asyncio.timeout(self._write_timeout_s):
                         await self.shared.add_many(deltas)
                         await self.shared.expect_many(expects, self._expected_ttl_ms)
                 except FAILURES as exc:
@@ -141,7 +147,7 @@ class ReplicaLoad:
         async def loop() -> None:
             while True:
                 try:
-                    async with asyncio.timeout(self._ttl_ms / 3000):
+                    async with asyncio.timeout(max(self._ttl_ms / 3000, self._write_timeout_s)):
                         await self.renew_all(models())
                 except FAILURES as exc:
                     log.debug("lease renewal failed: %s", exc)
