@@ -59,6 +59,9 @@ async def test_a_slow_redis_between_router_and_index(redis_server):
             )
             scene.check(figures, [recovery])
             assert degraded > 0  # the decisions did meet the slow Redis
-            assert reconnects <= 32  # no reconnect storm: the router's pool is bounded (--redis-pool-size)
+            # No reconnect storm (the old router opened one per decision: ~60 here). The pool is
+            # bounded (--redis-pool-size 32) and may grow to its bound from its warm size while slow;
+            # the margin covers the load writer's and lease's own connections being replaced.
+            assert reconnects <= 40
     finally:
         await proxy.stop()
