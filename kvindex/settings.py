@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,47 +21,139 @@ from kvindex.keys import DEFAULT_PREFIX, validate_prefix
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+# A password in the query string (redis-py reads ``?password=``), in any letter case.
+_QUERY_PASSWORD = re.compile(r"(?i)(^|&)(password=)[^&]*")
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***', safe for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    """The URL with any password (in the user part or as ``?password=``) replaced by '***',
+    safe for logs and error messages. Anything that does not parse is replaced whole."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+        netloc = parts.netloc
+        if password is not None:
+            user = parts.username or ""
+            host = parts.netloc.rpartition("@")[2]
+            netloc = f"{user}:***@{host}"
+    except ValueError:  # a malformed port or host: say nothing of what it held
+        return "<unparsable Redis URL>"
+    query = _QUERY_PASSWORD.sub(r"\1\2***", parts.query)
+    if netloc != parts.netloc:
+        url = urlunsplit(parts._replace(netloc=netloc))
+    if query != parts.query:  # in place: urlunsplit would turn unix:///path into unix:/path
+        url = url.replace("?" + parts.query, "?" + query, 1)
+    return url
+
+
+def read_secret_file(path: str, flag: str) -> str:
+    """The secret in ``path``: its first line, without the line end. A file that cannot be read,
+    or is empty, is a ValueError that names the flag and the path (never the content)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            secret = handle.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ValueError(f"cannot read {flag} {path!r}: {reason}") from None
+    if not secret:
+        raise ValueError(f"{flag} {path!r} is empty")
+    return secret
+
+
+def read_secret_lines(path: str | None, flag: str) -> frozenset[str]:
+    """The non-empty lines of ``path`` (say API keys, one a line), stripped; none when no path.
+    A file that cannot be read, or holds none, is a ValueError naming the flag and the path."""
+    if path is None:
+        return frozenset()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = frozenset(line.strip() for line in handle if line.strip())
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ValueError(f"cannot read {flag} {path!r}: {reason}") from None
+    if not lines:
+        raise ValueError(f"{flag} {path!r} is empty")
+    return lines
+
+
+def _check_readable(path: str | None, flag: str) -> None:
+    if path is not None and not os.access(path, os.R_OK):
+        raise ValueError(f"{flag} {path!r} is not a readable file")
 
 
 @dataclass(frozen=True)
 class RedisSettings:
+    """Where the index lives and how to reach it. ``password`` (from ``--redis-password-file``)
+    and the URL's own password are never shown: see :func:`redact_url` and ``__repr__``.
+    ``tls_ca``, ``tls_cert`` and ``tls_key`` are files for a ``rediss://`` URL: the CA that
+    signed the server's certificate, and this client's certificate and key (mutual TLS)."""
+
     url: str = field(default=DEFAULT_REDIS_URL, repr=False)
     prefix: str = DEFAULT_PREFIX
     socket_timeout_s: float = 2.0
+    password: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
+        try:
+            parts = urlsplit(self.url)
+        except ValueError:
+            raise ValueError(f"Redis URL {redact_url(self.url)} does not parse") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {redact_url(self.url)!r}")
         validate_prefix(self.prefix)
         if self.socket_timeout_s <= 0:
             raise ValueError(f"socket timeout must be positive, got {self.socket_timeout_s}")
+        if self.password is not None and (parts.password or _QUERY_PASSWORD.search(parts.query)):
+            raise ValueError("give the Redis password in the URL or in --redis-password-file, not both")
+        tls_files = {"--redis-tls-ca": self.tls_ca, "--redis-tls-cert": self.tls_cert, "--redis-tls-key": self.tls_key}
+        if any(tls_files.values()) and parts.scheme != "rediss":
+            raise ValueError(f"TLS files need a rediss:// URL, got {redact_url(self.url)!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--redis-tls-cert and --redis-tls-key go together (the client certificate and its key)")
+        for flag, path in tls_files.items():
+            _check_readable(path, flag)
 
     def __repr__(self) -> str:
+        tls = "".join(
+            f", {name}={getattr(self, name)!r}" for name in ("tls_ca", "tls_cert", "tls_key") if getattr(self, name)
+        )
+        secret = ", password='***'" if self.password is not None else ""
         return (
             f"RedisSettings(url={redact_url(self.url)!r}, prefix={self.prefix!r}, "
-            f"socket_timeout_s={self.socket_timeout_s})"
+            f"socket_timeout_s={self.socket_timeout_s}{secret}{tls})"
         )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RedisSettings:
-        """Build from KVROUTE_REDIS_URL / KVROUTE_PREFIX, with non-None ``overrides`` (flags) winning."""
+        """Build from the KVROUTE_REDIS_* variables and KVROUTE_PREFIX, with non-None
+        ``overrides`` (flags) winning. ``password_file`` (or KVROUTE_REDIS_PASSWORD_FILE) is read
+        here, so a missing or empty file is a ValueError at start-up."""
         env = os.environ if env is None else env
         values: dict[str, object] = {
             "url": env.get("KVROUTE_REDIS_URL", DEFAULT_REDIS_URL),
             "prefix": env.get("KVROUTE_PREFIX", DEFAULT_PREFIX),
         }
+        values.update({name: env[variable] for name, variable in _FILE_VARIABLES.items() if env.get(variable)})
         values.update({k: v for k, v in overrides.items() if v is not None})
+        password_file = values.pop("password_file", None)
+        if password_file is not None:
+            values["password"] = read_secret_file(str(password_file), "--redis-password-file")
         return cls(**values)  # type: ignore[arg-type]
+
+    def connection_options(self) -> dict[str, Any]:
+        """The password and TLS files as keyword arguments of redis-py's ``from_url`` (sync or asyncio)."""
+        options: dict[str, Any] = {}
+        if self.password is not None:
+            options["password"] = self.password
+        if self.tls_ca:
+            options["ssl_ca_certs"] = self.tls_ca
+        if self.tls_cert:
+            options["ssl_certfile"] = self.tls_cert
+            options["ssl_keyfile"] = self.tls_key
+        return options
 
     def client(
         self, command_timeouts: bool = True, max_connections: int | None = None, client_name: str | None = None
@@ -77,6 +171,7 @@ class RedisSettings:
             "socket_connect_timeout": self.socket_timeout_s,
             "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), retries=3),
             "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+            **self.connection_options(),
         }
         if client_name:
             options["client_name"] = "".join(c if c.isprintable() and not c.isspace() else "_" for c in client_name)
@@ -88,3 +183,54 @@ class RedisSettings:
             self.url, max_connections=max_connections, timeout=self.socket_timeout_s, **options
         )
         return Redis.from_pool(pool)  # the client owns the pool: aclose() closes its connections
+
+
+# The file-valued settings, their flags' destinations and their variables.
+_FILE_VARIABLES = {
+    "password_file": "KVROUTE_REDIS_PASSWORD_FILE",
+    "tls_ca": "KVROUTE_REDIS_TLS_CA",
+    "tls_cert": "KVROUTE_REDIS_TLS_CERT",
+    "tls_key": "KVROUTE_REDIS_TLS_KEY",
+}
+
+
+def add_redis_security_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The flags every command with ``--redis-url`` takes for a password file and TLS."""
+    parser.add_argument(
+        "--redis-password-file",
+        dest="redis_password_file",
+        metavar="FILE",
+        help="read the Redis password from FILE's first line (env KVROUTE_REDIS_PASSWORD_FILE); "
+        "put the user name in the URL: redis://USER@HOST:PORT/0",
+    )
+    for name, what in (
+        ("ca", "CA certificate that signed the server's"),
+        ("cert", "client certificate"),
+        ("key", "client key"),
+    ):
+        parser.add_argument(
+            f"--redis-tls-{name}",
+            dest=f"redis_tls_{name}",
+            metavar="FILE",
+            help=f"{what} (PEM) for a rediss:// URL (env KVROUTE_REDIS_TLS_{name.upper()})",
+        )
+
+
+def redis_security_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The flags of :func:`add_redis_security_arguments` as ``RedisSettings.from_env`` overrides."""
+    return {
+        "password_file": getattr(args, "redis_password_file", None),
+        "tls_ca": getattr(args, "redis_tls_ca", None),
+        "tls_cert": getattr(args, "redis_tls_cert", None),
+        "tls_key": getattr(args, "redis_tls_key", None),
+    }
+
+
+def export_redis_security_arguments(
+    args: argparse.Namespace, env: os._Environ[str] | dict[str, str] = os.environ
+) -> None:
+    """Put the flags into the KVROUTE_REDIS_* variables, for commands (bench, demo) whose Redis
+    clients are built by the processes they start: the children inherit the environment."""
+    for name, value in redis_security_overrides(args).items():
+        if value is not None:
+            env[_FILE_VARIABLES[name]] = str(value)

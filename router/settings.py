@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvindex.settings import RedisSettings
+from kvindex.settings import RedisSettings, add_redis_security_arguments, read_secret_lines, redis_security_overrides
 from kvservice.logs import add_log_arguments
 from router.scoring import Policy, ScoringWeights
 
@@ -80,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--redis-url", help="the index's Redis (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)"
     )
     parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
+    add_redis_security_arguments(parser)
     parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
     parser.add_argument("--policy", type=Policy, choices=list(Policy), default=Policy.KV, help="default kv")
@@ -117,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="accepted bearer key (repeatable; env KVROUTE_API_KEYS, comma-separated); none: no auth",
     )
+    parser.add_argument("--api-key-file", help="accepted bearer keys, one a line (env KVROUTE_API_KEY_FILE)")
     parser.add_argument(
         "--max-body-bytes",
         type=int,
@@ -151,6 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterSettings:
     env = os.environ if env is None else env
     keys = set(args.api_key) | {k.strip() for k in env.get("KVROUTE_API_KEYS", "").split(",") if k.strip()}
+    keys |= read_secret_lines(args.api_key_file or env.get("KVROUTE_API_KEY_FILE"), "--api-key-file")
     weights = ScoringWeights(
         args.weight_prefill,
         args.weight_queued,
@@ -164,7 +167,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
     extra.update(_flag_or_env(args, env))
     return RouterSettings(
-        redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix),
+        redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args)),
         host=args.host,
         port=args.port,
         policy=args.policy,

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvindex.settings import RedisSettings
+from kvindex.settings import RedisSettings, add_redis_security_arguments, redis_security_overrides
 from kvservice.logs import add_log_arguments
 from worker_agent.engine import root_url
 
@@ -130,6 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, help=f"{help_text}; env {variable}")
     parser.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
     parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
+    add_redis_security_arguments(parser)
     parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
     parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 3600)")
     parser.add_argument("--verify-interval", type=float, help="seconds between block-count checks (default 5)")
@@ -183,5 +184,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
             values[name] = getattr(args, name)
     if "events_warn_after" in values:
         values["events_warn_after_s"] = values.pop("events_warn_after")
-    values["redis"] = RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix)
+    values["redis"] = RedisSettings.from_env(
+        env, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args)
+    )
     return AgentSettings(**values)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import importlib
 import sys
 from typing import Any
 
+from kvindex.settings import add_redis_security_arguments, export_redis_security_arguments
 from kvroute.cli.argtypes import positive_float, positive_int, positive_ints
 
 
@@ -35,6 +36,7 @@ def add_parser(commands: Any) -> None:
 
 def _index_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    add_redis_security_arguments(p)
     p.add_argument(
         "--entries", type=positive_int, default=1_000_000, help="(block, worker) entries to load per worker count"
     )
@@ -49,6 +51,7 @@ def _index_flags(p: argparse.ArgumentParser) -> None:
 
 def _agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    add_redis_security_arguments(p)
     p.add_argument("--batches", type=positive_int, default=20_000, help="engine batches to publish")
     p.add_argument(
         "--blocks-per-batch", type=positive_int, default=8, help="blocks stored (and, once full, evicted) per batch"
@@ -190,6 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvroute.bench.common import ProcessFailed
     from kvroute.devstack.peers import PeerError
 
+    export_redis_security_arguments(args)  # the processes it starts read them from the environment
     module = importlib.import_module(f"kvroute.bench.{args.bench_command}")
     try:
         return int(module.run_from_args(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvindex.settings import add_redis_security_arguments, export_redis_security_arguments
 from kvroute.cli.argtypes import positive_int
 
 
@@ -16,6 +17,7 @@ def add_parser(commands: Any) -> None:
         "drive multi-turn chats through them with the kv policy and with round_robin, print a table and a chart.",
     )
     parser.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    add_redis_security_arguments(parser)
     parser.add_argument("--engines", type=positive_int, default=4, help="simulated engines (default 4)")
     parser.add_argument("--conversations", type=positive_int, default=24, help="concurrent conversations (default 24)")
     parser.add_argument("--turns", type=positive_int, default=6, help="turns per conversation (default 6)")
@@ -27,4 +29,5 @@ def add_parser(commands: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from kvroute.demo import run_from_args  # matplotlib and the stack: only when the demo runs
 
+    export_redis_security_arguments(args)  # the processes it starts read them from the environment
     return run_from_args(args)

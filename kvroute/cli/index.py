@@ -16,7 +16,7 @@ from kvindex.errors import KVIndexError
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
-from kvindex.settings import RedisSettings, redact_url
+from kvindex.settings import RedisSettings, add_redis_security_arguments, redact_url, redis_security_overrides
 from kvindex.types import WorkerRecord
 from kvroute.bench.common import text_table
 from kvroute.cli.argtypes import positive_int, token_ids
@@ -41,6 +41,7 @@ def add_parser(commands: Any) -> None:
     def with_redis(p: argparse.ArgumentParser) -> None:
         p.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
         p.add_argument("--prefix", help="key prefix (env KVROUTE_PREFIX; default kvr)")
+        add_redis_security_arguments(p)
 
     def identity(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tokens", type=token_ids, required=True, help="token ids: 1,2,3 or [1,2,3]")
@@ -80,7 +81,7 @@ def _emit(args: argparse.Namespace, data: Any, table: Callable[[Any], str]) -> i
 def _settings(args: argparse.Namespace) -> RedisSettings:
     """The flags over KVROUTE_REDIS_URL / KVROUTE_PREFIX, checked as every kvroute process checks them."""
     try:
-        return RedisSettings.from_env(url=args.redis_url, prefix=args.prefix)
+        return RedisSettings.from_env(url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args))
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
@@ -93,7 +94,7 @@ def _run_with_index(args: argparse.Namespace, body: Callable[[RedisIndex, RedisS
     """Run ``body`` against the index. A Redis that cannot be used is a :class:`StartupError` (one
     line, exit status 2); an index that cannot answer (an unknown model) one line, exit status 1."""
     settings = _settings(args)
-    usable_redis_url(settings.url)
+    usable_redis_url(settings.url, settings)
 
     async def run() -> Any:
         client = settings.client()

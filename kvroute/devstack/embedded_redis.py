@@ -122,15 +122,17 @@ class RedisServer:
         self.stop()
 
 
-def usable_redis_url(url: str) -> str:
+def usable_redis_url(url: str, settings: RedisSettings | None = None) -> str:
     """``url`` when it is a Redis URL that answers PING; otherwise a :class:`StartupError` that
-    names it (password redacted) and says what to change."""
-    try:
-        RedisSettings(url=url)  # the scheme and the checks every kvroute process applies
+    names it (password redacted) and says what to change. The password file and TLS files come
+    from ``settings``, else from the KVROUTE_REDIS_* variables."""
+    try:  # the scheme and the checks every kvroute process applies
+        settings = settings or RedisSettings.from_env(url=url)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        options = settings.connection_options()
+        client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0, **options)
     except ValueError as exc:  # what redis-py cannot parse (a bad port, an unknown option)
         raise StartupError(f"cannot use Redis URL {redact_url(url)}: {exc}") from None
     try:
