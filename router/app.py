@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.redis_index import RedisIndex
-from kvindex.settings import redact_url
 from router.body import TOO_DEEP, BodyError, decode_body
 from router.booking import Booking
 from router.decide import Decider, Decision, NoWorkers
@@ -26,6 +26,7 @@ from router.scoring import Candidate
 from router.settings import RouterSettings
 
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +53,8 @@ async def _json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decision:
+async def _decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: bool = False) -> Decision:
+    """The decision for a request; ``dry_run`` (/debug/route) changes no routing state and no metric."""
     model = body["model"]
     workers = state.fleet.alive(model)
     if not workers:
@@ -70,14 +72,18 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool) -> Decis
     except RecursionError:
         raise ApiError(400, TOO_DEEP) from None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ApiError(502, f"could not tokenize through a worker: {exc}", "upstream_error") from None
+        # The detail names the worker's address: the log's, not the client's.
+        log.warning("tokenizing through worker %s failed: %s", workers[0].worker_id, exc)
+        raise ApiError(502, "could not tokenize the prompt through a worker", "upstream_error") from None
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ApiError(400, "'cache_salt' must be a non-empty string")
     try:
-        decision = await state.decider.decide(model, tokens, salt)
+        decision = await state.decider.decide(model, tokens, salt, dry_run)
     except NoWorkers as exc:
         raise ApiError(503, str(exc), "service_unavailable") from None
+    if dry_run:
+        return decision
     state.metrics.decision_seconds.observe(decision.seconds)
     state.metrics.degraded_mode.set(1 if state.decider.degraded else 0)
     if decision.degraded:
@@ -90,9 +96,8 @@ def _no_worker_error(state: RouterState, model: str) -> ApiError:
     """404 only when the index says the model does not exist; 503 when the router cannot know."""
     fleet = state.fleet
     if not fleet.has_view:
-        where = redact_url(state.settings.redis.url)
-        why = fleet.last_error or "no answer yet"
-        message = f"the router has no view of the workers yet: the index's Redis at {where} is unreachable ({why})"
+        # Where Redis is and why it failed are in the log (at start-up); not told to clients.
+        message = "the router has no view of the workers yet: the index's Redis is unreachable"
         return ApiError(503, message, "service_unavailable")
     if fleet.known(model):
         return ApiError(503, f"no alive worker serves model {model!r}", "service_unavailable")
@@ -162,6 +167,8 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     policy = state.settings.policy.value if not decision.degraded else "degraded"
 
     def headers(candidate: Candidate) -> dict[str, str]:
+        if not state.settings.routing_headers:
+            return {"x-request-id": request[REQUEST_ID]}
         return {
             "x-kvroute-worker": candidate.worker_id,
             "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(candidate)),
@@ -170,7 +177,11 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
 
     def failed(candidate: Candidate, why: BaseException | int) -> None:
         state.metrics.upstream_errors.labels(candidate.worker_id).inc()
-        state.fleet.drop(decision.model, candidate.worker_id)
+        log.warning("request %s: worker %s failed: %r", request[REQUEST_ID], candidate.worker_id, why)
+        if not isinstance(why, int):
+            # Unreachable: not offered until a refresh lists it again. A 5xx (or a redirect) is
+            # this request's failure, not the worker's: it stays a candidate.
+            state.fleet.drop(decision.model, candidate.worker_id)
 
     state.metrics.inflight.inc()
     try:
@@ -209,7 +220,7 @@ def create_app(state: RouterState) -> web.Application:
 
     async def explain(request: web.Request) -> web.Response:
         body = await _json(request)
-        decision = await _decide(state, body, chat="messages" in body)
+        decision = await _decide(state, body, chat="messages" in body, dry_run=True)
         return web.json_response(_explain(decision))
 
     async def models(_: web.Request) -> web.Response:
@@ -230,13 +241,15 @@ def create_app(state: RouterState) -> web.Application:
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 
-    edges = EdgeSettings(state.settings.api_keys, state.settings.max_body_bytes)
+    settings = state.settings
+    edges = EdgeSettings(settings.api_keys, settings.max_body_bytes, settings.body_timeout_s, settings.max_inflight)
     middleware = edge_middleware(edges, lambda route, status: state.metrics.requests.labels(route, str(status)).inc())
     app = web.Application(middlewares=[middleware], client_max_size=state.settings.max_body_bytes)
     app[APP_KEY] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/debug/route", explain)
+    if settings.enable_debug:  # it shows worker URLs and what the index holds: opt-in
+        app.router.add_post("/debug/route", explain)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -265,7 +278,8 @@ def _readiness(state: RouterState) -> web.Response:
         "worker_view_age_s": None if age is None else round(age, 3),
     }
     if not fleet.has_view:
-        body["reason"] = f"no worker view yet: Redis unreachable ({fleet.last_error or 'no answer yet'})"
+        why = (fleet.last_error or "no answer yet").split(":", 1)[0]  # the kind: the message names Redis's address
+        body["reason"] = f"no worker view yet: Redis unreachable ({why})"
     elif not models:
         body["reason"] = "no alive worker is registered in the index"
     return web.json_response(body, status=200 if models else 503)

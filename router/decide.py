@@ -9,7 +9,6 @@ would cost its connection). The index makes routing better, never a request fail
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import time
@@ -121,7 +120,7 @@ class Decider:
         self._policy = policy
         self._timeout = redis_timeout_s
         self.lookups = Lookups(lookup_slots, redis_timeout_s, backstop_s)
-        self._turns = itertools.count()
+        self._turn = 0  # round robin's next turn
         self._rng = random.Random()
         self.degraded_count = 0
         self.degraded = False  # in degraded mode now: the last decision could not use Redis
@@ -129,8 +128,20 @@ class Decider:
         self.hasher = PromptHasher(self.hash_memo)
         self.learner = TtftLearner()
 
-    async def decide(self, model: str, tokens: Sequence[int], cache_salt: str | None = None) -> Decision:
+    async def decide(
+        self, model: str, tokens: Sequence[int], cache_salt: str | None = None, dry_run: bool = False
+    ) -> Decision:
+        """The decision for this prompt now. ``dry_run`` (``/debug/route``): the same answer the next
+        real decision would give, changing nothing: no round-robin turn or random draw is used up,
+        degraded mode is neither entered nor left."""
         started = time.perf_counter()
+        turn = self._turn
+        rng = self._rng
+        if dry_run:
+            rng = random.Random()
+            rng.setstate(self._rng.getstate())
+        else:
+            self._turn += 1
         workers = self._fleet.alive(model)
         if not workers:
             raise NoWorkers(f"no alive worker serves model {model!r}")
@@ -139,26 +150,17 @@ class Decider:
         try:
             view = await self.lookups.run(lambda: self._lookup(model, chain))
         except REDIS_FAILURES as exc:
-            self._enter_degraded(exc)
+            if not dry_run:
+                self._enter_degraded(exc)
             cause = ("busy" if exc.busy else "budget") if isinstance(exc, BudgetExpired) else "error"
             candidates = [Candidate(w.worker_id, w.url, engine=w.load) for w in workers]
-            choice = choose(
-                candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, self._rng, next(self._turns)
-            )
+            choice = choose(candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, rng, turn)
             seconds = time.perf_counter() - started
             return Decision(model, len(tokens), block_size, chain, choice, True, seconds, cause)
-        self._leave_degraded()
+        if not dry_run:
+            self._leave_degraded()
         candidates = self._with_recent(model, chain, self._candidates(model, view, workers))
-        choice = choose(
-            candidates,
-            len(chain),
-            block_size,
-            self._weights,
-            self._policy,
-            self._rng,
-            next(self._turns),
-            self.learner.model,
-        )
+        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, self.learner.model)
         return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started)
 
     def _enter_degraded(self, exc: BaseException) -> None:

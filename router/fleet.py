@@ -6,7 +6,8 @@ workers it saw alive; and when Redis answers but lists no alive worker for a mod
 moment ago (a FLUSHALL, a restart that lost its data, a failover that lost the last writes), the
 last known workers are *retained* for ``retain_s`` seconds, long enough for the agents to
 re-register, instead of answering 404 for a model that was served a second ago. A worker the
-proxy finds dead is dropped by the failover (:meth:`Fleet.drop`) whatever the view.
+proxy cannot connect to is dropped by the failover (:meth:`Fleet.drop`) whatever the view. A
+worker whose URL is outside ``--worker-allow`` (:mod:`router.allow`) is never offered.
 """
 
 from __future__ import annotations
@@ -20,14 +21,22 @@ from redis.exceptions import RedisError
 
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
+from router.allow import WorkerAllowList
 
 log = logging.getLogger(__name__)
 DEFAULT_RETAIN_S = 30.0
 
 
 class Fleet:
-    def __init__(self, index: RedisIndex, refresh_s: float = 1.0, retain_s: float = DEFAULT_RETAIN_S) -> None:
+    def __init__(
+        self,
+        index: RedisIndex,
+        refresh_s: float = 1.0,
+        retain_s: float = DEFAULT_RETAIN_S,
+        allow: WorkerAllowList | None = None,
+    ) -> None:
         self._index = index
+        self._allow = allow or WorkerAllowList()
         self._refresh_s = refresh_s
         self._retain_s = retain_s
         self._alive: dict[str, list[WorkerRecord]] = {}
@@ -53,7 +62,8 @@ class Fleet:
         models = await self._index.models()
         listed: dict[str, list[WorkerRecord]] = {}
         for model in models:
-            listed[model] = [w for w in await self._index.workers(model) if w.alive]
+            workers = await self._index.workers(model)
+            listed[model] = [w for w in workers if w.alive and self._allow.admits(w.worker_id, w.url)]
         self.apply_listing(listed, time.monotonic())
         self.last_error = None
 

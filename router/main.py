@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from kvindex.keys import KeySchema
@@ -16,6 +15,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
+from router.allow import WorkerAllowList
 from router.app import RouterState, create_app
 from router.decide import Decider
 from router.fleet import Fleet
@@ -24,6 +24,7 @@ from router.metrics import StateCollector, new_metrics
 from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
+from router.upstream import UpstreamWaits, upstream_session
 
 log = logging.getLogger("router")
 # Connections kept from decision lookups: the fleet refresh, the lease renewal and the load writer.
@@ -49,7 +50,10 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         stack.push_async_callback(client.aclose)
         schema = KeySchema(settings.redis.prefix)
         index = RedisIndex(client, schema)
-        fleet = Fleet(index, settings.workers_refresh_s, settings.worker_retain_s)
+        _warn_if_open(settings)
+        fleet = Fleet(
+            index, settings.workers_refresh_s, settings.worker_retain_s, WorkerAllowList(settings.worker_allow)
+        )
         if not await fleet.try_refresh():
             log.warning(
                 "no worker view at start: Redis at %s (%s); retrying in the background",
@@ -62,7 +66,8 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         load = ReplicaLoad(shared, settings.lease_ttl_ms, settings.expected_ttl_ms, settings.redis.socket_timeout_s)
         load.start(fleet.models_with_workers)
         stack.push_async_callback(lambda: load.stop(fleet.models_with_workers()))
-        session = _upstream_session(settings)
+        waits = UpstreamWaits()
+        session = upstream_session(settings, waits)
         stack.push_async_callback(session.close)
         decider = Decider(
             index,
@@ -84,9 +89,16 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             load,
             tokenization,
             session,
-            new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache)),
+            new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache, waits)),
         )
-        runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True)
+        # keepalive_timeout closes a connection whose next request's headers have not all come in
+        # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.
+        runner = web.AppRunner(
+            create_app(state),
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=settings.header_timeout_s,
+        )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         with listening("the router's HTTP API", f"{settings.host}:{settings.port}", "--port (or --host)"):
@@ -95,10 +107,21 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         yield RunningRouter(f"http://{settings.host}:{port}", state)
 
 
-def _upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
-    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+def _warn_if_open(settings: RouterSettings) -> None:
+    """Say so, once at start-up, when the API has no key or the workers no allow-list."""
+    if not settings.api_keys:
+        log.warning(
+            "authentication is OFF: no API key configured (--api-key or KVROUTE_API_KEYS), so anyone who can "
+            "reach %s:%d can send prompts%s",
+            settings.host,
+            settings.port,
+            " and read /debug/*" if settings.enable_debug else "",
+        )
+    if not settings.worker_allow:
+        log.warning(
+            "no --worker-allow list: any worker URL registered in Redis receives prompts; whoever can write "
+            "Redis can register one (docs/security.md)"
+        )
 
 
 def _announce(settings: RouterSettings) -> Callable[[RunningRouter], None]:

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from router.lookups import Lookups
 from router.prompt_hashing import PromptHasher
 from router.token_cache import TokenCache
+from router.upstream import UpstreamWaits
 
 PREFIX = "kvroute_router_"
 
@@ -87,8 +88,11 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
 class StateCollector(Collector):
     """The decision lookups', the prompt hasher's and the tokenize cache's state, read at scrape time."""
 
-    def __init__(self, lookups: Lookups, hasher: PromptHasher, cache: TokenCache) -> None:
+    def __init__(
+        self, lookups: Lookups, hasher: PromptHasher, cache: TokenCache, waits: UpstreamWaits | None = None
+    ) -> None:
         self._lookups, self._hasher, self._cache = lookups, hasher, cache
+        self._waits = waits or UpstreamWaits()
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         yield GaugeMetricFamily(
@@ -106,6 +110,11 @@ class StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             PREFIX + "redis_lookups_inflight", "Decision lookups waiting for Redis now", value=self._lookups.in_flight
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "upstream_queued",
+            "Requests waiting for a connection to a worker (--upstream-connections[-per-worker] reached)",
+            value=self._waits.queued,
         )
         yield GaugeMetricFamily(
             PREFIX + "redis_lookup_slots", "Decision lookups that may wait for Redis at once", value=self._lookups.slots

@@ -1,4 +1,5 @@
-"""What every request passes through: its id, the API key, OpenAI-shaped errors, the access log.
+"""What every request passes through: its id, the API key, the in-flight limit, the body's read
+deadline, OpenAI-shaped errors, the access log.
 
 Every error the router answers has OpenAI's shape (``{"error": {"message", "type", "param",
 "code"}}``), aiohttp's own 404 and 405 included. The access log is one record per request with
@@ -8,7 +9,10 @@ are logged at DEBUG so that probes do not drown the requests.
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,6 +29,8 @@ REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_fields", dict)
 QUIET_PATHS = frozenset({"/metrics", "/health", "/ready"})  # probes: logged at DEBUG
 PROTECTED_PREFIXES = ("/v1/", "/debug/")
+REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # else a fresh id replaces it
+RETRY_AFTER_S = 1  # told to clients refused past the in-flight limit
 UNMATCHED = "unmatched"  # the metrics label of paths no route serves (bounded label values)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -44,6 +50,15 @@ def error_response(status: int, message: str, kind: str, headers: dict[str, str]
 class EdgeSettings:
     api_keys: frozenset[str]
     max_body_bytes: int
+    body_timeout_s: float = 60.0
+    max_inflight: int = 1024
+
+
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane token (it goes into logs and upstream), else a
+    fresh one: a header of any length or charset must not reach the log or a worker as is."""
+    given = request.headers.get("X-Request-Id", "")
+    return given if REQUEST_ID_FORMAT.fullmatch(given) else uuid.uuid4().hex
 
 
 def _route_label(request: web.Request) -> str:
@@ -67,27 +82,49 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> web.Response:
 def _check_key(request: web.Request, settings: EdgeSettings) -> None:
     if not settings.api_keys or not request.path.startswith(PROTECTED_PREFIXES):
         return
-    auth = request.headers.get("Authorization", "")
-    if not auth.startswith("Bearer ") or auth[7:] not in settings.api_keys:
+    scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+    # RFC 7235: the scheme is case-insensitive. Every key is compared in constant time.
+    known = [hmac.compare_digest(key.strip().encode(), k.encode()) for k in settings.api_keys]
+    if scheme.lower() != "bearer" or not any(known):
         raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error")
+
+
+async def _read_body(request: web.Request, timeout_s: float) -> None:
+    """Read the whole body now, within ``timeout_s`` (the handlers' reads then return it at
+    once): a client that sends half a body holds no connection and no slot beyond that."""
+    if not request.body_exists:
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
 
 
 def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -> Any:
     """The middleware; ``count(route, status)`` is called once per request (the metrics)."""
+    inflight = 0
 
     @web.middleware
     async def edges(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        nonlocal inflight
+        request[REQUEST_ID] = request_id(request)
         started = time.perf_counter()
         status = 500
+        counted = False
         try:
             _check_key(request, settings)
+            if request.path.startswith(PROTECTED_PREFIXES):
+                if inflight >= settings.max_inflight:
+                    raise ApiError(429, f"the router is at its limit of {settings.max_inflight} requests in flight")
+                inflight, counted = inflight + 1, True
+            await _read_body(request, settings.body_timeout_s)
             response = await handler(request)
             status = response.status
             return response
         except ApiError as exc:
             status = exc.status
-            return error_response(exc.status, exc.message, exc.kind)
+            return _api_error_response(exc)
         except web.HTTPRequestEntityTooLarge:
             status = 413
             return error_response(
@@ -109,10 +146,20 @@ def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -
             message = f"internal error in the router; its log has the details under request id {request[REQUEST_ID]}"
             return error_response(500, message, "internal_error")
         finally:
+            inflight -= counted
             count(_route_label(request), status)
             _log_access(request, status, time.perf_counter() - started)
 
     return edges
+
+
+def _api_error_response(exc: ApiError) -> web.Response:
+    if exc.status == 429:
+        return error_response(429, exc.message, "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+    response = error_response(exc.status, exc.message, exc.kind)
+    if exc.status == 408:
+        response.force_close()  # the rest of the body is not read: the connection cannot be reused
+    return response
 
 
 def _log_access(request: web.Request, status: int, seconds: float) -> None:

@@ -2,9 +2,15 @@
 
 The request body goes upstream unchanged; the reply streams back unchanged (SSE or JSON), while
 a small reader looks for the usage object to compare predicted and reported cached tokens. If the
-chosen worker fails before its first byte (connection refused, reset, timeout, a 5xx), the
-request goes once to the next best worker. When the client goes away, the upstream connection is
-closed, which makes the engine abort the request.
+chosen worker fails before its first byte (connection refused, reset, timeout, a 5xx, a
+redirect), the request goes once to the next best worker. When the client goes away, the upstream
+connection is closed, which makes the engine abort the request.
+
+Headers follow RFC 9110 section 7.6.1: the hop-by-hop ones, and every header the ``Connection``
+header names, stay on their hop, both ways. Redirects are never followed (a worker's redirect
+could point the prompt anywhere). The reply's ``Content-Encoding`` goes with its body, which is
+relayed as sent. ``X-Request-Id`` goes upstream once, the value the router logs. Errors told to
+the client name no worker address; the log has them.
 """
 
 from __future__ import annotations
@@ -15,25 +21,28 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.booking import Booking
 from router.metrics import SseUsage, usage_from_json
 from router.middleware import REQUEST_ID
 from router.scoring import Candidate
 
-HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "content-encoding",
-    "host",
-    "upgrade",
-    "te",
-    "trailer",
-    "proxy-authorization",
-    "proxy-authenticate",
-}
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "proxy-connection",
+        "keep-alive",
+        "transfer-encoding",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "proxy-authenticate",
+    }
+)
+SET_BY_THE_HOP = frozenset({"host", "content-length"})  # aiohttp writes these for each hop
+NOT_FORWARDED = frozenset({"authorization", "x-request-id"})  # the router's key; its own id is sent
 MAX_TRIES = 2  # the chosen worker, then the next best if the first fails before replying
 MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this is not read
 
@@ -50,10 +59,30 @@ class Forwarded:
     retried: bool
 
 
-def _request_headers(request: web.Request) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"authorization"}}
+def end_to_end(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str] = frozenset()
+) -> CIMultiDict[str]:
+    """``headers`` less the hop-by-hop ones: those RFC 9110 names and those its Connection names."""
+    named = {token.strip().lower() for value in headers.getall("Connection", []) for token in value.split(",")}
+    dropped = HOP_BY_HOP | SET_BY_THE_HOP | drop | named
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
+
+
+def _request_headers(request: web.Request) -> CIMultiDict[str]:
+    headers = end_to_end(request.headers, NOT_FORWARDED)
     headers["X-Request-Id"] = request[REQUEST_ID]
     return headers
+
+
+def _failure(why: BaseException | int) -> str:
+    """What went wrong, without the address (aiohttp's messages name host and port)."""
+    if isinstance(why, int):
+        return f"it answered {why}" if why >= 400 else f"it answered with a redirect ({why}, not followed)"
+    if isinstance(why, TimeoutError | aiohttp.ServerTimeoutError):
+        return "it timed out"
+    if isinstance(why, aiohttp.ClientConnectorError | ConnectionError):
+        return "the connection failed"
+    return f"the exchange failed ({type(why).__name__})"
 
 
 async def forward(
@@ -75,13 +104,14 @@ async def forward(
     for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
         booking.attempt(candidate)
         try:
-            upstream = await session.post(candidate.url + path, data=body, headers=headers)
+            upstream = await session.post(candidate.url + path, data=body, headers=headers, allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             last = exc
             booking.failed(candidate)
             on_failure(candidate, exc)
             continue
-        if upstream.status >= 500 and attempt + 1 < min(MAX_TRIES, len(candidates)):
+        redirect = 300 <= upstream.status < 400
+        if redirect or (upstream.status >= 500 and attempt + 1 < min(MAX_TRIES, len(candidates))):
             last = upstream.status
             upstream.release()
             booking.failed(candidate)
@@ -93,7 +123,8 @@ async def forward(
         finally:
             upstream.close()  # not release(): an unfinished stream must abort the engine's request
         return Forwarded(response, candidate, usage, retried=attempt > 0)
-    raise UpstreamFailed(f"upstream failed: {last!r}")
+    why = "no worker was tried" if last is None else _failure(last)
+    raise UpstreamFailed(f"the worker failed before replying: {why}")
 
 
 async def _relay(
@@ -102,8 +133,8 @@ async def _relay(
     extra_headers: dict[str, str],
     on_first_byte: Callable[[], None],
 ) -> tuple[web.StreamResponse, dict | None]:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-    headers.update(extra_headers)
+    headers = end_to_end(upstream.headers)  # Content-Encoding stays: the body is relayed as sent
+    headers.update(extra_headers)  # replaces the worker's X-Request-Id, whatever its case
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     length = upstream.content_length
     if not streamed and length is not None and length <= MAX_JSON_SNIFF:

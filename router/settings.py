@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvindex.settings import RedisSettings, add_redis_security_arguments, read_secret_lines, redis_security_overrides
 from kvservice.logs import add_log_arguments
+from router.allow import WorkerAllowList
 from router.scoring import Policy, ScoringWeights
 
 MIN_POOL_SIZE = 4  # one decision at a time, and the fleet refresh, the lease and the load writer
@@ -21,6 +22,11 @@ ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "max_prompt_tokens": ("KVROUTE_MAX_PROMPT_TOKENS", int),
     "redis_pool_size": ("KVROUTE_REDIS_POOL_SIZE", int),
     "worker_retain_s": ("KVROUTE_WORKER_RETAIN_S", float),
+    "header_timeout_s": ("KVROUTE_HEADER_TIMEOUT_S", float),
+    "body_timeout_s": ("KVROUTE_BODY_TIMEOUT_S", float),
+    "max_inflight": ("KVROUTE_MAX_INFLIGHT", int),
+    "upstream_connections": ("KVROUTE_UPSTREAM_CONNECTIONS", int),
+    "upstream_connections_per_worker": ("KVROUTE_UPSTREAM_CONNECTIONS_PER_WORKER", int),
 }
 
 
@@ -44,6 +50,15 @@ class RouterSettings:
     redis_pool_size: int = 32  # Redis connections of this replica, at most (decisions + background)
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
+    # Hardening of the HTTP API (docs/router.md, "Limits and security").
+    header_timeout_s: float = 60.0  # a request's headers, and an idle keep-alive connection's next ones
+    body_timeout_s: float = 60.0  # a request's whole body; a client slower than this gets 408
+    max_inflight: int = 1024  # requests under /v1/ and /debug/ at once; past it: 429 with Retry-After
+    upstream_connections: int = 1024  # connections to workers, at most, all together
+    upstream_connections_per_worker: int = 256
+    enable_debug: bool = False  # /debug/* served at all
+    expose_routing_headers: bool | None = None  # x-kvroute-* on replies; None: only without API keys
+    worker_allow: tuple[str, ...] = ()  # worker URL hosts/networks routed to; empty: any (warned)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -58,9 +73,22 @@ class RouterSettings:
             raise ValueError(f"--worker-retain-s must be 0 or more, got {self.worker_retain_s}")
         if self.redis_pool_size < MIN_POOL_SIZE:
             raise ValueError(f"--redis-pool-size must be at least {MIN_POOL_SIZE}, got {self.redis_pool_size}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("max_inflight", "upstream_connections", "upstream_connections_per_worker"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        WorkerAllowList(self.worker_allow)  # a malformed entry: its ValueError
         for model, directory in self.tokenizers:
             if not (Path(directory) / "tokenizer.json").is_file():
                 raise ValueError(f"--tokenizer {model}={directory}: no tokenizer.json there")
+
+    @property
+    def routing_headers(self) -> bool:
+        """Whether replies carry the x-kvroute-* headers: as set, else only when no API key is
+        configured (with keys there are tenants, and the headers tell one of another's prefixes)."""
+        return not self.api_keys if self.expose_routing_headers is None else self.expose_routing_headers
 
     @property
     def tokenizer_dirs(self) -> dict[str, Path]:
@@ -147,7 +175,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds the last known workers of a model keep serving while Redis lists none alive (it "
         f"lost its data; env KVROUTE_WORKER_RETAIN_S; default {d.worker_retain_s:g})",
     )
+    _add_hardening_arguments(parser, d)
     add_log_arguments(parser)
+
+
+def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings) -> None:
+    group = parser.add_argument_group("limits and security", "see docs/router.md and docs/security.md")
+    group.add_argument(
+        "--header-timeout-s",
+        type=float,
+        help="seconds for a request's headers, and an idle keep-alive connection's next request, "
+        f"before the connection is closed (env KVROUTE_HEADER_TIMEOUT_S; default {d.header_timeout_s:g})",
+    )
+    group.add_argument(
+        "--body-timeout-s",
+        type=float,
+        help=f"seconds for a request's whole body, else 408 (env KVROUTE_BODY_TIMEOUT_S; default {d.body_timeout_s:g})",
+    )
+    group.add_argument(
+        "--max-inflight",
+        type=int,
+        help="requests under /v1/ and /debug/ handled at once; more get 429 with Retry-After "
+        f"(env KVROUTE_MAX_INFLIGHT; default {d.max_inflight})",
+    )
+    group.add_argument(
+        "--upstream-connections",
+        type=int,
+        help="connections to workers, all together "
+        f"(env KVROUTE_UPSTREAM_CONNECTIONS; default {d.upstream_connections})",
+    )
+    group.add_argument(
+        "--upstream-connections-per-worker",
+        type=int,
+        help="connections to one worker (env KVROUTE_UPSTREAM_CONNECTIONS_PER_WORKER; "
+        f"default {d.upstream_connections_per_worker})",
+    )
+    group.add_argument(
+        "--enable-debug",
+        action="store_true",
+        default=None,
+        help="serve /debug/route (behind the API key when one is set; env KVROUTE_ENABLE_DEBUG=1)",
+    )
+    group.add_argument(
+        "--expose-routing-headers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="x-kvroute-worker and x-kvroute-cached-tokens on replies (env KVROUTE_EXPOSE_ROUTING_HEADERS; "
+        "default: on without API keys, off with them, as they tell a tenant of another's prefixes)",
+    )
+    group.add_argument(
+        "--worker-allow",
+        action="append",
+        default=[],
+        metavar="CIDR|HOST|.DOMAIN",
+        help="route only to workers whose URL host is in this network, is this host name or ends with this "
+        "domain (repeatable; env KVROUTE_WORKER_ALLOW, comma-separated; default: any, with a warning)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -166,6 +249,10 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     )
     extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
     extra.update(_flag_or_env(args, env))
+    extra.update(_switches(args, env))
+    allow = [*args.worker_allow, *(h.strip() for h in env.get("KVROUTE_WORKER_ALLOW", "").split(",") if h.strip())]
+    if allow:
+        extra["worker_allow"] = tuple(allow)
     return RouterSettings(
         redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args)),
         host=args.host,
@@ -194,3 +281,27 @@ def _flag_or_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, 
                 what = "an integer" if kind is int else "a number"
                 raise ValueError(f"{variable} must be {what}, got {env[variable]!r}") from None
     return values
+
+
+def _switches(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
+    """The on/off settings: the flag, else the variable (1/true/yes/on or 0/false/no/off)."""
+    values: dict[str, object] = {}
+    for name, variable in (
+        ("enable_debug", "KVROUTE_ENABLE_DEBUG"),
+        ("expose_routing_headers", "KVROUTE_EXPOSE_ROUTING_HEADERS"),
+    ):
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+        elif env.get(variable):
+            values[name] = _switch(variable, env[variable])
+    return values
+
+
+def _switch(variable: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{variable} must be 1 or 0 (true/false), got {text!r}")

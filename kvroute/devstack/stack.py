@@ -250,6 +250,7 @@ class Stack:
         command = [sys.executable, "-m", "router", "--redis-url", self.redis.url, "--prefix", self.redis.prefix]
         command += ["--port", str(port), "--policy", policy.value, "--replica-id", f"stack-{number}-{port}"]
         command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]
+        command += ["--enable-debug"]  # _wait_router reads /debug/route
         return self._start(f"router replica {number}", command), f"http://127.0.0.1:{port}"
 
     async def _wait_router(self, session: aiohttp.ClientSession, router: Child, url: str) -> None:

@@ -21,6 +21,7 @@ async def start_router(redis_url: str, **settings) -> tuple[object, RunningRoute
     # Routing tests get a generous Redis budget: on a loaded machine a 50 ms budget sends some
     # decisions to degraded round robin, which is tested on its own (test_redis_killed_...).
     settings.setdefault("redis_timeout_s", 2.0)
+    settings.setdefault("enable_debug", True)  # the tests read /debug/route (off by default)
     context = running_router(RouterSettings(redis=RedisSettings(url=redis_url), port=0, **settings))
     return context, await context.__aenter__()
 

@@ -66,6 +66,7 @@ async def test_health_is_answered_while_a_huge_prompt_is_hashed(fleet, redis_ser
     tokens = 2_000_000  # 125,000 blocks: ~0.1-0.2 s of hashing, in slices
     command = [sys.executable, "-m", "router", "--redis-url", redis_server.url, "--port", str(port)]
     command += ["--max-prompt-tokens", str(tokens), "--max-body-bytes", str(64 << 20), "--log-level", "WARNING"]
+    command += ["--enable-debug"]
     process = subprocess.Popen(command, cwd=ROOT)  # noqa: ASYNC220 - starting it does not block
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": "tiny", "prompt": [(i * 7919) % 50_000 for i in range(tokens)]}).encode()
