@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import __version__
-from kvroute.cli import agent, bench, demo, index, router, sim
+from kvroute.cli import agent, bench, demo, index, redis_users, router, sim
 from kvservice.lifecycle import EXIT_BAD_SETTINGS, EXIT_INTERRUPTED, StartupError
 
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (demo, index, agent, sim, router, bench):
+    for module in (demo, index, agent, sim, router, bench, redis_users):
         module.add_parser(commands)
     return parser
 

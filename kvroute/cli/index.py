@@ -81,7 +81,7 @@ def _emit(args: argparse.Namespace, data: Any, table: Callable[[Any], str]) -> i
 def _settings(args: argparse.Namespace) -> RedisSettings:
     """The flags over KVROUTE_REDIS_URL / KVROUTE_PREFIX, checked as every kvroute process checks them."""
     try:
-        return RedisSettings.from_env(url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args))
+        return RedisSettings.from_env(None, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args))
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
