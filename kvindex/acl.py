@@ -139,10 +139,12 @@ def _quote(word: str) -> str:
 
 
 def acl_commands(
-    role: str, user: str, password: str, prefix: str = DEFAULT_PREFIX, models: Sequence[str] = ()
+    role: str, user: str, password: str, prefix: str = DEFAULT_PREFIX, models: Sequence[str] = (), aclfile: bool = False
 ) -> list[str]:
-    """The commands to run, one a line, ready for ``redis-cli`` (stdin or arguments)."""
+    """The commands to run, one a line, ready for ``redis-cli`` (stdin or arguments); with
+    ``aclfile``, the same rules as lines of a Redis ACL file (``user NAME RULES``)."""
     if not user or any(c.isspace() or not c.isprintable() for c in user):
         raise ValueError(f"user name must be printable without spaces, got {user!r}")
     rules = acl_rules(role, password, prefix, models)
-    return ["ACL SETUSER " + " ".join(_quote(w) for w in [user, *rules])]
+    head = "user " if aclfile else "ACL SETUSER "
+    return [head + " ".join(_quote(w) for w in [user, *rules])]

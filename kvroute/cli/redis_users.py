@@ -35,6 +35,7 @@ def add_parser(commands: Any) -> None:
         default=[],
         help="limit the keys to this model (repeatable; default: every model of the prefix)",
     )
+    p.add_argument("--aclfile", action="store_true", help="print lines of a Redis ACL file (user NAME RULES) instead")
     p.set_defaults(handler=_run_acl, prog=p.prog)
 
 
@@ -44,7 +45,7 @@ def _run_acl(args: argparse.Namespace) -> int:
         if args.password_file is not None:
             password = read_secret_file(args.password_file, "--password-file")
         prefix = args.prefix or os.environ.get("KVROUTE_PREFIX") or DEFAULT_PREFIX
-        lines = acl_commands(args.role, args.user, password, prefix, args.model)
+        lines = acl_commands(args.role, args.user, password, prefix, args.model, args.aclfile)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     for line in lines:

@@ -3,6 +3,8 @@
 Every kvroute command in it must parse and validate exactly as the CLI would; every agent must
 point at an engine service of its profile, at that engine's HTTP port and KV-event endpoints;
 Redis URLs name the redis service; published ports are unique; variables have defaults.
+Security (docs/security.md): Redis is not published on the host; routers and agents log in as
+their own ACL users with passwords from compose secrets; routers take their API keys from a secret.
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ from sim_engine.settings import settings_from_args as sim_settings
 from worker_agent.settings import settings_from_args as agent_settings
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
-SERVICES = yaml.safe_load(COMPOSE.read_text())["services"]
+DOCUMENT = yaml.safe_load(COMPOSE.read_text())
+SERVICES = DOCUMENT["services"]
+SECRETS = "/run/secrets/"
 
 
 def kvroute_services() -> list[str]:
     return [name for name, s in SERVICES.items() if s.get("command", [None])[0] == "kvroute"]
 
 
-def parsed(name: str):
+def parsed(name: str, secrets_dir: Path | None = None):
+    """The service's command parsed by the CLI; secret paths point into ``secrets_dir``, where a
+    file stands in for each secret (compose mounts them under /run/secrets/)."""
     command = SERVICES[name]["command"]
+    if secrets_dir is not None:
+        for word in command:
+            if word.startswith(SECRETS):
+                (secrets_dir / word.removeprefix(SECRETS)).write_text("a-secret\n")
+        command = [str(secrets_dir / w.removeprefix(SECRETS)) if w.startswith(SECRETS) else w for w in command]
     try:
         return build_parser().parse_args(command[1:])
     except SystemExit as exc:  # argparse rejected it
@@ -61,8 +72,8 @@ def engine_endpoints(name: str) -> tuple[int, int, int, str]:
 
 
 @pytest.mark.parametrize("name", kvroute_services())
-def test_every_kvroute_command_is_accepted_by_its_parser(name):
-    args = parsed(name)
+def test_every_kvroute_command_is_accepted_by_its_parser(name, tmp_path):
+    args = parsed(name, tmp_path)
     if args.command == "router":
         settings = router_settings(args, env={})
         assert urlsplit(settings.redis.url).hostname == "redis"
@@ -100,11 +111,69 @@ def test_every_engine_has_one_agent():
 def test_published_ports_are_unique_and_variables_have_defaults():
     published = [p.split(":")[0] for s in SERVICES.values() for p in s.get("ports", [])]
     assert len(published) == len(set(published))
-    for variable in re.findall(r"\$\{([^}]*)\}", COMPOSE.read_text()):
+    for variable in re.findall(r"(?<!\$)\$\{([^}]*)\}", COMPOSE.read_text()):  # not $${shell}
         assert ":-" in variable, f"${{{variable}}} has no default"
 
 
 def test_long_running_services_have_health_checks_and_restart_policies():
     for name, service in SERVICES.items():
+        if service.get("restart") == "no":  # one-shot set-up: whoever needs it waits for it to finish
+            waiting = [s for s in SERVICES.values() if name in s.get("depends_on", {})]
+            assert waiting, name
+            assert all(s["depends_on"][name]["condition"] == "service_completed_successfully" for s in waiting)
+            continue
         assert "healthcheck" in service, name
         assert service.get("restart") == "unless-stopped", name
+
+
+def test_redis_is_not_published_and_accepts_only_its_acl_users():
+    redis = SERVICES["redis"]
+    assert "ports" not in redis and "network_mode" not in redis
+    command = redis["command"]
+    assert flag(command, "--aclfile") == "/acl/users.acl"
+    assert "--requirepass" not in command
+    setup = SERVICES["redis-acl"]
+    script = setup["command"][0]
+    assert "user default off" in script  # no login without a user
+    for role in ("router", "agent", "admin"):
+        assert f"redis_{role}_password" in setup["secrets"]
+    assert (
+        "kvroute redis acl --aclfile --role $$role --user $$role --password-file /run/secrets/redis_$${role}_password"
+        in script
+    )
+    assert "redis-cli --user admin" in redis["healthcheck"]["test"][1]
+
+
+@pytest.mark.parametrize("name", kvroute_services())
+def test_routers_and_agents_log_in_as_their_own_user_with_secrets_from_files(name, tmp_path):
+    service = SERVICES[name]
+    command = service["command"]
+    role = command[1]
+    if role == "sim-engine":
+        return
+    assert role in ("router", "agent")
+    assert urlsplit(flag(command, "--redis-url")).username == role
+    password_file = flag(command, "--redis-password-file")
+    assert password_file == f"{SECRETS}redis_{role}_password"
+    assert f"redis_{role}_password" in service["secrets"]
+    assert not any("password" in w.lower() and w.startswith(("redis://", "rediss://")) for w in command)
+    if role == "router":
+        assert flag(command, "--api-key-file") == f"{SECRETS}router_api_keys"
+        assert "router_api_keys" in service["secrets"]
+        assert router_settings(parsed(name, tmp_path), env={}).api_keys == {"a-secret"}
+    settings = (router_settings if role == "router" else agent_settings)(parsed(name, tmp_path), env={})
+    assert settings.redis.password == "a-secret"
+
+
+def test_secrets_are_files_made_by_the_one_start_command_and_never_committed():
+    secrets = DOCUMENT["secrets"]
+    assert set(secrets) == {"redis_router_password", "redis_agent_password", "redis_admin_password", "router_api_keys"}
+    root = COMPOSE.parent
+    create = (root / "secrets" / "create.sh").read_text()
+    for secret in secrets.values():
+        path = secret["file"]
+        assert path.startswith("./secrets/")
+        assert path.removeprefix("./secrets/") in create
+    ignored = (root / "secrets" / ".gitignore").read_text().split()
+    assert ignored[0] == "*" and set(ignored[1:]) == {"!.gitignore", "!create.sh"}
+    assert "./secrets/create.sh && docker compose --profile sim up" in COMPOSE.read_text()
