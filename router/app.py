@@ -243,7 +243,11 @@ def create_app(state: RouterState) -> web.Application:
 
     settings = state.settings
     edges = EdgeSettings(settings.api_keys, settings.max_body_bytes, settings.body_timeout_s, settings.max_inflight)
-    middleware = edge_middleware(edges, lambda route, status: state.metrics.requests.labels(route, str(status)).inc())
+    middleware = edge_middleware(
+        edges,
+        lambda route, status: state.metrics.requests.labels(route, str(status)).inc(),
+        state.metrics.admitted.set,
+    )
     app = web.Application(middlewares=[middleware], client_max_size=state.settings.max_body_bytes)
     app[APP_KEY] = state
     app.router.add_post("/v1/completions", completions)

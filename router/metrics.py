@@ -35,6 +35,7 @@ class RouterMetrics:
     prediction_error_tokens: Histogram
     inflight: Gauge
     degraded_mode: Gauge
+    admitted: Gauge
 
 
 def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
@@ -82,6 +83,11 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
         ),
         inflight=Gauge(PREFIX + "inflight_requests", "Requests this replica is proxying", registry=r),
         degraded_mode=Gauge(PREFIX + "degraded_mode", "1 while this replica routes without Redis", registry=r),
+        admitted=Gauge(
+            PREFIX + "admitted_requests",
+            "Requests under /v1/ and /debug/ being handled, body reads included (limit: --max-inflight)",
+            registry=r,
+        ),
     )
 
 

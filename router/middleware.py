@@ -101,8 +101,11 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
 
 
-def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -> Any:
-    """The middleware; ``count(route, status)`` is called once per request (the metrics)."""
+def edge_middleware(
+    settings: EdgeSettings, count: Callable[[str, int], None], admitted: Callable[[int], None] = lambda _: None
+) -> Any:
+    """The middleware; ``count(route, status)`` is called once per request, ``admitted(n)`` with
+    the requests counted against ``max_inflight`` whenever that changes (the metrics)."""
     inflight = 0
 
     @web.middleware
@@ -118,6 +121,7 @@ def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -
                 if inflight >= settings.max_inflight:
                     raise ApiError(429, f"the router is at its limit of {settings.max_inflight} requests in flight")
                 inflight, counted = inflight + 1, True
+                admitted(inflight)
             await _read_body(request, settings.body_timeout_s)
             response = await handler(request)
             status = response.status
@@ -146,7 +150,9 @@ def edge_middleware(settings: EdgeSettings, count: Callable[[str, int], None]) -
             message = f"internal error in the router; its log has the details under request id {request[REQUEST_ID]}"
             return error_response(500, message, "internal_error")
         finally:
-            inflight -= counted
+            if counted:
+                inflight -= 1
+                admitted(inflight)
             count(_route_label(request), status)
             _log_access(request, status, time.perf_counter() - started)
 
