@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+from redis.asyncio import Redis
 
+from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from router.main import RunningRouter
 from tests.e2e.router.support import start_router, wait_for_workers
@@ -34,3 +36,10 @@ async def router(fleet: SimFleet, redis_server: RedisServer) -> AsyncIterator[Ru
     await wait_for_workers(running, fleet.count)
     yield running
     await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def index(redis_server) -> AsyncIterator[RedisIndex]:
+    client = Redis.from_url(redis_server.url)
+    yield RedisIndex(client)
+    await client.aclose()

@@ -4,17 +4,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
+from collections.abc import AsyncIterator
 
+import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
+from router.main import RunningRouter
+from tests.e2e.router.support import start_router
 
 MODEL = "fake"
+BODY = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}  # a completion request
 REPLY = {"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "ok"}], "usage": {"prompt_tokens": 3}}
 
 
@@ -37,12 +44,16 @@ class FakeWorker:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, index: RedisIndex) -> FakeWorker:
+        await self.start_unregistered()
+        await index.register(WorkerInfo(self.worker_id, MODEL, self.url, 16), ttl_ms=600_000)
+        return self
+
+    async def start_unregistered(self) -> FakeWorker:
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        await index.register(WorkerInfo(self.worker_id, MODEL, self.url, 16), ttl_ms=600_000)
         return self
 
     def release(self) -> None:
@@ -94,3 +105,31 @@ def reply_headers(raw: bytes) -> tuple[int, CIMultiDict[str]]:
         name, _, value = line.partition(":")
         headers.add(name.strip(), value.strip())
     return int(head[0].split()[1]), headers
+
+
+@contextlib.asynccontextmanager
+async def workers_and_router(
+    redis_server, index: RedisIndex, workers: list[FakeWorker], **settings
+) -> AsyncIterator[RunningRouter]:
+    for worker in workers:
+        await worker.start(index)
+    context, router = await start_router(redis_server.url, **settings)
+    try:
+        yield router
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        for worker in workers:
+            worker.release()
+            await worker.stop()
+
+
+async def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, CIMultiDict[str], dict]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as response:
+        return response.status, CIMultiDict(response.headers), await response.json(content_type=None)
+
+
+async def metric(url: str, name: str) -> float | None:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+    return samples[0].value if samples else None

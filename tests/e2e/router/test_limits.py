@@ -5,61 +5,19 @@ the x-kvroute-* headers switch. A real router, real Redis, real HTTP (workers fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from multidict import CIMultiDict
-from prometheus_client.parser import text_string_to_metric_families
-from redis.asyncio import Redis
 
-from kvindex.redis_index import RedisIndex
 from router.main import RunningRouter
 from router.scoring import Policy
-from tests.e2e.router.fake_worker import MODEL, REPLY, FakeWorker, raw_request
-from tests.e2e.router.support import start_router
+from tests.e2e.router.fake_worker import BODY, MODEL, REPLY, FakeWorker, metric, post, raw_request, workers_and_router
 from tests.support import wait_until
 
-BODY = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
 # A request's head announcing a 100-byte body (the tests send less).
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-
-
-@pytest.fixture
-async def index(redis_server) -> AsyncIterator[RedisIndex]:
-    client = Redis.from_url(redis_server.url)
-    yield RedisIndex(client)
-    await client.aclose()
-
-
-@contextlib.asynccontextmanager
-async def workers_and_router(
-    redis_server, index: RedisIndex, workers: list[FakeWorker], **settings
-) -> AsyncIterator[RunningRouter]:
-    for worker in workers:
-        await worker.start(index)
-    context, router = await start_router(redis_server.url, **settings)
-    try:
-        yield router
-    finally:
-        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
-        for worker in workers:
-            worker.release()
-            await worker.stop()
-
-
-async def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, CIMultiDict[str], dict]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as response:
-        return response.status, CIMultiDict(response.headers), await response.json(content_type=None)
-
-
-async def metric(url: str, name: str) -> float | None:
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-        text = await response.text()
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
-    return samples[0].value if samples else None
 
 
 def _port(router: RunningRouter) -> int:
