@@ -35,7 +35,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
         400: "malformed JSON or fields (one line in `error.message`)",
         401: "a valid bearer key is required (with --api-key)",
         404: "the model does not exist (the message lists the models served)",
+        408: "the body did not arrive within --body-timeout-s (the connection is closed)",
         413: "the body exceeds --max-body-bytes or the prompt --max-prompt-tokens",
+        429: "more than --max-inflight requests in flight; retry after `Retry-After` seconds",
         502: "every worker tried failed before its first byte",
         503: "no alive worker of the model, or no view of the workers yet (Redis never reached)",
     }
@@ -206,13 +208,18 @@ SCHEMAS: dict[str, Any] = {
 }
 
 ROUTED_HEADERS = {
-    "x-kvroute-worker": {"description": "the chosen worker's id", "schema": {"type": "string"}},
+    "x-kvroute-worker": {
+        "description": "the chosen worker's id (only with routing headers exposed: by default when no API key is set)",
+        "schema": {"type": "string"},
+    },
     "x-kvroute-cached-tokens": {
-        "description": "the prompt tokens predicted cached there (whole blocks, at most prompt length - 1)",
+        "description": "the prompt tokens predicted cached there (whole blocks, at most prompt length - 1; "
+        "only with routing headers exposed)",
         "schema": {"type": "string"},
     },
     "x-request-id": {
-        "description": "the request's id (the client's X-Request-Id if sent)",
+        "description": "the request's id: the client's X-Request-Id if it is 1-128 of A-Za-z0-9._:/+=@-, "
+        "else a fresh one",
         "schema": {"type": "string"},
     },
 }
@@ -237,7 +244,7 @@ def _proxied(summary: str, request_schema: str, operation_id: str) -> dict[str, 
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors(400, 401, 404, 413, 502, 503),
+                **_errors(400, 401, 404, 408, 413, 429, 502, 503),
             },
         }
     }
@@ -271,14 +278,15 @@ def _paths() -> dict[str, Any]:
         "/debug/route": {
             "post": {
                 "operationId": "explainRoute",
-                "summary": "The decision for a completions or chat body (with `messages`), without proxying it",
+                "summary": "The decision for a completions or chat body (with `messages`), without proxying it "
+                "or changing any routing state; served only with --enable-debug",
                 "security": OPTIONAL_BEARER,
                 "requestBody": {"required": True, "content": {JSON: {"schema": explain_body}}},
                 "responses": {
                     "200": _json_reply(
                         "every alive worker, best first, with its match, load and cost", "RouteExplanation"
                     ),
-                    **_errors(400, 401, 404, 413, 502, 503),
+                    **_errors(400, 401, 404, 408, 413, 429, 502, 503),
                 },
             }
         },
