@@ -36,6 +36,10 @@ SCRIPT_NAMES = (
     "expected",
 )
 
+# Read-only scripts: flagged `#!lua flags=no-writes` and sent as EVALSHA_RO, so that a user whose
+# ACL only lets it read the index can run them, and a replica can serve them.
+READ_ONLY_SCRIPTS = frozenset({"match", "inflight", "expected"})
+
 KeyOrArg = str | bytes | int
 ScriptCall = tuple[str, Sequence[KeyOrArg], Sequence[KeyOrArg]]  # (script name, keys, args)
 
@@ -97,7 +101,7 @@ class Scripts:
         a routing decision's CPU). A connection interrupted mid-reply (a timeout, a cancelled
         request) is closed, never reused with replies pending."""
         pool = self._client.connection_pool
-        commands = [("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
+        commands = [(_command(name), self._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
         connection = await pool.get_connection()
         try:
             await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
@@ -116,12 +120,13 @@ class Scripts:
 
     async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         script = self._scripts[name]
+        command = _command(name)
         try:
-            return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+            return await self._client.execute_command(command, script.sha, len(keys), *keys, *args)
         except NoScriptError:
             self.reloads += 1
             await self._client.script_load(script.source)
-            return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+            return await self._client.execute_command(command, script.sha, len(keys), *keys, *args)
 
     async def run(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         """:meth:`call`; a script's own error (``kvroute: ...``) becomes a :class:`~kvindex.errors.KVIndexError`."""
@@ -129,3 +134,7 @@ class Scripts:
             return await self.call(name, keys, args)
         except ResponseError as exc:
             raise_script_error(exc)
+
+
+def _command(name: str) -> str:
+    return "EVALSHA_RO" if name in READ_ONLY_SCRIPTS else "EVALSHA"

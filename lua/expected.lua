@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 -- expected.lua: which worker each given block was just routed to, if that is still fresh.
 -- Read-only.
 --

@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 -- inflight.lua: the in-flight load all live router replicas put on each worker, summed.
 -- Read-only. A replica whose lease has run out counts for nothing, even before lease.lua of
 -- another replica deletes its hash.

@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 -- match.lua: for a prompt's chain of block hashes, the number of leading blocks every ALIVE
 -- worker generation (gid) holds, in one round trip. Exact for every gid whatever state the block
 -- keys are in: a gid is credited with depth d only if it is a member of every block key 0..d-1,

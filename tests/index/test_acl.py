@@ -143,11 +143,6 @@ async def test_the_router_user_runs_a_routing_decisions_reads_and_shared_state(a
     assert await shared.totals(unique_name) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvindex/scripts.py sends match.lua by EVALSHA, whose declared keys need write access; "
-    "EVALSHA_RO for the read-only scripts (match, inflight, expected) lets the router user match",
-)
 async def test_the_router_user_matches_through_the_index_api(agent, router, unique_name):
     await registered_worker(agent, unique_name)
     assert await RedisIndex(router, KeySchema()).match(unique_name, CHAIN) == {"w0": 4}
