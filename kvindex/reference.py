@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvindex.errors import BlockSizeMismatchError, NotRegisteredError
+from kvindex.errors import BlockSizeMismatchError, KVIndexError, NotRegisteredError
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.types import (
     BlockChange,
@@ -82,6 +82,7 @@ class ReferenceIndex:
         return worker
 
     async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> ReferenceWorker:
+        _check_ttl(ttl_ms)
         state = self._models.setdefault(worker.model, _Model())
         if state.block_size is not None and state.block_size != worker.block_size:
             others = [w for wid, w in state.workers.items() if wid != worker.worker_id and self._alive(w)]
@@ -109,6 +110,7 @@ class ReferenceIndex:
         return self._models.get(worker.info.model, _Model()).workers.get(worker.info.worker_id) is worker
 
     async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
+        _check_ttl(ttl_ms)
         worker = self._models.get(model, _Model()).workers.get(worker_id)
         if worker is None:
             return HeartbeatStatus.MISSING
@@ -249,6 +251,14 @@ class ReferenceIndex:
         for worker_id in dead:
             removed += len(state.workers.pop(worker_id).copies)
         return GcResult(workers_retired=len(dead), entries_removed=removed, gids_finished=len(dead), gids_pending=0)
+
+
+MAX_TTL_MS = 86_400_000  # register.lua's and heartbeat.lua's bound
+
+
+def _check_ttl(ttl_ms: float) -> None:
+    if not (0 <= ttl_ms <= MAX_TTL_MS and float(ttl_ms).is_integer()):  # NaN fails the comparison
+        raise KVIndexError(f"ttl_ms must be an integer from 0 to 86400000 (one day), got {ttl_ms}")
 
 
 class ReferenceWorker:

@@ -3,7 +3,7 @@
 --
 -- KEYS[1] record  HASH  the worker's record
 -- KEYS[2] alive   ZSET  gid -> heartbeat deadline (ms)
--- ARGV[1] gid     the generation the caller registered; ARGV[2] ttl_ms (>= 0)
+-- ARGV[1] gid     the generation the caller registered; ARGV[2] ttl_ms (integer, 0..86400000)
 -- Returns 'ok', 'missing' (no record: Redis lost data or gc removed a long-dead worker; the
 -- caller must register again and re-assert its blocks) or 'superseded' (another registration
 -- of the same worker id took over; the caller must stop writing).
@@ -12,8 +12,10 @@ local gid, ttl_ms = ARGV[1], tonumber(ARGV[2])
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
-if ttl_ms == nil or ttl_ms < 0 then
-  return redis.error_reply('ERR kvroute: ttl_ms must be a non-negative number, got ' .. tostring(ARGV[2]))
+-- 'inf' and 'nan' parse as numbers in Lua: an infinite TTL would keep a dead worker alive forever.
+if ttl_ms == nil or ttl_ms ~= ttl_ms or ttl_ms < 0 or ttl_ms > 86400000 or ttl_ms % 1 ~= 0 then
+  return redis.error_reply('ERR kvroute: ttl_ms must be an integer from 0 to 86400000 (one day), got '
+    .. tostring(ARGV[2]))
 end
 local current = redis.call('HGET', record_key, 'gid')
 if not current then

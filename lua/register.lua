@@ -13,7 +13,7 @@
 -- KEYS[5] retired  ZSET  gid -> retirement time (ms); gc.lua works through it oldest first
 -- KEYS[6] record   HASH  the worker's record
 -- ARGV[1] worker_id   ARGV[2] url   ARGV[3] model   ARGV[4] block_size (> 0)
--- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (>= 0)   ARGV[7] the new gid (decimal, 1 <= gid < 2^53)
+-- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (integer, 0..86400000)   ARGV[7] the new gid (decimal, 1 <= gid < 2^53)
 -- Returns {'ok', gid, epoch} or {'taken', gid, 0}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
 -- differs from the one the model's other alive workers use.
 local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
@@ -33,8 +33,10 @@ end
 if dp_rank == nil or dp_rank < 0 or dp_rank % 1 ~= 0 then
   return redis.error_reply('ERR kvroute: dp_rank must be a non-negative integer, got ' .. tostring(ARGV[5]))
 end
-if ttl_ms == nil or ttl_ms < 0 then
-  return redis.error_reply('ERR kvroute: ttl_ms must be a non-negative number, got ' .. tostring(ARGV[6]))
+-- 'inf' and 'nan' parse as numbers in Lua: an infinite TTL would keep a dead worker alive forever.
+if ttl_ms == nil or ttl_ms ~= ttl_ms or ttl_ms < 0 or ttl_ms > 86400000 or ttl_ms % 1 ~= 0 then
+  return redis.error_reply('ERR kvroute: ttl_ms must be an integer from 0 to 86400000 (one day), got '
+    .. tostring(ARGV[6]))
 end
 -- Canonical decimal only: scripts compare gids as strings, and Lua prints big numbers as 4.5e+15.
 if gid == nil or not string.match(gid, '^[1-9]%d*$') or #gid > 16 or tonumber(gid) >= 2 ^ 53 then

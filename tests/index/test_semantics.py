@@ -223,3 +223,13 @@ async def test_reported_load_is_shown_with_the_worker(index, unique_name):
     await index.deregister(unique_name, "b")
     with pytest.raises(NotRegisteredError):
         await index.report_load(unique_name, "b", WorkerLoad(0, 0, 0.0))
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), -1, 1.5, 86_400_001])
+async def test_a_heartbeat_ttl_that_is_not_a_sane_integer_is_refused(index, unique_name, ttl):
+    """Lua's tonumber reads 'inf' and 'nan': an infinite TTL kept a dead worker alive forever."""
+    await index.register(WorkerInfo("w", unique_name, "http://127.0.0.1:9", 4), ttl_ms=LONG_TTL)
+    with pytest.raises(KVIndexError, match="ttl_ms must be an integer from 0 to 86400000"):
+        await index.heartbeat(unique_name, "w", ttl)  # type: ignore[arg-type]
+    with pytest.raises(KVIndexError, match="ttl_ms must be an integer"):
+        await index.register(WorkerInfo("w2", unique_name, "http://127.0.0.1:9", 4), ttl_ms=ttl)  # type: ignore[arg-type]
