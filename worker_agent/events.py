@@ -34,8 +34,9 @@ RECEIVE_HWM = 1_000
 
 
 def binds(endpoint: str) -> bool:
-    """True when the agent binds ``endpoint`` (a wildcard host) rather than connecting to it."""
-    return "*" in endpoint or "::" in endpoint
+    """True when the agent binds ``endpoint`` (a wildcard host, allowed only with --events-bind)
+    rather than connecting to it."""
+    return "*" in endpoint or "::" in endpoint or "//0.0.0.0:" in endpoint
 
 
 def subscribe(socket: zmq.asyncio.Socket, endpoint: str, topic: str, max_message_bytes: int = 16 << 20) -> None:

@@ -26,6 +26,7 @@ ENV_VARS = {
     "metrics_port": "KVROUTE_METRICS_PORT",
     "metrics_host": "KVROUTE_METRICS_HOST",
     "events_warn_after": "KVROUTE_EVENTS_WARN_AFTER",
+    "events_bind": "KVROUTE_EVENTS_BIND",
 }
 _INTS = ("block_size", "dp_rank", "metrics_port")
 _FLOATS = ("events_warn_after",)
@@ -60,6 +61,9 @@ class AgentSettings:
     max_queued_bytes: int = 256 << 20
     # Warn when the engine keeps serving requests this long with no KV event arriving (0: never).
     events_warn_after_s: float = 30.0
+    # Listen for KV events on a wildcard --events endpoint (for an engine told to connect to the
+    # agent). Off by default: a bound SUB takes events from any publisher that reaches the port.
+    events_bind: bool = False
 
     def __post_init__(self) -> None:
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
@@ -67,6 +71,16 @@ class AgentSettings:
         for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
             if endpoint is not None and "://" not in endpoint:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://host:5557, got {endpoint!r}")
+        if _is_wildcard(self.events) and not self.events_bind:
+            raise ValueError(
+                f"--events {self.events} would make the agent listen for KV events from anyone who can reach "
+                "that port; name the engine's host to connect to it (tcp://engine:5557), or pass --events-bind "
+                "(KVROUTE_EVENTS_BIND=1) for an engine told to connect to this agent"
+            )
+        if self.events_bind and not _is_wildcard(self.events):
+            raise ValueError(
+                f"--events-bind needs a wildcard --events endpoint such as tcp://*:5557, got {self.events}"
+            )
         if self.replay is not None and "*" in self.replay:
             raise ValueError(
                 f"--replay must name the engine's host (the agent connects to its replay socket), got {self.replay!r}"
@@ -128,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, help_text in _FLAGS:
         variable = ENV_VARS[flag[2:].replace("-", "_")]
         parser.add_argument(flag, type=kind, help=f"{help_text}; env {variable}")
+    parser.add_argument(
+        "--events-bind",
+        action="store_true",
+        default=None,
+        help="listen on a wildcard --events endpoint (tcp://*:5557) for an engine told to connect to this agent; "
+        "off by default: a bound socket takes events from any publisher; env KVROUTE_EVENTS_BIND",
+    )
     parser.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
     parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
     add_redis_security_arguments(parser)
@@ -147,7 +168,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_arguments(parser)
 
 
+def _is_wildcard(endpoint: str) -> bool:
+    """A wildcard host (tcp://*:5557, tcp://[::]:5557, tcp://0.0.0.0:5557): the agent would bind."""
+    return "*" in endpoint or "::" in endpoint or "//0.0.0.0:" in endpoint
+
+
 def _coerce(name: str, value: str) -> object:
+    if name == "events_bind":
+        if value.lower() not in ("1", "true", "0", "false"):
+            raise ValueError(f"KVROUTE_EVENTS_BIND must be 1/0 or true/false, got {value!r}")
+        return value.lower() in ("1", "true")
     if name not in _INTS and name not in _FLOATS:
         return value
     kind, what = (int, "an integer") if name in _INTS else (float, "a number")

@@ -45,6 +45,10 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
     assert "secret" not in repr(settings)
     assert settings_from_args(parse(["--events-warn-after", "0"]), env).events_warn_after_s == 0
     assert settings_from_args(parse([]), {**env, "KVROUTE_EVENTS_WARN_AFTER": ""}).events_warn_after_s == 30
+    wildcard = {**env, "KVROUTE_EVENTS": "tcp://*:5557"}
+    assert settings_from_args(parse(["--events-bind"]), wildcard).events_bind is True
+    assert settings_from_args(parse([]), {**wildcard, "KVROUTE_EVENTS_BIND": "true"}).events_bind is True
+    assert settings_from_args(parse([]), env).events_bind is False
 
 
 @pytest.mark.parametrize(
@@ -58,6 +62,10 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--ttl-ms", "500"], {}, "two heartbeat"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--replay", "tcp://*:2"], {}, "engine's host"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--events-warn-after", "-1"], {}, ">= 0"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://*:1"], {}, "pass --events-bind"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://0.0.0.0:1"], {}, "pass --events-bind"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--events-bind"], {}, "needs a wildcard"),
+        (["--engine-url", "http://e:8000", "--events", "tcp://*:1"], {"KVROUTE_EVENTS_BIND": "yes"}, "1/0 or true"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--replay-deadline", "0"], {}, "--replay-deadline"),
         (
             ["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--max-queued-bytes", "0"],

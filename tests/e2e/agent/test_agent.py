@@ -251,7 +251,7 @@ async def test_an_agent_binds_for_an_engine_that_connects(unique_name, server, i
     await engine.start(replay=True, events_endpoint=f"tcp://127.0.0.1:{port}")
     args = agent_args(engine, server.url)
     args[args.index("--events") + 1] = f"tcp://*:{port}"
-    process = AgentProcess(args).start()
+    process = AgentProcess([*args, "--events-bind"]).start()
     try:
         await wait_until(lambda: registered(index, unique_name), 10)
 

@@ -55,7 +55,9 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2():
 
 def test_an_events_port_in_use_is_one_line_and_exit_2():
     with port_in_use() as port:
-        result = run_agent_command([*NOWHERE, "--events", f"tcp://*:{port}", "--metrics-port", str(free_port())])
+        result = run_agent_command(
+            [*NOWHERE, "--events", f"tcp://*:{port}", "--events-bind", "--metrics-port", str(free_port())]
+        )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     assert f"cannot listen on tcp://*:{port} for the engine's KV events: the address is already in use" in line
@@ -67,6 +69,15 @@ def test_a_bad_log_format_is_one_line_and_exit_2():
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert "--log-format must be one of text, json, not 'xml'" in line
+
+
+def test_a_wildcard_events_endpoint_needs_events_bind():
+    """Connect-only by default: a bound SUB would take KV events from any publisher reaching the port."""
+    result = run_agent_command([*NOWHERE, "--events", "tcp://*:5557"])
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert "--events tcp://*:5557 would make the agent listen for KV events from anyone" in line
+    assert "--events-bind" in line and "Traceback" not in result.stderr
 
 
 def test_a_wildcard_replay_endpoint_is_a_bad_setting():
