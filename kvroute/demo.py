@@ -19,10 +19,12 @@ import argparse
 import asyncio
 import itertools
 import random
+import signal
 import statistics
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -227,7 +229,40 @@ def chart(results: list[PolicyResult], path: Path, engines: int) -> None:
     plt.close(fig)
 
 
-async def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
+class Interrupted(Exception):
+    """Ctrl-C: the demo stopped early (everything it started is stopped)."""
+
+
+async def interruptible_demo(args: argparse.Namespace) -> list[PolicyResult]:
+    """:func:`run_demo`, which Ctrl-C stops for certain. asyncio's own Ctrl-C handling cancels the
+    run once, and a cancellation that lands while a timeout fires can be swallowed (Python 3.11's
+    asyncio.timeout and wait_for): the run then went on to the end and exited 0. Here each Ctrl-C
+    cancels again, and a run that saw one never counts as finished."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    interrupts = 0
+
+    def on_interrupt() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    try:
+        results = await run_demo(args, lambda: interrupts > 0)
+    except asyncio.CancelledError:
+        if interrupts:
+            raise Interrupted from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    if interrupts:
+        raise Interrupted
+    return results
+
+
+async def run_demo(args: argparse.Namespace, stopped: Callable[[], bool] = lambda: False) -> list[PolicyResult]:
     work = workload(args.conversations, args.turns)
     num_blocks, max_model_len = engine_sizes(work)
     with redis_url_or_private(args.redis_url) as url:
@@ -236,6 +271,8 @@ async def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
             print(f"started Redis at {url}, {args.engines} simulated engines with agents", file=sys.stderr)
             results = []
             for policy in (Policy.KV, Policy.ROUND_ROBIN):
+                if stopped():
+                    break
                 what = f"{args.conversations} conversations x {args.turns} turns with policy {policy.value}"
                 print(f"running {what}", file=sys.stderr)
                 results.append(await run_policy(stack, policy, work))
@@ -244,8 +281,8 @@ async def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     try:
-        results = asyncio.run(run_demo(args))
-    except KeyboardInterrupt:
+        results = asyncio.run(interruptible_demo(args))
+    except (KeyboardInterrupt, Interrupted):
         print("interrupted: everything the demo started has been stopped", file=sys.stderr)
         return 130
     except ProcessFailed as exc:
