@@ -3,6 +3,7 @@ real TLS-only redis-server whose CA, server and client certificates are made her
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from tests.index.tls_support import Certificates, TlsRedis, make_certificates
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make the test's CA and certificates")
     return make_certificates(tmp_path_factory.mktemp("tls"))
 
 
