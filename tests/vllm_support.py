@@ -95,7 +95,7 @@ def vllm_server(num_blocks: int = 12, max_model_len: int = 256, extra_args: Sequ
     """A fresh server with a ``num_blocks`` KV cache, KV events and replay on, until the block
     exits; ``extra_args`` are more vLLM flags (scheduler limits, say)."""
     workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
-    port, events_port, replay_port = free_port(), free_port(), free_port()
+    port, events_port, replay_port = distinct_free_ports(3)
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -123,6 +123,16 @@ def vllm_server(num_blocks: int = 12, max_model_len: int = 256, extra_args: Sequ
                 process.wait()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """``count`` free ports, all different: free_port() can hand out the same port twice (CI once
+    gave vLLM's HTTP and KV-event sockets one port, and vLLM never became healthy)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 def _wait_healthy(server: VllmServer, within: float = 300.0) -> None:
