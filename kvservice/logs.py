@@ -8,13 +8,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from aiohttp import web
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("text", "json")
@@ -110,6 +114,33 @@ def log_request(
         return
     record = {"method": method, "path": path, "status": status, "ms": round(1000 * seconds, 2), **(fields or {})}
     logger.log(level, "%s %s %d", method, path, status, extra={FIELDS: record})
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def access_log_middleware(logger: logging.Logger, quiet_paths: frozenset[str]) -> Any:
+    """An aiohttp middleware writing one :func:`log_request` record per request, with the status
+    it ended with: an HTTPException's, 499 when the client went away (nginx's code), else 500."""
+
+    @web.middleware
+    async def access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499
+            raise
+        finally:
+            log_request(logger, request.method, request.path, status, time.perf_counter() - started, quiet_paths)
+
+    return access_log
 
 
 def configure_logging(settings: LogSettings) -> None:

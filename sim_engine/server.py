@@ -12,7 +12,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvservice.lifecycle import StartupError, listening
-from kvservice.logs import log_request
+from kvservice.logs import access_log_middleware
 from router.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
@@ -33,7 +33,6 @@ from sim_engine.settings import SimEngineSettings
 MAX_BODY_BYTES = 32 * 1024 * 1024
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # probes and scrapes: logged at DEBUG
 access_log = logging.getLogger("sim_engine.access")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass
@@ -57,25 +56,6 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(await request.read())
     except ValueError as exc:
         raise api.ApiError(400, f"the request body is not valid JSON: {exc}") from None
-
-
-@web.middleware
-async def _access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """One record per request (with ``--log-format json``, one object); probes at DEBUG."""
-    started = time.perf_counter()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away (nginx's code)
-        raise
-    finally:
-        log_request(access_log, request.method, request.path, status, time.perf_counter() - started, QUIET_PATHS)
 
 
 async def _health(_: web.Request) -> web.Response:
@@ -146,7 +126,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(state: _State) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_access_log])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[access_log_middleware(access_log, QUIET_PATHS)])
     app[STATE] = state
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)

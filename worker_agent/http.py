@@ -6,38 +6,16 @@ seconds and would drown the agent's own INFO lines, at INFO for anything else (a
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvservice.logs import log_request
+from kvservice.logs import access_log_middleware
 from worker_agent.agent import Agent
 
 log = logging.getLogger(__name__)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # probes and scrapes: logged at DEBUG
-
-
-@web.middleware
-async def _access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
-    started = time.perf_counter()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away (nginx's code)
-        raise
-    finally:
-        log_request(log, request.method, request.path, status, time.perf_counter() - started, QUIET_PATHS)
 
 
 def health_body(agent: Agent) -> dict[str, object]:
@@ -68,7 +46,7 @@ def create_app(agent: Agent, registry: CollectorRegistry) -> web.Application:
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 
-    app = web.Application(middlewares=[_access_log])
+    app = web.Application(middlewares=[access_log_middleware(log, QUIET_PATHS)])
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
