@@ -46,15 +46,20 @@ def redact_url(url: str) -> str:
     return url
 
 
-def read_secret_file(path: str, flag: str) -> str:
-    """The secret in ``path``: its first line, without the line end. A file that cannot be read,
-    or is empty, is a ValueError that names the flag and the path (never the content)."""
+def _secret_text(path: str, flag: str) -> str:
+    """The whole file; one that cannot be read is a ValueError naming the flag and the path."""
     try:
         with open(path, encoding="utf-8") as handle:
-            secret = handle.readline().rstrip("\r\n")
+            return handle.read()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise ValueError(f"cannot read {flag} {path!r}: {reason}") from None
+
+
+def read_secret_file(path: str, flag: str) -> str:
+    """The secret in ``path``: its first line, without the line end. A file that cannot be read,
+    or is empty, is a ValueError that names the flag and the path (never the content)."""
+    secret = _secret_text(path, flag).partition("\n")[0].rstrip("\r")
     if not secret:
         raise ValueError(f"{flag} {path!r} is empty")
     return secret
@@ -65,12 +70,7 @@ def read_secret_lines(path: str | None, flag: str) -> frozenset[str]:
     A file that cannot be read, or holds none, is a ValueError naming the flag and the path."""
     if path is None:
         return frozenset()
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = frozenset(line.strip() for line in handle if line.strip())
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise ValueError(f"cannot read {flag} {path!r}: {reason}") from None
+    lines = frozenset(line.strip() for line in _secret_text(path, flag).split("\n") if line.strip())
     if not lines:
         raise ValueError(f"{flag} {path!r} is empty")
     return lines
