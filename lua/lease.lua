@@ -24,7 +24,7 @@ redis.call('UNLINK', inflight_key)
 for i = 4, #ARGV, 2 do
   redis.call('HSET', inflight_key, ARGV[i], ARGV[i + 1])
 end
-local expired = redis.call('ZRANGEBYSCORE', replicas_key, '-inf', '(' .. now_ms, 'LIMIT', 0, 100)
+local expired = redis.call('ZRANGEBYSCORE', replicas_key, '-inf', now_ms, 'LIMIT', 0, 100)
 for _, dead in ipairs(expired) do
   redis.call('UNLINK', inflight_prefix .. dead)
   redis.call('ZREM', replicas_key, dead)
