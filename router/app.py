@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -12,8 +13,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.redis_index import RedisIndex
+from router.accounting import RollingWindow, SharedPrefixes
 from router.body import TOO_DEEP, BodyError, decode_body
 from router.booking import Booking
+from router.dashboard import add_dashboard_routes
 from router.decide import Decider, Decision, NoWorkers
 from router.fleet import Fleet
 from router.load import ReplicaLoad
@@ -39,6 +42,8 @@ class RouterState:
     tokenization: Tokenization
     session: aiohttp.ClientSession
     metrics: RouterMetrics
+    window: RollingWindow = field(default_factory=RollingWindow)  # the dashboard's last minutes
+    prefixes: SharedPrefixes = field(default_factory=SharedPrefixes)  # the dashboard's shared prefixes
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -84,6 +89,7 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run:
         raise ApiError(503, str(exc), "service_unavailable") from None
     if dry_run:
         return decision
+    state.window.note_decision(time.monotonic(), decision.degraded)
     state.metrics.decision_seconds.observe(decision.seconds)
     state.metrics.degraded_mode.set(1 if state.decider.degraded else 0)
     if decision.degraded:
@@ -114,6 +120,7 @@ def _explain(decision: Decision) -> dict[str, Any]:
         "degraded": decision.degraded,
         "chosen": decision.choice.chosen.worker_id,
         "predicted_cached_tokens": decision.predicted_cached_tokens(),
+        **_split_fields(decision),
         "workers": [
             {
                 "id": s.candidate.worker_id,
@@ -138,7 +145,32 @@ def _explain(decision: Decision) -> dict[str, Any]:
 
 
 def _reported_cached(usage: dict | None) -> int | None:
-    return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+def _split_fields(decision: Decision, candidate: Candidate | None = None, reported: int | None = None) -> dict:
+    """The accounting's fields of the access log and /debug/route (None: unknown, for a degraded decision)."""
+    found = decision.split(candidate, reported)
+    if found is None:
+        return dict.fromkeys(("best_match_tokens", "lost_load_tokens", "lost_stale_tokens", "cold_tokens"))
+    return found.log_fields()
+
+
+def _account(state: RouterState, decision: Decision, candidate: Candidate, reported: int | None) -> None:
+    """A proxied request's decision quality: the metrics, the dashboard's window and prefixes."""
+    found = decision.split(candidate, reported)
+    if found is None:  # degraded: no match was read; counted by degraded_decisions_total
+        return
+    now = time.monotonic()
+    state.window.note_split(now, found)
+    for reason, tokens in found.lost().items():
+        if tokens:
+            state.metrics.lost_prefix_tokens.labels(reason).inc(tokens)
+    state.metrics.cacheable_tokens.labels(decision.model).inc(found.cacheable)
+    state.metrics.best_match_tokens.labels(decision.model).inc(found.best_match)
+    if (prefix := decision.shared_prefix()) is not None:
+        state.prefixes.note(decision.model, *prefix, now=now)
 
 
 def _record_usage(state: RouterState, decision: Decision, candidate: Candidate, usage: dict | None) -> None:
@@ -198,13 +230,16 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
         state.metrics.retries.inc()
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
     _record_usage(state, decision, forwarded.candidate, forwarded.usage)
+    reported = _reported_cached(forwarded.usage)
+    _account(state, decision, forwarded.candidate, reported)
     request[LOG_FIELDS] = {
         "model": decision.model,
         "worker": forwarded.candidate.worker_id,
         "prompt_tokens": decision.prompt_tokens,
         "degraded": decision.degraded,
         "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
-        "cached_tokens": _reported_cached(forwarded.usage),
+        "cached_tokens": reported,
+        **_split_fields(decision, forwarded.candidate, reported),
         "decision_ms": round(decision.seconds * 1000, 3),
         "retried": forwarded.retried,
     }
@@ -259,6 +294,7 @@ def create_app(state: RouterState) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    add_dashboard_routes(app, state)
     return app
 
 

@@ -22,6 +22,7 @@ from kvindex.errors import KVIndexError
 from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
+from router.accounting import Split, split
 from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.lookups import BudgetExpired, Lookups
@@ -64,6 +65,26 @@ class Decision:
     def candidates(self) -> list[Candidate]:
         """Every alive worker, best first."""
         return [scored.candidate for scored in self.choice.ranked]
+
+    def split(self, candidate: Candidate | None = None, reported: int | None = None) -> Split | None:
+        """Why the prompt's prefix was or was not cached on ``candidate`` (default the chosen worker),
+        given the engine's ``reported`` cached tokens (:mod:`router.accounting`). None for a degraded
+        decision: the index was not read, so no match is known."""
+        if self.degraded:
+            return None
+        chosen = candidate or self.choice.chosen
+        matched = (s.candidate.matched_blocks for s in self.choice.ranked)
+        return split(self.prompt_tokens, self.block_size, self.prompt_blocks, matched, chosen.matched_blocks, reported)
+
+    def shared_prefix(self) -> tuple[int, int, int] | None:
+        """(block hash, tokens, holders) of the deepest checkpoint of the prompt that the
+        best-matching worker held, and how many alive workers held it; None when none did."""
+        matched = [min(s.candidate.matched_blocks, self.prompt_blocks) for s in self.choice.ranked]
+        best = max(matched, default=0)
+        if self.degraded or best <= 0:
+            return None
+        depth = max(d for d in checkpoints(self.prompt_blocks) if d <= best)
+        return self.chain[depth - 1], depth * self.block_size, sum(1 for m in matched if m >= depth)
 
     def expected_blocks(self) -> list[int]:
         """The prompt's blocks that a worker it is sent to is marked "expected" to hold (the

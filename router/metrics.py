@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.accounting import REASONS
 from router.lookups import Lookups
 from router.prompt_hashing import PromptHasher
 from router.token_cache import TokenCache
@@ -36,13 +37,16 @@ class RouterMetrics:
     inflight: Gauge
     degraded_mode: Gauge
     admitted: Gauge
+    lost_prefix_tokens: Counter
+    cacheable_tokens: Counter
+    best_match_tokens: Counter
 
 
 def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
     r = CollectorRegistry()
     if state is not None:
         r.register(state)
-    return RouterMetrics(
+    metrics = RouterMetrics(
         registry=r,
         requests=Counter(PREFIX + "requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r),
         decisions=Counter(PREFIX + "decisions", "Decisions per worker", ["model", "worker", "policy"], registry=r),
@@ -88,7 +92,30 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
             "Requests under /v1/ and /debug/ being handled, body reads included (limit: --max-inflight)",
             registry=r,
         ),
+        lost_prefix_tokens=Counter(
+            PREFIX + "lost_prefix_tokens",
+            "Cacheable prompt tokens not served from cache, by reason: load_tradeoff (a better-matching worker "
+            "existed), stale_index (predicted more than the engine had), cold (no worker had them)",
+            ["reason"],
+            registry=r,
+        ),
+        cacheable_tokens=Counter(
+            PREFIX + "cacheable_prompt_tokens",
+            "Prompt tokens that could be served from cache at all (whole blocks, at most prompt - 1), "
+            "of requests routed with the index",
+            ["model"],
+            registry=r,
+        ),
+        best_match_tokens=Counter(
+            PREFIX + "best_match_tokens",
+            "The best predicted cached tokens any alive worker had, of requests routed with the index",
+            ["model"],
+            registry=r,
+        ),
     )
+    for reason in REASONS:  # every reason exported from the start (at 0): alerts and dashboards need the series
+        metrics.lost_prefix_tokens.labels(reason)
+    return metrics
 
 
 class StateCollector(Collector):

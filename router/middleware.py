@@ -3,8 +3,8 @@ deadline, OpenAI-shaped errors, the access log.
 
 Every error the router answers has OpenAI's shape (``{"error": {"message", "type", "param",
 "code"}}``), aiohttp's own 404 and 405 included. The access log is one record per request with
-structured fields (one JSON object per line with ``--log-format json``); scrapes and health checks
-are logged at DEBUG so that probes do not drown the requests.
+structured fields (one JSON object per line with ``--log-format json``); scrapes, health checks
+and the dashboard's polls are logged at DEBUG so that probes do not drown the requests.
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ access_log = logging.getLogger("router.access")
 error_log = logging.getLogger("router.errors")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_fields", dict)
-QUIET_PATHS = frozenset({"/metrics", "/health", "/ready"})  # probes: logged at DEBUG
-PROTECTED_PREFIXES = ("/v1/", "/debug/")
+# Probes, and the dashboard's polls (every 2 s per open page): logged at DEBUG.
+QUIET_PATHS = frozenset({"/metrics", "/health", "/ready"})
+QUIET_PREFIXES = ("/dashboard",)
+# The dashboard's JSON shows the fleet's load and what is cached: behind the key like the API. Its
+# page and scripts are not (a browser cannot send the key with a page load; the page asks for it).
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # else a fresh id replaces it
 RETRY_AFTER_S = 1  # told to clients refused past the in-flight limit
 UNMATCHED = "unmatched"  # the metrics label of paths no route serves (bounded label values)
@@ -170,4 +174,5 @@ def _api_error_response(exc: ApiError) -> web.Response:
 
 def _log_access(request: web.Request, status: int, seconds: float) -> None:
     fields = {"request_id": request[REQUEST_ID], **request.get(LOG_FIELDS, {})}
-    log_request(access_log, request.method, request.path, status, seconds, QUIET_PATHS, fields)
+    quiet = QUIET_PATHS | {request.path} if request.path.startswith(QUIET_PREFIXES) else QUIET_PATHS
+    log_request(access_log, request.method, request.path, status, seconds, quiet, fields)
