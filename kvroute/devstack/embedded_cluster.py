@@ -56,13 +56,9 @@ class PeerView:
                 continue
             first, _, last = spec.partition("-")
             slots.append((int(first), int(last or first)))
-        return cls(
-            node_id=fields[0],
-            port=int(address.rpartition(":")[2]),
-            flags=frozenset(fields[2].split(",")),
-            master_id=None if fields[3] == "-" else fields[3],
-            slots=tuple(slots),
-        )
+        master_id = None if fields[3] == "-" else fields[3]
+        port = int(address.rpartition(":")[2])
+        return cls(fields[0], port, frozenset(fields[2].split(",")), master_id, tuple(slots))
 
 
 @dataclass
@@ -87,6 +83,23 @@ class ClusterProcess:
         except OSError:
             return ""
         return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+    def end(self, sig: signal.Signals = signal.SIGTERM, wait: bool = True) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+        if wait:
+            self.reap()
+
+    def reap(self) -> None:
+        if self.process:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.log:
+            self.log.close()
+            self.log = None
 
     def describe(self) -> str:
         state = "running" if self.alive() else f"exited {self.process.returncode if self.process else '-'}"
@@ -141,8 +154,6 @@ class LocalCluster:
     _killed: set[int] = field(default_factory=set, repr=False)
     _clients: dict[int, redis.Redis] = field(default_factory=dict, repr=False)
 
-    # -- what callers read -------------------------------------------------------------------
-
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
         """The nodes that were masters when the cluster started (any live one finds the rest)."""
@@ -185,8 +196,6 @@ class LocalCluster:
             )
         return self._clients[port]
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
     def start(self) -> LocalCluster:
         if self.binary is None:
             self.binary = default_server_binary()
@@ -205,8 +214,10 @@ class LocalCluster:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        for node in self._nodes.values():  # all at once: each takes a moment to shut down
+            node.end(signal.SIGTERM, wait=False)
         for node in self._nodes.values():
-            self._end_process(node, signal.SIGTERM)
+            node.reap()
             shutil.rmtree(node.workdir, ignore_errors=True)
         self._nodes.clear()
 
@@ -259,32 +270,12 @@ class LocalCluster:
         raise RuntimeError(f"cluster node did not answer within {self.timeout_s}s: {node.describe()}")
 
     def _move_node(self, node: ClusterProcess, taken: set[int]) -> None:
-        self._end_process(node, signal.SIGKILL)
-        self._drop_client(node.port)
+        node.end(signal.SIGKILL)
         del self._nodes[node.port]
         node.port = pick_node_port(taken)
         taken |= {node.port, node.port + BUS_PORT_OFFSET}
         self._nodes[node.port] = node
         self._launch(node)
-
-    def _end_process(self, node: ClusterProcess, sig: signal.Signals) -> None:
-        if node.process and node.process.poll() is None:
-            node.process.send_signal(sig)
-            try:
-                node.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                node.process.kill()
-                node.process.wait()
-        if node.log:
-            node.log.close()
-            node.log = None
-
-    def _drop_client(self, port: int) -> None:
-        client = self._clients.pop(port, None)
-        if client is not None:
-            client.close()
-
-    # -- building the cluster ------------------------------------------------------------------
 
     def _assign_slots(self) -> None:
         for epoch, port in enumerate(self._nodes, start=1):
@@ -319,8 +310,6 @@ class LocalCluster:
         for index, port in enumerate(replicas):
             self.client(port).execute_command("CLUSTER", "REPLICATE", master_ids[index % self.masters])
 
-    # -- waiting on what the nodes report --------------------------------------------------------
-
     def _views(self, port: int) -> dict[str, PeerView]:
         text = self.client(port).execute_command("CLUSTER", "NODES")
         return {view.node_id: view for view in map(PeerView.parse, text.strip().splitlines())}
@@ -343,10 +332,8 @@ class LocalCluster:
                     return False
                 if (seen.role, seen.master_id) != (other.role, other.master_id):
                     return False
-            if (
-                selves[port].role == "replica"
-                and self.client(port).info("replication").get("master_link_status") != "up"
-            ):
+            replica = selves[port].role == "replica"
+            if replica and self.client(port).info("replication").get("master_link_status") != "up":
                 return False
         return True
 
@@ -361,21 +348,21 @@ class LocalCluster:
         while True:
             dead = [node for port, node in self._nodes.items() if port not in self._killed and not node.alive()]
             if dead:
-                raise RuntimeError(f"cluster node died while waiting for {what}: {self._describe(dead)}")
+                raise RuntimeError(f"cluster node died while waiting for {what}: {self.describe(dead)}")
             try:
                 if ready():
                     return
             except (RedisError, OSError) as exc:  # a node busy failing over, a link being rebuilt
                 last_error = f" (last error: {exc})"
             if time.monotonic() >= deadline:
-                nodes = self._describe(self._nodes.values())
+                nodes = self.describe(self._nodes.values())
                 raise RuntimeError(f"cluster: {what}: not within {timeout_s}s{last_error}; {nodes}")
             time.sleep(0.05)
 
-    def _describe(self, nodes: Iterable[ClusterProcess]) -> str:
+    def describe(self, nodes: Iterable[ClusterProcess] = ()) -> str:
+        """What each node (by default all) is doing and last logged: for error messages."""
+        nodes = nodes or self._nodes.values()
         return "; ".join(node.describe() for node in nodes) + f" [{self.binary}]"
-
-    # -- faults --------------------------------------------------------------------------------
 
     def failover(self, master_port: int, timeout_s: float | None = None) -> int:
         """CLUSTER FAILOVER on the master's replica; wait until the two have swapped roles and the
@@ -397,8 +384,8 @@ class LocalCluster:
             raise ValueError(f"port {master_port} is not a live master of this cluster")
         replica = self.replica_of(master_port)
         self._killed.add(master_port)
-        self._end_process(self._nodes[master_port], signal.SIGKILL)
-        self._drop_client(master_port)
+        self._nodes[master_port].end(signal.SIGKILL)
+        self._clients.pop(master_port).close()
 
         def promoted() -> bool:
             return self._self_view(replica).role == "master" and self._settled()
