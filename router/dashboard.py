@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import fields
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router.accounting import summary
+from router.accounting import Bucket, summary
 from router.shared_load import InflightLoad
 
 if TYPE_CHECKING:
@@ -151,3 +152,65 @@ def add_dashboard_routes(app: web.Application, state: RouterState) -> None:
     app.router.add_get(API_PREFIX + "fleet", fleet)
     app.router.add_get(API_PREFIX + "accounting", accounting)
     app.router.add_get(API_PREFIX + "prefixes", prefixes)
+
+
+# The JSON answers as router/openapi.py documents them.
+_NUMBER = {"type": "number", "nullable": True}
+_SHARES = {"type": "object", "properties": {r: _NUMBER for r in ("load_tradeoff", "stale_index", "cold")}}
+_WINDOW_SUMS = {
+    "type": "object",
+    "description": "sums over a time span (docs/dashboard.md): tokens, requests, and the rates derived from them",
+    "properties": {
+        **{item.name: {"type": "integer"} for item in fields(Bucket)},
+        "started_s_ago": {"type": "number", "description": "in series: when its bucket started"},
+        "hit_rate": _NUMBER,
+        "predicted_hit_rate": _NUMBER,
+        "lost_share": {**_SHARES, "description": "each reason's lost tokens / cacheable tokens"},
+        "decisions_per_s": _NUMBER,
+    },
+}
+DASHBOARD_SCHEMAS: dict[str, Any] = {
+    "DashboardFleet": {
+        "type": "object",
+        "required": ["replica", "policy", "redis", "degraded", "decisions_per_s", "models"],
+        "properties": {
+            "replica": {"type": "string"},
+            "policy": {"type": "string"},
+            "redis": {"type": "boolean"},
+            "degraded": {"type": "boolean", "description": "the last decision could not use Redis"},
+            "worker_view_age_s": _NUMBER,
+            "decisions_per_s": {**_NUMBER, "description": "this replica's, over the last minute"},
+            "degraded_decisions_last_minute": {"type": "integer"},
+            "models": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "model": {"type": "string"},
+                        "retained": {"type": "boolean"},
+                        "inflight_scope": {"type": "string", "enum": ["fleet", "replica"]},
+                        "workers": {"type": "array", "items": {"type": "object"}},
+                    },
+                },
+            },
+        },
+    },
+    "DashboardAccounting": {
+        "type": "object",
+        "required": ["bucket_s", "window_s", "total", "series"],
+        "properties": {
+            "bucket_s": {"type": "number"},
+            "window_s": {"type": "number"},
+            "total": _WINDOW_SUMS,
+            "series": {"type": "array", "items": _WINDOW_SUMS, "description": "one per bucket, oldest first"},
+        },
+    },
+    "DashboardPrefixes": {
+        "type": "object",
+        "required": ["prefixes", "tracked"],
+        "properties": {
+            "tracked": {"type": "integer"},
+            "prefixes": {"type": "array", "items": {"type": "object"}, "description": "the most hit, first"},
+        },
+    },
+}

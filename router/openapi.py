@@ -14,6 +14,8 @@ import json
 from importlib import metadata
 from typing import Any
 
+from router.dashboard import DASHBOARD_SCHEMAS
+
 JSON = "application/json"
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 OPTIONAL_BEARER: list[dict[str, list[str]]] = [{}, {"bearer": []}]  # only with --api-key
@@ -184,6 +186,15 @@ SCHEMAS: dict[str, Any] = {
             "degraded": {"type": "boolean", "description": "decided without Redis (local round robin)"},
             "chosen": {"type": "string"},
             "predicted_cached_tokens": {"type": "integer"},
+            **{
+                name: {"type": "integer", "nullable": True, "description": what}
+                for name, what in {
+                    "best_match_tokens": "the most cached tokens any alive worker was predicted to hold",
+                    "lost_load_tokens": "best match - chosen worker's match: given up for load",
+                    "lost_stale_tokens": "always null here: it needs the engine's reported cached tokens",
+                    "cold_tokens": "cacheable tokens no worker held (whole blocks, at most prompt - 1)",
+                }.items()
+            },
             "workers": {
                 "type": "array",
                 "items": {
@@ -206,6 +217,8 @@ SCHEMAS: dict[str, Any] = {
         },
     },
 }
+
+SCHEMAS.update(DASHBOARD_SCHEMAS)
 
 ROUTED_HEADERS = {
     "x-kvroute-worker": {
@@ -317,7 +330,32 @@ def _paths() -> dict[str, Any]:
             "This document",
             {"200": {"description": "OpenAPI 3", "content": {JSON: {"schema": {"type": "object"}}}}},
         ),
+        **_dashboard_paths(),
     }
+    return paths
+
+
+def _dashboard_paths() -> dict[str, Any]:
+    """The dashboard's page and files (open), and its JSON (behind the key when one is set)."""
+
+    def text(content_type: str) -> dict[str, Any]:
+        return {
+            "200": {"description": "served from the package", "content": {content_type: {"schema": {"type": "string"}}}}
+        }
+
+    paths = {
+        "/dashboard": _get("dashboardPage", "The live dashboard (docs/dashboard.md)", text("text/html")),
+        "/dashboard/dashboard.js": _get("dashboardScript", "The dashboard's script", text("text/javascript")),
+        "/dashboard/dashboard.css": _get("dashboardStyle", "The dashboard's style sheet", text("text/css")),
+    }
+    for name, summary in {
+        "fleet": "Alive workers with KV usage, queue, in-flight load, indexed blocks; degraded mode; decisions/s",
+        "accounting": "Hit rate, predicted vs reported cached tokens, the lost-token split, per bucket",
+        "prefixes": "The most hit prefixes: length, workers holding them, hits",
+    }.items():
+        schema = "Dashboard" + name.capitalize()
+        replies = {"200": _json_reply(summary, schema), **_errors(401, 429)}
+        paths[f"/dashboard/api/{name}"] = _get(f"dashboard{name.capitalize()}", summary, replies, True)
     return paths
 
 

@@ -109,7 +109,20 @@ function renderChart(series) {
     if (points.length) {
       chart.append(svg("polyline", { points: points.join(" "), fill: "none", stroke: color, "stroke-width": 2, "stroke-dasharray": dash }));
     }
+    for (const point of points) {  // a bucket alone draws no line: its point shows
+      const [cx, cy] = point.split(",");
+      chart.append(svg("circle", { cx, cy, r: 3, fill: color }));
+    }
   }
+  const minutes = series.length ? Math.round(series[0].started_s_ago / 60) : 0;
+  for (const [x, anchor, text] of [[pad, "start", "-" + minutes + " min"], [width - pad, "end", "now"]]) {
+    const label = svg("text", { x, y: 14, "text-anchor": anchor, "font-size": 11, fill: "#889" });
+    label.textContent = text;
+    chart.append(label);
+  }
+  const top = svg("text", { x: width / 2, y: 14, "text-anchor": "middle", "font-size": 11, fill: "#889" });
+  top.textContent = "100%";
+  chart.append(top);
 }
 
 function renderAccounting(acc) {
