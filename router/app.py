@@ -272,6 +272,9 @@ def create_app(state: RouterState) -> web.Application:
         return web.Response(body=document_bytes(), content_type="application/json")
 
     async def metrics(_: web.Request) -> web.Response:
+        state.metrics.alive_workers.clear()  # read at scrape time (the fleet refreshes every second)
+        for model in state.fleet.known_models():
+            state.metrics.alive_workers.labels(model).set(len(state.fleet.alive(model)))
         response = web.Response(body=generate_latest(state.metrics.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response

@@ -40,6 +40,7 @@ class RouterMetrics:
     lost_prefix_tokens: Counter
     cacheable_tokens: Counter
     best_match_tokens: Counter
+    alive_workers: Gauge
 
 
 def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
@@ -109,6 +110,12 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
         best_match_tokens=Counter(
             PREFIX + "best_match_tokens",
             "The best predicted cached tokens any alive worker had, of requests routed with the index",
+            ["model"],
+            registry=r,
+        ),
+        alive_workers=Gauge(
+            PREFIX + "alive_workers",
+            "Workers this replica routes to, per model it has served (0: none alive; retained ones count)",
             ["model"],
             registry=r,
         ),
