@@ -16,7 +16,12 @@ def test_a_load_trade_off_is_the_better_match_given_up():
     s = split(100, BS, 6, [4, 1, 0], chosen_blocks=1, reported=16)
     assert (s.cacheable, s.best_match, s.chosen_match) == (96, 64, 16)
     assert s.lost() == {"load_tradeoff": 48, "stale_index": 0, "cold": 32}
-    assert s.log_fields() == {"best_match_tokens": 64, "lost_load_tokens": 48, "lost_stale_tokens": 0, "cold_tokens": 32}
+    assert s.log_fields() == {
+        "best_match_tokens": 64,
+        "lost_load_tokens": 48,
+        "lost_stale_tokens": 0,
+        "cold_tokens": 32,
+    }
 
 
 def test_a_stale_index_is_a_prediction_the_engine_did_not_have():

@@ -52,7 +52,7 @@ async def _lost_tokens(router: RunningRouter) -> dict[str, float]:
 
 async def _shared_prefix_traffic(router: RunningRouter, requests: int) -> str:
     """One request that makes a worker compute PREFIX, then ``requests`` more sharing it; the owner."""
-    status, headers, _ = await complete(router.url, [*PREFIX, 1])
+    status, _, _ = await complete(router.url, [*PREFIX, 1])
     assert status == 200
     owner = await wait_indexed(router, PREFIX)
     for tail in range(2, 2 + requests):
