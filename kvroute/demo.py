@@ -4,7 +4,8 @@ Starts (unless ``--redis-url`` is given) a private Redis/Valkey server, 4 simula
 an agent process each, and 2 router replicas; drives multi-turn chats over a few shared system
 prompts through the routers with the ``kv`` policy, then again (caches reset) with
 ``round_robin``; prints a table and writes a PNG chart. Everything it started is stopped on exit,
-also on Ctrl-C.
+also on Ctrl-C. With ``--keep`` the stack stays up afterwards behind 2 fresh ``kv`` routers, with
+conversations going on at a reading pace, and their dashboards' URLs are printed until Ctrl-C.
 
 Both policies get the same requests (each conversation's script is drawn from its own seed), and
 each engine's cache is sized to hold the whole workload: nothing is evicted, so the duplication
@@ -33,8 +34,10 @@ import aiohttp
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import ProcessFailed, cached_tokens, hit_rate, percentile, text_table, write_json
+from kvroute.bench.replay import router_lost_tokens
 from kvroute.devstack.embedded_redis import redis_url_or_private
 from kvroute.devstack.stack import MODEL, CacheCensus, Stack, stream_completion
+from router.accounting import lost_shares, shares_text
 from router.scoring import Policy
 from router.tokenizer import ModelPrompts
 from sim_engine.settings import TINY_MODEL_DIR
@@ -59,7 +62,8 @@ QUESTIONS = [
 MAX_TOKENS = 24
 BLOCK_SIZE = 16  # the stack's engines' block size
 COLUMNS = ["policy", "hit rate", "TTFT mean ms", "TTFT p99 ms", "req/s", "duplication", "prediction exact"]
-COLUMNS += ["busiest worker / mean", "turns moved"]
+COLUMNS += ["busiest worker / mean", "turns moved", "lost load/stale/cold"]
+KEEP_THINK_S = 2.0  # with --keep: a user reads each answer this long before the next turn
 
 
 @dataclass
@@ -74,6 +78,8 @@ class PolicyResult:
     prediction_accuracy: float
     max_worker_share: float
     turns_moved: float  # of the turns after a conversation's first, those sent to another engine than the last
+    # Cacheable prompt tokens lost, by reason (load_tradeoff, stale_index, cold), as the routers counted them.
+    lost_share: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,12 +103,12 @@ class Workload:
         return len(self.scripts[0])
 
 
-def workload(conversations: int, turns: int) -> Workload:
+def workload(conversations: int, turns: int, first: int = 0) -> Workload:
     def question(rng: random.Random) -> str:
         detail = " ".join(rng.choice(WORDS) for _ in range(40))  # pasted notes: history outweighs the system prompt
         return f"{rng.choice(QUESTIONS)} Notes: {detail}"
 
-    rngs = [random.Random(f"kvroute-demo-{i}") for i in range(conversations)]
+    rngs = [random.Random(f"kvroute-demo-{first + i}") for i in range(conversations)]
     return Workload([[question(rng) for _ in range(turns)] for rng in rngs])
 
 
@@ -127,12 +133,19 @@ async def _chat(session: aiohttp.ClientSession, url: str, messages: list[dict[st
 
 
 async def _conversation(
-    session: aiohttp.ClientSession, urls: list[str], work: Workload, index: int, out: list[dict[str, Any]]
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    work: Workload,
+    index: int,
+    out: list[dict[str, Any]],
+    think_s: float = 0.0,
 ) -> None:
-    """One conversation's turns, one after the other, alternating between the router replicas."""
+    """One conversation's turns, one after the other, alternating between the router replicas
+    (``think_s`` between them: the pace of a user reading the answers)."""
     for turn in range(work.turns):
         result = await _chat(session, urls[(index + turn) % len(urls)], work.messages(index, turn))
         out.append({**result, "conversation": index, "turn": turn})
+        await asyncio.sleep(think_s)
 
 
 async def _drive(policy: Policy, urls: list[str], work: Workload) -> tuple[list[dict[str, Any]], float]:
@@ -154,10 +167,28 @@ async def run_policy(stack: Stack, policy: Policy, work: Workload) -> PolicyResu
     try:
         urls = await stack.start_routers(policy, replicas=2)
         results, elapsed = await _drive(policy, urls, work)
+        lost = await router_lost_tokens(urls)  # fresh routers: this run's
         census = await stack.cache_census()
     finally:
         await stack.stop_routers()
-    return summarize(policy, results, elapsed, census, stack.engines)
+    summary = summarize(policy, results, elapsed, census, stack.engines)
+    summary.lost_share = lost_shares(lost)
+    return summary
+
+
+async def keep_running(stack: Stack, args: argparse.Namespace) -> None:
+    """``--keep``: 2 fresh kv routers over the same engines, their dashboards' URLs printed, and
+    new conversations at a reading pace through them until Ctrl-C (the dashboard shows live traffic)."""
+    urls = await stack.start_routers(Policy.KV, replicas=2)
+    print("\nthe stack keeps running; Ctrl-C stops it. Dashboards (kv routers, live traffic):", flush=True)
+    for url in urls:
+        print(f"  {url}/dashboard", flush=True)
+    async with aiohttp.ClientSession() as session:
+        for round_ in itertools.count(1):
+            more = workload(args.conversations, args.turns, first=round_ * args.conversations)
+            await asyncio.gather(
+                *(_conversation(session, urls, more, i, [], KEEP_THINK_S) for i in range(args.conversations))
+            )
 
 
 def turns_moved(results: list[dict[str, Any]]) -> float:
@@ -203,7 +234,7 @@ def render(results: list[PolicyResult]) -> str:
     def row(r: PolicyResult) -> list[str]:
         timing = [f"{r.ttft_mean_ms:.1f}", f"{r.ttft_p99_ms:.1f}", f"{r.requests_per_s:.1f}"]
         shares = [f"{r.duplication:.1%}", f"{r.prediction_accuracy:.1%}", f"{r.max_worker_share:.2f}"]
-        return [r.policy, f"{r.hit_rate:.1%}", *timing, *shares, f"{r.turns_moved:.1%}"]
+        return [r.policy, f"{r.hit_rate:.1%}", *timing, *shares, f"{r.turns_moved:.1%}", shares_text(r.lost_share)]
 
     return text_table(COLUMNS, [row(r) for r in results])
 
@@ -233,7 +264,9 @@ class Interrupted(Exception):
     """Ctrl-C: the demo stopped early (everything it started is stopped)."""
 
 
-async def interruptible_demo(args: argparse.Namespace) -> list[PolicyResult]:
+async def interruptible_demo(
+    args: argparse.Namespace, report: Callable[[list[PolicyResult]], None] = lambda _: None
+) -> list[PolicyResult]:
     """:func:`run_demo`, which Ctrl-C stops for certain. asyncio's own Ctrl-C handling cancels the
     run once, and a cancellation that lands while a timeout fires can be swallowed (Python 3.11's
     asyncio.timeout and wait_for): the run then went on to the end and exited 0. Here each Ctrl-C
@@ -250,7 +283,7 @@ async def interruptible_demo(args: argparse.Namespace) -> list[PolicyResult]:
 
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
     try:
-        results = await run_demo(args, lambda: interrupts > 0)
+        results = await run_demo(args, lambda: interrupts > 0, report)
     except asyncio.CancelledError:
         if interrupts:
             raise Interrupted from None
@@ -262,7 +295,13 @@ async def interruptible_demo(args: argparse.Namespace) -> list[PolicyResult]:
     return results
 
 
-async def run_demo(args: argparse.Namespace, stopped: Callable[[], bool] = lambda: False) -> list[PolicyResult]:
+async def run_demo(
+    args: argparse.Namespace,
+    stopped: Callable[[], bool] = lambda: False,
+    report: Callable[[list[PolicyResult]], None] = lambda _: None,
+) -> list[PolicyResult]:
+    """Both policies, then ``report(results)``; with ``args.keep`` the stack then keeps running
+    (:func:`keep_running`) until cancelled."""
     work = workload(args.conversations, args.turns)
     num_blocks, max_model_len = engine_sizes(work)
     with redis_url_or_private(args.redis_url) as url:
@@ -276,21 +315,33 @@ async def run_demo(args: argparse.Namespace, stopped: Callable[[], bool] = lambd
                 what = f"{args.conversations} conversations x {args.turns} turns with policy {policy.value}"
                 print(f"running {what}", file=sys.stderr)
                 results.append(await run_policy(stack, policy, work))
+            if not stopped():
+                report(results)
+                if getattr(args, "keep", False):
+                    await keep_running(stack, args)
             return results
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    reported: list[PolicyResult] = []
+
+    def report(results: list[PolicyResult]) -> None:
+        print(render(results))
+        chart(results, Path(args.chart), args.engines)
+        print(f"\nchart written to {Path(args.chart).resolve()}", flush=True)
+        if args.json:
+            write_json(args.json, [asdict(r) for r in results], what="table")
+        reported[:] = results
+
     try:
-        results = asyncio.run(interruptible_demo(args))
+        asyncio.run(interruptible_demo(args, report))
     except (KeyboardInterrupt, Interrupted):
+        if reported and args.keep:  # --keep ends with Ctrl-C: the expected way out
+            print("stopped: everything the demo started has been stopped", file=sys.stderr)
+            return 0
         print("interrupted: everything the demo started has been stopped", file=sys.stderr)
         return 130
     except ProcessFailed as exc:
         print(f"{args.prog}: {exc}", file=sys.stderr)
         return 1
-    print(render(results))
-    chart(results, Path(args.chart), args.engines)
-    print(f"\nchart written to {Path(args.chart).resolve()}")
-    if args.json:
-        write_json(args.json, [asdict(r) for r in results], what="table")
     return 0

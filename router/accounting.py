@@ -240,3 +240,42 @@ class SharedPrefixes:
 
     def __len__(self) -> int:
         return len(self._table)
+
+
+def lost_from_exposition(text: str) -> dict[str, float] | None:
+    """From a router's /metrics page: its lost prefix tokens by reason and its cacheable tokens
+    (``{reason: tokens, "cacheable": tokens}``); None when it exports no accounting (a peer, or
+    a kvroute router from before it). Benchmarks read it before and after a run."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvroute_router_lost_prefix_tokens_total":
+                found[sample.labels["reason"]] = found.get(sample.labels["reason"], 0.0) + sample.value
+            elif sample.name == "kvroute_router_cacheable_prompt_tokens_total":
+                found["cacheable"] = found.get("cacheable", 0.0) + sample.value
+    if not found:
+        return None
+    return {key: found.get(key, 0.0) for key in (*REASONS, "cacheable")}
+
+
+def lost_during(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What routers counted between two readings of :func:`lost_from_exposition`."""
+    if before is None or after is None:
+        return after
+    return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+def lost_shares(lost: dict[str, float] | None) -> dict[str, float] | None:
+    """Each reason's lost tokens as a share of the cacheable tokens (None: not known)."""
+    if lost is None or lost.get("cacheable", 0) <= 0:
+        return None
+    return {reason: round(lost[reason] / lost["cacheable"], 4) for reason in REASONS}
+
+
+def shares_text(shares: dict[str, float] | None) -> str:
+    """``load/stale/cold`` in percent, as the benchmark tables print it ('n/a' when unknown)."""
+    if shares is None:
+        return "n/a"
+    return "/".join(f"{100 * shares[reason]:.1f}" for reason in REASONS) + "%"

@@ -46,6 +46,7 @@ from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.peers import SglangRouters
 from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
+from router.accounting import REASONS, lost_during, lost_from_exposition, lost_shares, shares_text
 from router.scoring import Policy
 from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
@@ -68,6 +69,21 @@ class RunResult:
     ttft_ms: list[float]
     hit_rate_over_time: list[float]
     engine_ttft_mean_ms: float = 0.0  # the engines' own vllm:time_to_first_token_seconds, this run's mean
+    # Lost prefix tokens by reason, as shares of the cacheable tokens (docs/dashboard.md); None for a peer.
+    lost_share: dict[str, float] | None = None
+
+
+async def router_lost_tokens(urls: list[str]) -> dict[str, float] | None:
+    """The lost prefix tokens and cacheable tokens the routers at ``urls`` counted so far, summed
+    (:func:`router.accounting.lost_from_exposition`); None when they export no accounting."""
+    totals: dict[str, float] | None = None
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for url in urls:
+            async with session.get(url + "/metrics") as response:
+                found = lost_from_exposition(await response.text()) if response.status == 200 else None
+            if found is not None:
+                totals = {key: (totals or {}).get(key, 0.0) + value for key, value in found.items()}
+    return totals
 
 
 async def _one(
@@ -192,10 +208,12 @@ async def replay_on_stack(
     ttft_before = await _engine_ttft(stack)
     async with _router_urls(stack, router, replicas) as urls:
         results = await send_all(urls, requests, prompts, args, after, stream)
+        lost = await router_lost_tokens(urls) if router != "sglang" else None  # fresh routers: from 0
     done = await stack.requests_per_engine()
     ttft_done = await _engine_ttft(stack)
     per_worker = [b - a for a, b in zip(before, done, strict=True)]
     run = summarize(router, replicas, results, per_worker, lru)
+    run.lost_share = lost_shares(lost)
     seconds, count = (b - a for a, b in zip(ttft_before, ttft_done, strict=True))
     run.engine_ttft_mean_ms = 1000 * seconds / max(count, 1)
     return run, results
@@ -305,10 +323,12 @@ async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) 
     engines = args.engines
     if urls:
         print(f"replaying {len(requests)} requests through {', '.join(urls)}", file=sys.stderr)
+        lost_before = await router_lost_tokens(urls)
         results = await send_all(urls, requests, prompts, args)
         per_worker = Counter(r["worker"] for r in results if not r["failed"])
         engines = len(per_worker)  # the workers seen answering (x-kvroute-worker)
         runs = [summarize("external", len(urls), results, list(per_worker.values()), lru)]
+        runs[0].lost_share = lost_shares(lost_during(lost_before, await router_lost_tokens(urls)))
     else:
         runs = await _run_on_stack(requests, prompts, args, per_engine_blocks, max_model_len, lru)
     return {
@@ -355,14 +375,16 @@ def render(results: dict[str, Any]) -> str:
         f"{results['requests']} requests ({results['prompts']}), {results['engines']} engines, caches = "
         f"{results['cache_fraction']:.0%} of {results['distinct_trace_blocks']} distinct blocks; references: "
         f"shared LRU {results['lru_reference_hit_rate']:.1%}, infinite {results['infinite_cache_hit_rate']:.1%}",
-        "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed",
+        "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed  "
+        "lost load/stale/cold",
     ]
     for r in results["runs"]:
         lines.append(
             f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
             f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
-            f"{r['failed']}"
+            f"{r['failed']:<7} {shares_text(r.get('lost_share'))}"
         )
+    lines.append(f"lost: shares of the cacheable prompt tokens lost to {', '.join(REASONS)} (docs/dashboard.md)")
     return "\n".join(lines)
 
 

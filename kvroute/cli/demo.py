@@ -23,6 +23,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--turns", type=positive_int, default=6, help="turns per conversation (default 6)")
     parser.add_argument("--chart", default="kvroute-demo.png", help="where to write the PNG chart")
     parser.add_argument("--json", help="also write the table as JSON here")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="afterwards keep the stack running with kv routers and live traffic, and print their dashboard "
+        "URLs, until Ctrl-C",
+    )
     parser.set_defaults(handler=_run, prog=parser.prog)
 
 

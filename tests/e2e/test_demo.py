@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,6 +123,9 @@ def test_the_demo_compares_policies_and_cleans_up(demo, tmp_path):
         for row in rows.values():  # (which policy wins is measured by the benchmarks, not asserted on 24 requests)
             assert 0 < row["hit_rate"] < 1 and 0 <= row["duplication"] <= 1 and 0 <= row["prediction_accuracy"] <= 1
             assert row["ttft_mean_ms"] > 0 and row["requests_per_s"] > 0 and 0 <= row["turns_moved"] <= 1
+            # The routers' split of the lost prefix tokens: shares of the cacheable tokens (docs/dashboard.md).
+            lost = row["lost_share"]
+            assert set(lost) == {"load_tradeoff", "stale_index", "cold"} and 0 < sum(lost.values()) <= 1
         assert (tmp_path / "demo.png").stat().st_size > 1000 and "hit rate" in process.communicate()[0]
         started = {kind: descendants.count(kind) for kind in KINDS}
         assert started == {"engine": 4, "agent": 4, "router": 4, "redis": 1}, descendants.seen
@@ -142,5 +148,54 @@ def test_ctrl_c_stops_everything_the_demo_started(demo):
         descendants.watch_until_exit(process, 60)
         assert process.returncode == 130 and "stopped" in stderr.read_text()
         assert descendants.count("agent") == 4 and descendants.alive() == []
+    finally:
+        descendants.kill_leftovers()
+
+
+def _lines(stream) -> queue.Queue[str]:
+    """The lines of ``stream`` as they come ('' at its end), read by a thread: a test can wait for
+    one with a deadline."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+@pytest.mark.slow
+def test_keep_serves_live_dashboards_until_ctrl_c(demo):
+    command, stderr = demo
+    process, descendants = _start([*command, "--conversations", "4", "--turns", "2", "--keep"], stderr)
+    try:
+        lines, dashboards, seen = _lines(process.stdout), [], []
+        deadline = time.monotonic() + 300
+        while len(dashboards) < 2:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert line, f"the demo's output ended: {stderr.read_text()[-3000:]}"
+            seen.append(line)
+            if line.strip().endswith("/dashboard"):
+                dashboards.append(line.strip())
+            descendants.sample()
+        assert "lost load/stale/cold" in "".join(seen)  # the table came first
+        with urllib.request.urlopen(dashboards[0], timeout=10) as response:
+            assert response.status == 200 and b"dashboard.js" in response.read()
+        api = dashboards[0] + "/api/"
+        assert len(_json(api + "fleet")["models"][0]["workers"]) == 4
+        while not _json(api + "accounting")["total"]["accounted"]:  # the kept stack serves live traffic
+            assert time.monotonic() < deadline and process.poll() is None, stderr.read_text()[-3000:]
+            time.sleep(0.2)  # the next look at the router's own count
+        process.send_signal(signal.SIGINT)
+        descendants.watch_until_exit(process, 60)
+        assert process.returncode == 0 and "stopped" in stderr.read_text()
+        assert descendants.count("router") >= 2 and descendants.alive() == []  # the kept routers at least
     finally:
         descendants.kill_leftovers()

@@ -6,7 +6,16 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.accounting import Bucket, RollingWindow, SharedPrefixes, split, summary
+from router.accounting import (
+    Bucket,
+    RollingWindow,
+    SharedPrefixes,
+    lost_from_exposition,
+    lost_shares,
+    shares_text,
+    split,
+    summary,
+)
 
 BS = 16
 
@@ -100,3 +109,17 @@ def test_shared_prefixes_rank_by_hits_and_stay_bounded():
     for n in range(5):
         table.note("tiny", n, 16, holders=1, now=4.0)
     assert len(table) == 3 and all(p["tokens"] == 16 for p in table.top(5, now=4.0))
+
+
+def test_a_routers_metrics_page_gives_its_split_and_a_peers_none():
+    page = (
+        'kvroute_router_lost_prefix_tokens_total{reason="load_tradeoff"} 30.0\n'
+        'kvroute_router_lost_prefix_tokens_total{reason="cold"} 50.0\n'
+        'kvroute_router_cacheable_prompt_tokens_total{model="a"} 100.0\n'
+        'kvroute_router_cacheable_prompt_tokens_total{model="b"} 100.0\n'
+    )
+    lost = lost_from_exposition(page)
+    assert lost == {"load_tradeoff": 30.0, "stale_index": 0.0, "cold": 50.0, "cacheable": 200.0}
+    assert lost_shares(lost) == {"load_tradeoff": 0.15, "stale_index": 0.0, "cold": 0.25}
+    assert shares_text(lost_shares(lost)) == "15.0/0.0/25.0%"
+    assert lost_from_exposition("sglang_requests_total 3.0\n") is None and shares_text(None) == "n/a"
