@@ -77,7 +77,7 @@ class ClusterProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def log_tail(self, lines: int = 6) -> str:
+    def log_tail(self, lines: int = 4) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
@@ -117,19 +117,14 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _ephemeral_low() -> int:
-    """Lowest port the kernel hands out to outgoing connections (they could take ours)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def pick_node_port(taken: set[int]) -> int:
     """A data port whose port and port+10000 (cluster bus) are both free and not in ``taken``.
     Both are drawn below the ephemeral range when there is room, so no outgoing connection
     (our own nodes' bus links included) can grab them between the check and the start."""
-    top = min(_ephemeral_low(), 65536) - BUS_PORT_OFFSET
+    try:  # the lowest port the kernel gives outgoing connections
+        top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - BUS_PORT_OFFSET
+    except (OSError, ValueError, IndexError):
+        top = 32768 - BUS_PORT_OFFSET
     for _ in range(500):
         port = random.randrange(10000, top) if top > 11000 else free_port()
         pair = {port, port + BUS_PORT_OFFSET}
@@ -180,13 +175,17 @@ class LocalCluster:
                 return port
         raise LookupError(f"no live master serves slot {slot}")
 
+    def replicas_of(self, master_port: int) -> list[int]:
+        """The live replicas of the master on ``master_port``, lowest port first."""
+        master_id = self._self_view(master_port).node_id
+        return [port for port in self.replica_ports() if self._self_view(port).master_id == master_id]
+
     def replica_of(self, master_port: int) -> int:
         """A live replica of the master on ``master_port`` (the lowest port if several)."""
-        master_id = self._self_view(master_port).node_id
-        for port in self.replica_ports():
-            if self._self_view(port).master_id == master_id:
-                return port
-        raise LookupError(f"master {master_port} has no live replica")
+        replicas = self.replicas_of(master_port)
+        if not replicas:
+            raise LookupError(f"master {master_port} has no live replica")
+        return replicas[0]
 
     def client(self, port: int) -> redis.Redis:
         """A plain (non-cluster) client of one node, decoding replies; closed by stop()."""
@@ -378,20 +377,24 @@ class LocalCluster:
         return replica
 
     def kill_master(self, master_port: int, timeout_s: float | None = None) -> int:
-        """SIGKILL the master on ``master_port``; wait until its replica is promoted and the
-        surviving nodes say cluster_state ok. Returns the port of the promoted replica."""
+        """SIGKILL the master on ``master_port``; wait until one of its replicas (the election
+        picks which) is promoted and the surviving nodes say cluster_state ok. Needs a majority
+        of the masters alive to vote. Returns the port of the promoted replica."""
         if self.nodes.get(master_port) != "master":
             raise ValueError(f"port {master_port} is not a live master of this cluster")
-        replica = self.replica_of(master_port)
+        if not (replicas := self.replicas_of(master_port)):
+            raise LookupError(f"master {master_port} has no live replica to take over")
         self._killed.add(master_port)
         self._nodes[master_port].end(signal.SIGKILL)
         self._clients.pop(master_port).close()
+        winner: list[int] = []
 
         def promoted() -> bool:
-            return self._self_view(replica).role == "master" and self._settled()
+            winner[:] = [port for port in replicas if self._self_view(port).role == "master"]
+            return bool(winner) and self._settled()
 
-        self._wait_until(f"replica {replica} is promoted after master {master_port} was killed", promoted, timeout_s)
-        return replica
+        self._wait_until(f"a replica of killed master {master_port} is promoted", promoted, timeout_s)
+        return winner[0]
 
     def restart_node(self, port: int, timeout_s: float | None = None) -> None:
         """Start a killed node again on its port with its nodes.conf (but no data): it rejoins,

@@ -122,7 +122,7 @@ async def test_killed_master_is_replaced_by_its_replica_with_acknowledged_writes
     with pytest.raises(ValueError, match="not a live master"):
         cluster.kill_master(master)
 
-    cluster.restart_node(master)  # leaves the module's cluster whole for the other kind's order
+    cluster.restart_node(master)  # the module cluster is whole again for any test after this one
 
     assert cluster.nodes[master] == "replica" and cluster.replica_of(replica) == master
     assert await client.get(key) == "acknowledged"
@@ -139,3 +139,16 @@ async def test_session_fixture_serves_a_cluster(redis_cluster: LocalCluster) -> 
     assert await cluster_client.ping()
     assert redis_cluster.url.startswith("redis+cluster://127.0.0.1:")
     await cluster_client.aclose()
+
+
+@pytest.mark.faults
+def test_kill_master_returns_whichever_replica_won_the_election() -> None:
+    with LocalCluster(masters=3, replicas_per_master=2) as cluster:
+        master = cluster.master_ports()[0]
+        replicas = cluster.replicas_of(master)
+        assert len(replicas) == 2
+
+        promoted = cluster.kill_master(master)
+
+        assert promoted in replicas and cluster.nodes[promoted] == "master"
+        assert cluster.replicas_of(promoted) == [port for port in replicas if port != promoted]
