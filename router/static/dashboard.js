@@ -102,7 +102,8 @@ function renderChart(series) {
       base += share;
     }
   });
-  for (const [field, color, dash] of [["predicted_hit_rate", "var(--pred)", "5 3"], ["hit_rate", "var(--hit)", ""]]) {
+  // The prediction is drawn last, dashed: where it equals the engines' figure both stay visible.
+  for (const [field, color, dash] of [["hit_rate", "var(--hit)", ""], ["predicted_hit_rate", "var(--pred)", "5 3"]]) {
     const points = series
       .map((bucket, i) => (bucket[field] === null ? null : (pad + (i + 0.5) * step).toFixed(1) + "," + y(bucket[field]).toFixed(1)))
       .filter((p) => p !== null);
@@ -120,9 +121,6 @@ function renderChart(series) {
     label.textContent = text;
     chart.append(label);
   }
-  const top = svg("text", { x: width / 2, y: 14, "text-anchor": "middle", "font-size": 11, fill: "#889" });
-  top.textContent = "100%";
-  chart.append(top);
 }
 
 function renderAccounting(acc) {
