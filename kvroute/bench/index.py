@@ -2,8 +2,9 @@
 
 Loads a realistic index (every worker holds a few shared system prompts; each conversation's
 long tail is held by one primary worker and sometimes a second one with a shorter prefix), then
-times ``match`` from the client and reads Redis's own CPU time per call from INFO commandstats,
-measures ingest with concurrent writers, and memory per (block, worker) entry.
+times ``match`` from the client and reads Redis's own CPU time per match from INFO commandstats,
+measures ingest with concurrent writers, and memory per (block, worker) entry. On a cluster
+(``--cluster`` or a ``redis+cluster://`` URL) the work is :mod:`kvroute.bench.index_cluster`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from dataclasses import asdict, dataclass
 
 from redis.asyncio import Redis
 
+from kvindex.cluster import is_cluster_url
 from kvindex.redis_index import RedisIndex
 from kvindex.types import StoredRun, WorkerInfo
 from kvroute.bench.common import percentile, write_json
 from kvroute.devstack.embedded_redis import redis_url_or_private
+from kvservice.lifecycle import StartupError
 
 SYSTEM_PROMPTS = 8
 SYSTEM_BLOCKS = 32
@@ -46,11 +49,12 @@ class Fleet:
     memory_bytes: int
 
 
-async def _redis_cpu_us_per_match(client: Redis) -> float:
+async def _redis_cpu_us_per_match(client: Redis, matches: int) -> float:
+    """The scripts' Redis CPU per match: match.lua and alive.lua are read-only (EVALSHA_RO), two
+    calls per match; EVALSHA is counted too, for servers that lack EVALSHA_RO (Redis < 7)."""
     stats = await client.info("commandstats")
-    entry = stats.get("cmdstat_evalsha", {})
-    calls = entry.get("calls", 0)
-    return float(entry.get("usec", 0)) / calls if calls else float("nan")
+    usec = sum(float(stats.get(f"cmdstat_{cmd}", {}).get("usec", 0)) for cmd in ("evalsha", "evalsha_ro", "eval_ro"))
+    return usec / matches if matches else float("nan")
 
 
 async def load_fleet(client: Redis, model: str, workers: int, entries: int, seed: int = 7) -> Fleet:
@@ -90,7 +94,7 @@ async def time_matches(client: Redis, model: str, chains: list[list[int]]) -> tu
         start = time.perf_counter()
         await index.match(model, chain)
         samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples), percentile(samples, 0.99), await _redis_cpu_us_per_match(client)
+    return statistics.median(samples), percentile(samples, 0.99), await _redis_cpu_us_per_match(client, len(chains))
 
 
 async def adversarial_chain(client: Redis, workers: int, blocks: int) -> tuple[str, list[int]]:
@@ -175,6 +179,12 @@ def render(results: dict[str, object]) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.cluster or (args.redis_url and is_cluster_url(args.redis_url)):
+        from kvroute.bench.index_cluster import run_cluster_from_args
+
+        return run_cluster_from_args(args)
+    if args.read_from_replicas:
+        raise StartupError("--read-from-replicas needs --cluster or a redis+cluster:// --redis-url")
     with redis_url_or_private(args.redis_url) as url:
         results = asyncio.run(run_benchmark(url, args))
     print()

@@ -35,7 +35,13 @@ def add_parser(commands: Any) -> None:
 
 
 def _index_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--redis-url", help="use this Redis server, or a redis+cluster:// cluster (default: start a private one)"
+    )
+    where.add_argument(
+        "--cluster", action="store_true", help="start a private Redis Cluster (3 masters, a replica each) and use it"
+    )
     add_redis_security_arguments(p)
     p.add_argument(
         "--entries", type=positive_int, default=1_000_000, help="(block, worker) entries to load per worker count"
@@ -46,6 +52,15 @@ def _index_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=positive_ints, default="8,64,128", help="comma-separated worker counts")
     p.add_argument("--queries", type=positive_int, default=2000, help="matches timed per cell")
     p.add_argument("--writers", type=positive_int, default=8, help="concurrent writers for the ingest test")
+    p.add_argument(
+        "--roots", type=positive_int, default=1024, help="cluster: distinct system prompts (chain roots) of the fleet"
+    )
+    p.add_argument(
+        "--concurrency", type=positive_int, default=32, help="cluster: concurrent clients in the matches/s runs"
+    )
+    p.add_argument(
+        "--seconds", type=positive_float, default=10.0, help="cluster: duration of each matches/s run (default 10)"
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
 
 

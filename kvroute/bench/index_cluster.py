@@ -1,0 +1,350 @@
+"""``kvroute bench index --cluster`` (or a ``redis+cluster://`` URL): the index on Redis Cluster.
+
+Loads a fleet whose conversations start with one of ``--roots`` system prompts (a chain's first
+block picks its bucket, so the roots are what spreads a model over the masters), then reports
+per master: memory, keys and (block, worker) entries; match latency by prompt length; and
+matches/s of ``--concurrency`` concurrent clients for ``--seconds``, for prompts spread over every
+root and for a hot root (every prompt starts with the same system prompt: one bucket, one shard).
+With ``--read-from-replicas`` every match figure is measured twice on the same data: reads on the
+masters, then reads on the replicas. Redis CPU per match is the EVALSHA_RO time (match.lua and
+alive.lua) summed over every node from INFO commandstats, divided by the matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from redis.asyncio.cluster import RedisCluster
+
+from kvindex.keys import KeySchema, bucket_of
+from kvindex.redis_index import RedisIndex
+from kvindex.settings import RedisSettings
+from kvindex.types import StoredRun, WorkerInfo
+from kvroute.bench.common import percentile, write_json
+from kvroute.devstack.embedded_cluster import LocalCluster
+from kvroute.devstack.embedded_redis import usable_redis_url
+from kvservice.lifecycle import StartupError
+
+SYSTEM_BLOCKS = 32
+MAX_CHAIN = 2048
+THROUGHPUT_BLOCKS = 512
+LOADERS = 16  # conversations stored concurrently (each worker's handle serialises its own)
+READ_SCRIPTS = ("cmdstat_evalsha_ro", "cmdstat_eval_ro")
+
+
+@dataclass
+class SpreadFleet:
+    model: str
+    workers: int
+    roots: list[list[int]]
+    conversations: int
+    seed: int
+    entries_per_bucket: Counter[int] = field(default_factory=Counter)
+
+    def chain(self, conversation: int) -> list[int]:
+        """The conversation's chain, regenerated (10M entries' chains would not fit the process)."""
+        rng = random.Random(self.seed * 1_000_003 + conversation)
+        return self.roots[conversation % len(self.roots)] + [
+            rng.getrandbits(64) for _ in range(MAX_CHAIN - SYSTEM_BLOCKS)
+        ]
+
+
+async def cluster_client(url: str, replicas: bool) -> RedisCluster:
+    """A cluster client that knows the nodes already (get_nodes() is empty until it does)."""
+    client = RedisSettings.from_env(url=url, read_from_replicas=replicas).client(max_connections=256)
+    assert isinstance(client, RedisCluster)
+    await client.initialize()
+    return client
+
+
+async def node_infos(client: RedisCluster, section: str, replicas: bool = True) -> dict[str, dict]:
+    """INFO ``section`` of every master (and replica), by node name ``host:port``."""
+    nodes = client.get_nodes() if replicas else client.get_primaries()
+    replies = await client.info(section, target_nodes=nodes)  # type: ignore[call-arg]
+    return {str(name): info for name, info in replies.items()}
+
+
+async def read_script_usage(client: RedisCluster) -> dict[str, tuple[int, float]]:
+    """Per node: (calls, usec) of the read-only scripts since the last CONFIG RESETSTAT."""
+    out = {}
+    for name, stats in (await node_infos(client, "commandstats")).items():
+        entries = [stats.get(cmd, {}) for cmd in READ_SCRIPTS]
+        out[name] = (sum(int(e.get("calls", 0)) for e in entries), sum(float(e.get("usec", 0)) for e in entries))
+    return out
+
+
+async def load_spread_fleet(client: RedisCluster, model: str, workers: int, entries: int, roots: int) -> SpreadFleet:
+    """Conversations of up to MAX_CHAIN blocks, each under one of ``roots`` system prompts, held by
+    a primary worker to a random depth and half the time by a second worker to a shorter one,
+    stored from the root (a worker that already holds the system prompt adds only the tail)."""
+    rng = random.Random(7)
+    index = RedisIndex(client)
+    for w in range(workers):
+        await index.register(WorkerInfo(f"w{w}", model, f"http://10.0.{w // 250}.{w % 250}:8000", 32), 3_600_000)
+    fleet = SpreadFleet(
+        model, workers, [[rng.getrandbits(64) for _ in range(SYSTEM_BLOCKS)] for _ in range(roots)], 0, 7
+    )
+    loaded = 0
+
+    async def loader() -> None:
+        nonlocal loaded
+        while loaded < entries:
+            conversation = fleet.conversations
+            fleet.conversations += 1
+            chain = fleet.chain(conversation)
+            pick = random.Random(conversation)
+            holders = [(pick.randrange(workers), pick.randint(MAX_CHAIN // 8, MAX_CHAIN))]
+            if pick.random() < 0.5:
+                holders.append((pick.randrange(workers), pick.randint(SYSTEM_BLOCKS + 1, holders[0][1])))
+            for worker, depth in holders:
+                result = await index.store(model, f"w{worker}", [StoredRun(None, tuple(chain[:depth]))])
+                loaded += result.applied
+                fleet.entries_per_bucket[bucket_of(chain[0])] += result.applied
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loader() for _ in range(LOADERS)))
+    print(f"  stored {loaded:,} entries in {time.perf_counter() - started:.0f} s")
+    return fleet
+
+
+async def shard_table(client: RedisCluster, fleet: SpreadFleet, memory_before: dict[str, int]) -> list[dict]:
+    """Per master: used memory (and its growth), keys, entries of the fleet and bytes per entry."""
+    memory = {name: int(info["used_memory"]) for name, info in (await node_infos(client, "memory", False)).items()}
+    # one call per master: given several nodes, redis-py sums their DBSIZE replies
+    sizes = {node.name: await client.dbsize(target_nodes=node) for node in client.get_primaries()}  # type: ignore[call-arg]
+    keys = KeySchema().for_model(fleet.model)
+    entries: Counter[str] = Counter()
+    for bucket, count in fleet.entries_per_bucket.items():
+        node = client.nodes_manager.get_node_from_slot(client.keyslot(keys.bucket(bucket).block(0)))
+        entries[node.name] += count
+    rows = []
+    for name in sorted(memory):
+        grown = memory[name] - memory_before.get(name, 0)
+        rows.append(
+            {
+                "master": name,
+                "used_memory": memory[name],
+                "grown_bytes": grown,
+                "keys": int(sizes[name]),
+                "entries": entries[name],
+                "bytes_per_entry": grown / entries[name] if entries[name] else float("nan"),
+            }
+        )
+    return rows
+
+
+async def replicas_caught_up(client: RedisCluster, timeout_s: float = 300.0) -> None:
+    """Wait until every replica has applied everything its master has written (the load's
+    replication stream would otherwise take CPU from the timed matches)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = await node_infos(client, "replication", replicas=False)
+        behind = [
+            name
+            for name, info in infos.items()
+            for key, slave in info.items()
+            if key.startswith("slave") and isinstance(slave, dict) and slave["offset"] < info["master_repl_offset"]
+        ]
+        if not behind:
+            return
+        if time.monotonic() > deadline:
+            raise StartupError(
+                f"replicas of {', '.join(sorted(set(behind)))} did not catch up within {timeout_s:.0f} s"
+            )
+        await asyncio.sleep(0.2)
+
+
+async def alive_us_per_call(client: RedisCluster, model: str, calls: int) -> float:
+    """Redis CPU of alive.lua alone (the read every match makes on the model's control shard)."""
+    index = RedisIndex(client)
+    alive = index.keys(model).alive
+    await index.scripts.run("alive", [alive], [])
+    await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
+    for _ in range(calls):
+        await index.scripts.run("alive", [alive], [])
+    return sum(u for _, u in (await read_script_usage(client)).values()) / calls
+
+
+async def time_matches(client: RedisCluster, model: str, chains: list[list[int]]) -> tuple[float, float, float]:
+    """p50 and p99 client latency (ms) and Redis CPU per match (us, all nodes)."""
+    index = RedisIndex(client)
+    for chain in chains[:8]:  # load the scripts on every node involved, warm the gid name cache
+        await index.match(model, chain)
+    await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
+    samples = []
+    for chain in chains:
+        start = time.perf_counter()
+        await index.match(model, chain)
+        samples.append((time.perf_counter() - start) * 1000)
+    usec = sum(u for _, u in (await read_script_usage(client)).values())
+    return statistics.median(samples), percentile(samples, 0.99), usec / len(chains)
+
+
+async def measure_throughput(
+    client: RedisCluster, model: str, chains: list[list[int]], args: argparse.Namespace
+) -> dict:
+    """Matches/s of ``args.concurrency`` clients for ``args.seconds``; Redis CPU per match and each
+    node's share of the read-script calls. Each prompt's keys are built once beforehand (building
+    512 keys costs the Python client more than Redis spends on the match): the figure is what the
+    servers and redis-py's cluster client sustain, not a router's whole decision."""
+    index = RedisIndex(client)
+    prepared = [index.match_calls(model, chain) for chain in chains]
+    for calls in prepared[:8]:
+        await index.match_result(model, *await index.scripts.call_many(calls))
+    await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
+    done = 0
+    deadline = time.perf_counter() + args.seconds
+
+    async def reader(offset: int) -> None:
+        nonlocal done
+        position = offset
+        while time.perf_counter() < deadline:
+            await index.match_result(model, *await index.scripts.call_many(prepared[position % len(prepared)]))
+            position += args.concurrency
+            done += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(reader(i) for i in range(args.concurrency)))
+    elapsed = time.perf_counter() - started
+    usage = await read_script_usage(client)
+    total_calls = sum(c for c, _ in usage.values()) or 1
+    return {
+        "matches_per_s": done / elapsed,
+        "redis_us_per_match": sum(u for _, u in usage.values()) / max(done, 1),
+        "node_call_share": {name: round(c / total_calls, 3) for name, (c, _) in sorted(usage.items()) if c},
+        "busiest_node_us_per_s": max(u for _, u in usage.values()) / elapsed,
+    }
+
+
+async def replica_reader(url: str, timeout_s: float = 30.0) -> RedisCluster:
+    """A client reading from replicas, once the cluster lists them: CLUSTER SLOTS leaves out a
+    replica until its master has seen it replicate, and a client that started without them would
+    read from the masters until the topology changes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        client = await cluster_client(url, replicas=True)
+        if client.get_replicas():
+            return client
+        await client.aclose()
+        if time.monotonic() > deadline:
+            raise StartupError("--read-from-replicas: the cluster lists no replicas (CLUSTER SLOTS)")
+        await asyncio.sleep(0.2)
+
+
+async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str, list]:
+    primary = await cluster_client(url, replicas=False)
+    reads = {"primary": primary}
+    rng = random.Random(11)
+    results: dict[str, list] = {"shards": [], "match": [], "throughput": [], "alive": []}
+    for workers in args.workers:
+        model = f"bench-cluster-w{workers}"
+        before = {n: int(i["used_memory"]) for n, i in (await node_infos(primary, "memory", False)).items()}
+        fleet = await load_spread_fleet(primary, model, workers, args.entries, args.roots)
+        shards = await shard_table(primary, fleet, before)
+        results["shards"] += [{"workers": workers, **row} for row in shards]
+        total = sum(r["entries"] for r in shards)
+        print(f"loaded {total:,} entries for {workers} workers under {args.roots} roots ({fleet.conversations} chains)")
+        if args.read_from_replicas and "replicas" not in reads:
+            reads["replicas"] = await replica_reader(url)
+        await replicas_caught_up(primary)
+        alive_cost = await alive_us_per_call(primary, model, args.queries)
+        results["alive"].append({"workers": workers, "redis_us_per_call": alive_cost})
+        print(f"  alive.lua alone: {alive_cost:.1f} us/call")
+        for blocks in args.prompt_blocks:
+            chains = [fleet.chain(rng.randrange(fleet.conversations))[:blocks] for _ in range(args.queries)]
+            for mode, client in reads.items():
+                p50, p99, cpu = await time_matches(client, model, chains)
+                results["match"].append(asdict(MatchRow(blocks, workers, mode, p50, p99, cpu)))
+                print(f"  {blocks:5d} blocks, {mode:8s}: p50 {p50:.3f} ms  p99 {p99:.3f} ms  redis {cpu:.1f} us/match")
+        hot = [c for c in range(fleet.conversations) if c % args.roots == 0]
+        layouts = {
+            "spread roots": [fleet.chain(rng.randrange(fleet.conversations)) for _ in range(256)],
+            "hot root": [fleet.chain(rng.choice(hot)) for _ in range(256)],
+        }
+        for layout, chains in layouts.items():
+            chains = [c[:THROUGHPUT_BLOCKS] for c in chains]
+            for mode, client in reads.items():
+                figures = await measure_throughput(client, model, chains, args)
+                results["throughput"].append({"workers": workers, "layout": layout, "reads": mode, **figures})
+                print(f"  {layout}, {mode}: {figures['matches_per_s']:,.0f} matches/s {figures['node_call_share']}")
+    for client in reads.values():
+        await client.aclose()
+    results["settings"] = [vars_of(args)]
+    return results
+
+
+@dataclass
+class MatchRow:
+    prompt_blocks: int
+    workers: int
+    reads: str
+    p50_ms: float
+    p99_ms: float
+    redis_us_per_match: float
+
+
+def vars_of(args: argparse.Namespace) -> dict[str, object]:
+    names = ("entries", "roots", "workers", "prompt_blocks", "queries", "concurrency", "seconds", "read_from_replicas")
+    return {name: getattr(args, name) for name in names}
+
+
+def render(results: dict[str, list]) -> str:
+    lines = [
+        "| workers | master | used memory MiB | grown MiB | keys | entries | bytes per entry |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in results["shards"]:
+        lines.append(
+            f"| {s['workers']} | {s['master']} | {s['used_memory'] / 2**20:.1f} | {s['grown_bytes'] / 2**20:.1f} "
+            f"| {s['keys']:,} | {s['entries']:,} | {s['bytes_per_entry']:.1f} |"
+        )
+    lines += [
+        "",
+        "| prompt blocks | workers | reads | p50 ms | p99 ms | Redis CPU us/match |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["match"]:
+        lines.append(
+            f"| {r['prompt_blocks']} | {r['workers']} | {r['reads']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+            f"| {r['redis_us_per_match']:.1f} |"
+        )
+    lines += ["", "alive.lua alone (every match makes one on the model's control shard): "]
+    lines[-1] += ", ".join(f"{a['redis_us_per_call']:.1f} us/call at {a['workers']} workers" for a in results["alive"])
+    lines += ["", "| workers | layout | reads | matches/s | Redis CPU us/match | busiest node CPU | calls per node |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for t in results["throughput"]:
+        share = ", ".join(f"{n.rpartition(':')[2]} {s:.0%}" for n, s in t["node_call_share"].items())
+        lines.append(
+            f"| {t['workers']} | {t['layout']} | {t['reads']} | {t['matches_per_s']:,.0f} "
+            f"| {t['redis_us_per_match']:.1f} | {t['busiest_node_us_per_s'] / 1e4:.0f}% | {share} |"
+        )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def cluster_url(args: argparse.Namespace) -> Iterator[str]:
+    """The ``--redis-url`` cluster, or a private LocalCluster (3 masters, a replica each)."""
+    if args.redis_url:
+        yield usable_redis_url(args.redis_url)
+        return
+    with LocalCluster(masters=3, replicas_per_master=1) as cluster:
+        print(f"started a local cluster: masters {cluster.master_ports()}, replicas {cluster.replica_ports()}")
+        yield cluster.url
+
+
+def run_cluster_from_args(args: argparse.Namespace) -> int:
+    with cluster_url(args) as url:
+        results = asyncio.run(run_cluster_benchmark(url, args))
+    print()
+    print(render(results))
+    if args.json:
+        write_json(args.json, results)
+    return 0
