@@ -48,6 +48,7 @@ class SpreadFleet:
     conversations: int
     seed: int
     entries_per_bucket: Counter[int] = field(default_factory=Counter)
+    load: dict[str, float] = field(default_factory=dict)  # the load's rate, and per entry: bytes, apply CPU
 
     def chain(self, conversation: int) -> list[int]:
         """The conversation's chain, regenerated (10M entries' chains would not fit the process)."""
@@ -81,6 +82,23 @@ async def read_script_usage(client: RedisCluster) -> dict[str, tuple[int, float]
     return out
 
 
+async def traffic(client: RedisCluster) -> Counter[str]:
+    """Counters summed over every node: bytes in and out (replication apart) and the write
+    scripts' (EVALSHA: apply.lua...) time, masters only (replicas apply their effects, not scripts)."""
+    totals: Counter[str] = Counter()
+    for info in (await node_infos(client, "stats")).values():
+        totals["net_in"] += int(info["total_net_input_bytes"])
+        totals["net_out"] += int(info["total_net_output_bytes"]) - int(info.get("total_net_repl_output_bytes", 0))
+        totals["repl_out"] += int(info.get("total_net_repl_output_bytes", 0))
+    for info in (await node_infos(client, "commandstats", replicas=False)).values():
+        totals["write_usec"] += int(info.get("cmdstat_evalsha", {}).get("usec", 0))
+    return totals
+
+
+def per(delta: Counter[str], count: int) -> dict[str, float]:
+    return {name: value / count for name, value in sorted(delta.items())} if count else {}
+
+
 async def load_spread_fleet(client: RedisCluster, model: str, workers: int, entries: int, roots: int) -> SpreadFleet:
     """Conversations of up to MAX_CHAIN blocks, each under one of ``roots`` system prompts, held by
     a primary worker to a random depth and half the time by a second worker to a shorter one,
@@ -109,9 +127,12 @@ async def load_spread_fleet(client: RedisCluster, model: str, workers: int, entr
                 loaded += result.applied
                 fleet.entries_per_bucket[bucket_of(chain[0])] += result.applied
 
+    before = await traffic(client)
     started = time.perf_counter()
     await asyncio.gather(*(loader() for _ in range(LOADERS)))
-    print(f"  stored {loaded:,} entries in {time.perf_counter() - started:.0f} s")
+    elapsed = time.perf_counter() - started
+    fleet.load = {"entries_per_s": loaded / elapsed, **per(await traffic(client) - before, loaded)}
+    print(f"  stored {loaded:,} entries in {elapsed:.0f} s: {fleet.load}")
     return fleet
 
 
@@ -173,19 +194,23 @@ async def alive_us_per_call(client: RedisCluster, model: str, calls: int) -> flo
     return sum(u for _, u in (await read_script_usage(client)).values()) / calls
 
 
-async def time_matches(client: RedisCluster, model: str, chains: list[list[int]]) -> tuple[float, float, float]:
-    """p50 and p99 client latency (ms) and Redis CPU per match (us, all nodes)."""
+async def time_matches(
+    client: RedisCluster, model: str, chains: list[list[int]]
+) -> tuple[float, float, float, dict[str, float]]:
+    """p50 and p99 client latency (ms), Redis CPU per match (us, all nodes), bytes per match."""
     index = RedisIndex(client)
     for chain in chains[:8]:  # load the scripts on every node involved, warm the gid name cache
         await index.match(model, chain)
     await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
+    before = await traffic(client)
     samples = []
     for chain in chains:
         start = time.perf_counter()
         await index.match(model, chain)
         samples.append((time.perf_counter() - start) * 1000)
+    network = per(await traffic(client) - before, len(chains))
     usec = sum(u for _, u in (await read_script_usage(client)).values())
-    return statistics.median(samples), percentile(samples, 0.99), usec / len(chains)
+    return statistics.median(samples), percentile(samples, 0.99), usec / len(chains), network
 
 
 async def measure_throughput(
@@ -231,11 +256,11 @@ async def replica_reader(url: str, timeout_s: float = 30.0) -> RedisCluster:
     deadline = time.monotonic() + timeout_s
     while True:
         client = await cluster_client(url, replicas=True)
-        if client.get_replicas():
+        if all(len(nodes) > 1 for nodes in client.nodes_manager.slots_cache.values()):
             return client
         await client.aclose()
         if time.monotonic() > deadline:
-            raise StartupError("--read-from-replicas: the cluster lists no replicas (CLUSTER SLOTS)")
+            raise StartupError("--read-from-replicas: some master has no replica listed in CLUSTER SLOTS")
         await asyncio.sleep(0.2)
 
 
@@ -243,13 +268,14 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
     primary = await cluster_client(url, replicas=False)
     reads = {"primary": primary}
     rng = random.Random(11)
-    results: dict[str, list] = {"shards": [], "match": [], "throughput": [], "alive": []}
+    results: dict[str, list] = {"shards": [], "match": [], "throughput": [], "alive": [], "load": []}
     for workers in args.workers:
         model = f"bench-cluster-w{workers}"
         before = {n: int(i["used_memory"]) for n, i in (await node_infos(primary, "memory", False)).items()}
         fleet = await load_spread_fleet(primary, model, workers, args.entries, args.roots)
         shards = await shard_table(primary, fleet, before)
         results["shards"] += [{"workers": workers, **row} for row in shards]
+        results["load"].append({"workers": workers, **fleet.load})
         total = sum(r["entries"] for r in shards)
         print(f"loaded {total:,} entries for {workers} workers under {args.roots} roots ({fleet.conversations} chains)")
         if args.read_from_replicas and "replicas" not in reads:
@@ -261,8 +287,11 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
         for blocks in args.prompt_blocks:
             chains = [fleet.chain(rng.randrange(fleet.conversations))[:blocks] for _ in range(args.queries)]
             for mode, client in reads.items():
-                p50, p99, cpu = await time_matches(client, model, chains)
-                results["match"].append(asdict(MatchRow(blocks, workers, mode, p50, p99, cpu)))
+                p50, p99, cpu, network = await time_matches(client, model, chains)
+                row = MatchRow(
+                    blocks, workers, mode, p50, p99, cpu, network.get("net_in", 0), network.get("net_out", 0)
+                )
+                results["match"].append(asdict(row))
                 print(f"  {blocks:5d} blocks, {mode:8s}: p50 {p50:.3f} ms  p99 {p99:.3f} ms  redis {cpu:.1f} us/match")
         hot = [c for c in range(fleet.conversations) if c % args.roots == 0]
         layouts = {
@@ -289,6 +318,8 @@ class MatchRow:
     p50_ms: float
     p99_ms: float
     redis_us_per_match: float
+    bytes_in_per_match: float
+    bytes_out_per_match: float
 
 
 def vars_of(args: argparse.Namespace) -> dict[str, object]:
@@ -306,15 +337,20 @@ def render(results: dict[str, list]) -> str:
             f"| {s['workers']} | {s['master']} | {s['used_memory'] / 2**20:.1f} | {s['grown_bytes'] / 2**20:.1f} "
             f"| {s['keys']:,} | {s['entries']:,} | {s['bytes_per_entry']:.1f} |"
         )
+    for f in results["load"]:
+        lines.append(
+            f"\nLoad ({f['workers']} workers): {f['entries_per_s']:,.0f} entries/s; per entry: apply.lua "
+            f"{f.get('write_usec', 0):.2f} us, {f.get('net_in', 0):.0f} B in, {f.get('repl_out', 0):.0f} B to replicas"
+        )
     lines += [
         "",
-        "| prompt blocks | workers | reads | p50 ms | p99 ms | Redis CPU us/match |",
-        "|---|---|---|---|---|---|",
+        "| prompt blocks | workers | reads | p50 ms | p99 ms | Redis CPU us/match | B in/match | B out/match |",
     ]
+    lines.append("|---|---|---|---|---|---|---|---|")
     for r in results["match"]:
         lines.append(
             f"| {r['prompt_blocks']} | {r['workers']} | {r['reads']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
-            f"| {r['redis_us_per_match']:.1f} |"
+            f"| {r['redis_us_per_match']:.1f} | {r['bytes_in_per_match']:,.0f} | {r['bytes_out_per_match']:,.0f} |"
         )
     lines += ["", "alive.lua alone (every match makes one on the model's control shard): "]
     lines[-1] += ", ".join(f"{a['redis_us_per_call']:.1f} us/call at {a['workers']} workers" for a in results["alive"])
