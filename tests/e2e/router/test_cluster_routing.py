@@ -5,6 +5,10 @@ where they are; their chains are chosen to land in buckets on every master."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -29,7 +33,7 @@ from tests.e2e.cluster_support import (
     wait_held,
 )
 from tests.e2e.router.support import start_router
-from tests.support import SimFleet, wait_until
+from tests.support import ROOT, SimFleet, wait_until
 
 
 @pytest.fixture
@@ -145,3 +149,37 @@ async def test_index_matches_on_a_cluster_client_see_every_block(
         assert owners == [{worker: 1}] * len(chain)
         half = chain_of([*prompt[: 3 * BLOCK], 9999] + [1] * BLOCK)  # a prompt sharing 3 blocks
         assert (await cluster_index.match(model, half)).get(worker) == 3
+
+
+def index_cli(*args: str) -> dict:
+    """``kvroute index ... --json`` as a person would run it; its JSON."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvroute", "index", *args, "--json"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("replicas", [[], ["--read-from-replicas"]])
+async def test_kvroute_index_lookup_and_stats_on_the_cluster(
+    redis_cluster, cluster_fleet, cluster_index, session, replicas
+):
+    model = cluster_fleet.model
+    held = await primed_prompts(redis_cluster, cluster_fleet, cluster_index, session)
+    for prompt, worker in held:
+        tokens = ",".join(map(str, prompt))
+
+        async def looked_up(tokens=tokens, worker=worker) -> bool:  # a replica may lag its master
+            found = await asyncio.to_thread(
+                index_cli, "lookup", "--redis-url", redis_cluster.url, *replicas, "--model", model, "--tokens", tokens
+            )
+            return {"id": worker, "matched_blocks": PROMPT_BLOCKS} in found["workers"] and all(
+                block["owners"] == [worker] for block in found["blocks"]
+            )
+
+        await wait_until(looked_up, 15)
+    stats = index_cli("stats", "--redis-url", redis_cluster.url, *replicas, "--model", model)
+    (mine,) = stats["models"]
+    assert mine["alive_workers"] == cluster_fleet.count
+    assert mine["entries"] >= len(held) * PROMPT_BLOCKS
+    assert stats["redis"]["keys"] >= sum(block_keys_per_master(redis_cluster, model).values())
