@@ -23,10 +23,11 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvindex.keys import DEFAULT_PREFIX, KeySchema, ModelKeys
+from kvindex.keys import DEFAULT_PREFIX, BucketKeys, KeySchema, ModelKeys
 
 ROLES = ("router", "agent", "admin")
 PLACEHOLDER = "\ue000"  # stands for the model name while a key is turned into a glob
+BUCKET_PLACEHOLDER = "\ue001"  # stands for the bucket number
 
 # What every client sends on connecting (HELLO, AUTH, CLIENT SETNAME, SELECT; not CLIENT SETINFO,
 # unknown to Redis 7.0, which refuses the whole rule; redis-py ignores its refusal) and the
@@ -42,8 +43,10 @@ READ_COMMANDS = (
     "zrevrangebyscore", "zscore", "zcard", "smembers", "sinter", "sismember", "scard", "strlen", "getrange",
 )  # fmt: skip
 # The writes each role's scripts and clients send (lua/*.lua, kvindex, router/shared_load.py).
-ROUTER_WRITES = ("hset", "hdel", "hincrby", "zadd", "zrem", "del", "unlink")
-AGENT_WRITES = ("hset", "hdel", "hincrby", "zadd", "zrem", "sadd", "srem", "append", "set", "del", "unlink")
+ROUTER_WRITES = ("hset", "hdel", "hincrby", "zadd", "zrem", "del", "unlink", "pexpire")
+AGENT_WRITES = (
+    "hset", "hdel", "hincrby", "zadd", "zrem", "sadd", "srem", "append", "set", "del", "unlink", "pexpire",
+)  # fmt: skip
 
 
 def _glob_escape(text: str) -> str:
@@ -68,20 +71,24 @@ def _model_keys(prefix: str, models: Sequence[str]) -> list[tuple[ModelKeys, str
 
 
 def _globs(keys: ModelKeys, name: str, kinds: Sequence[str]) -> list[str]:
-    """Globs for the key kinds (ModelKeys attribute names; those ending in _prefix take '*')."""
+    """Globs for the key kinds (ModelKeys attribute names, or BucketKeys ones after 'bucket.';
+    those ending in _prefix take '*'). A bucket's number is any text ('*')."""
+    bucket = BucketKeys(keys.bucket_base(BUCKET_PLACEHOLDER))
     out = []
     for kind in kinds:
-        key = _glob_escape(getattr(keys, kind)) + ("*" if kind.endswith("_prefix") else "")
-        out.append(key.replace(PLACEHOLDER, name))
+        owner, attribute = (bucket, kind[len("bucket.") :]) if kind.startswith("bucket.") else (keys, kind)
+        key = _glob_escape(getattr(owner, attribute)) + ("*" if kind.endswith("_prefix") else "")
+        out.append(key.replace(PLACEHOLDER, name).replace(BUCKET_PLACEHOLDER, "*"))
     return out
 
 
 # Key kinds by who writes them (ModelKeys attributes). tests/index/test_acl.py checks that every
 # kind in kvindex/keys.py is listed here, so a new key cannot be forgotten.
 ROUTER_STATE_KINDS = ("replicas", "inflight_prefix", "expected", "expected_deadlines")
-ROUTER_READ_KINDS = ("meta", "workers", "gids", "alive", "worker_prefix", "block_prefix")
+ROUTER_READ_KINDS = ("meta", "workers", "gids", "alive", "worker_prefix", "bucket.block_prefix")
 AGENT_KINDS = (
-    "meta", "workers", "gids", "alive", "retired", "gc_cursors", "worker_prefix", "log_prefix", "block_prefix",
+    "meta", "workers", "gids", "alive", "retired", "worker_prefix", "gid_buckets_prefix",
+    "bucket.block_prefix", "bucket.log_prefix", "bucket.state_prefix",
 )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Packs index operations into the compact binary arguments the Lua scripts expect.
 
-Block hashes travel as 8 bytes big-endian (one string for a whole batch, so a call costs a
-handful of Redis arguments whatever its size); scripts turn the few they touch into hex keys.
+Every block key a script touches is declared in its KEYS (Redis Cluster requires it); the hashes
+of added blocks also travel as 8 bytes big-endian (one string per segment), which apply.lua
+appends to the gid's block log.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvindex.mirror import IndexAdd, IndexOp, IndexSub
+from kvindex.keys import BucketKeys
+from kvindex.mirror import IndexAdd, IndexOp
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
@@ -30,12 +32,12 @@ def unpack_hashes(blob: bytes) -> list[int]:
 class StoreArgs:
     hashes: bytes
     flags: bytes
-    parents: bytes
+    parents: list[int]  # the explicit parents ('p' flags), in order
 
 
 def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
     """Encode additions for an apply.lua segment: flag 'r' (chain start), 'c' (parent is the
-    previous item) or 'p' (parent given explicitly, in ``parents``)."""
+    previous item) or 'p' (parent given explicitly: its key follows the items' keys)."""
     hashes: list[int] = []
     flags = bytearray()
     parents: list[int] = []
@@ -50,19 +52,16 @@ def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
             parents.append(add.parent)
         hashes.append(add.block)
         previous = add.block
-    return StoreArgs(pack_hashes(hashes), bytes(flags), pack_hashes(parents))
+    return StoreArgs(pack_hashes(hashes), bytes(flags), parents)
 
 
-def encode_subs(subs: Sequence[IndexSub]) -> bytes:
-    """Encode subtractions for an apply.lua segment: the hashes."""
-    return pack_hashes([sub.block for sub in subs])
-
-
-def encode_ops(ops: Sequence[IndexOp]) -> tuple[bytes, list[bytes]]:
-    """Encode an ordered mix of additions and subtractions for apply.lua: the segment kinds
-    ('a'/'s', one per run of same-kind operations) and each segment's arguments in order."""
+def encode_ops(ops: Sequence[IndexOp], bucket: BucketKeys) -> tuple[bytes, list[str], list[bytes | int]]:
+    """Encode an ordered mix of additions and subtractions in one bucket for apply.lua: the
+    segment kinds ('a'/'s', one per run of same-kind operations), the block keys the segments
+    touch (declared in KEYS, in the script's order) and each segment's arguments in order."""
     kinds = bytearray()
-    args: list[bytes] = []
+    keys: list[str] = []
+    args: list[bytes | int] = []
     start = 0
     for end in range(1, len(ops) + 1):
         if end < len(ops) and type(ops[end]) is type(ops[start]):
@@ -71,9 +70,12 @@ def encode_ops(ops: Sequence[IndexOp]) -> tuple[bytes, list[bytes]]:
         if isinstance(segment[0], IndexAdd):
             kinds += b"a"
             encoded = encode_adds(segment)  # type: ignore[arg-type]
-            args += [encoded.hashes, encoded.flags, encoded.parents]
+            keys += [bucket.block(op.block) for op in segment]
+            keys += [bucket.block(parent) for parent in encoded.parents]
+            args += [encoded.hashes, encoded.flags]
         else:
             kinds += b"s"
-            args.append(encode_subs(segment))  # type: ignore[arg-type]
+            keys += [bucket.block(op.block) for op in segment]
+            args.append(len(segment))
         start = end
-    return bytes(kinds), args
+    return bytes(kinds), keys, args

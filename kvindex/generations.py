@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import secrets
 
-from redis.asyncio import Redis
-
+from kvindex.cluster import RedisClient
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.replies import decode
 from kvindex.scripts import Scripts
@@ -35,7 +34,7 @@ class GidDrawsExhaustedError(RuntimeError):
 
 
 async def register_worker(
-    client: Redis, scripts: Scripts, schema: KeySchema, worker: WorkerInfo, ttl_ms: int
+    client: RedisClient, scripts: Scripts, schema: KeySchema, worker: WorkerInfo, ttl_ms: int
 ) -> Registration:
     """register.lua (a fresh, empty generation under a random gid; any previous one is retired),
     then the model joins the ``models`` set."""
@@ -90,13 +89,13 @@ async def stage_generation(
 
 
 async def swap_generation(
-    scripts: Scripts, keys: ModelKeys, worker_id: str, gid: int, staged: int, ttl_ms: int
+    scripts: Scripts, keys: ModelKeys, worker_id: str, gid: int, staged: int, ttl_ms: int, blocks: int
 ) -> Registration | None:
-    """swap.lua: the staged gid becomes current and ``gid`` is retired, in one step; None when
-    the registration or the stage is gone."""
+    """swap.lua: the staged gid (holding ``blocks``) becomes current and ``gid`` is retired, in
+    one step; None when the registration or the stage is gone."""
     status, epoch = await scripts.run(
         "swap",
         [keys.workers, keys.alive, keys.retired, keys.worker(worker_id)],
-        [worker_id, gid, staged, ttl_ms],
+        [worker_id, gid, staged, ttl_ms, blocks],
     )
     return Registration(staged, int(epoch)) if decode(status) == "ok" else None

@@ -1,10 +1,18 @@
 """The Redis key schema: every key kvroute reads or writes is built here and nowhere else.
 
-All keys of one model share the hash tag ``{<model>}``, so each Lua script (which only ever
-touches one model) runs unchanged on Redis Cluster: its keys sit in one slot. Scripts receive
-the key prefixes below and derive per-block, per-gid and per-worker keys from them; those keys
-carry the same tag and therefore live in the slot of the keys the call declares.
-See docs/index-schema.md for the layout and redis-cli recipes.
+Two kinds of keys, so that one model's index spreads over every master of a Redis Cluster while
+each script call still touches one slot:
+
+* *Control keys* of a model (its meta, workers, gids, liveness, records, router replicas' load)
+  share the hash tag ``{<model>}``: one slot, one shard.
+* *Bucket keys* (block keys, and each gid's block log and state in that bucket) carry the tag
+  ``{<model>#<bucket>}``, where the bucket (0..BUCKETS-1) is drawn from the hash of the chain's
+  first block, the *root*. Every block of a chain has the same root (block hashes are chained),
+  so a prompt's whole chain lives in one bucket: a match is one script call on one shard, and
+  the model's many prompts (different roots) spread over 1,024 buckets, hence over all masters.
+
+Every key a script touches is declared in its KEYS. On a single Redis the same layout is used;
+the tags then mean nothing. See docs/index-schema.md for the layout and redis-cli recipes.
 """
 
 from __future__ import annotations
@@ -13,6 +21,17 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "kvr"
 MAX_NAME_LENGTH = 512
+# Buckets per model. Enough that 16 masters get ~64 each (an even spread of roots), few enough
+# that a gid's per-bucket state stays small (a worker touches at most this many buckets).
+BUCKETS = 1024
+_MASK64 = (1 << 64) - 1
+_FIBONACCI = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads structured hashes (1, 2, 3...) too
+
+
+def bucket_of(root_hash: int) -> int:
+    """The bucket of a chain whose first block hashes to ``root_hash`` (multiplicative hashing:
+    the top 10 bits of root * 2^64/phi)."""
+    return ((root_hash * _FIBONACCI) & _MASK64) >> 54
 
 
 def _check_name(kind: str, value: str) -> str:
@@ -94,11 +113,6 @@ class ModelKeys:
         return self.base + "retired"
 
     @property
-    def gc_cursors(self) -> str:
-        """HASH: gid -> bytes of its block log still to collect."""
-        return self.base + "gc"
-
-    @property
     def worker_prefix(self) -> str:
         return self.base + "w:"
 
@@ -107,20 +121,25 @@ class ModelKeys:
         return self.worker_prefix + _check_name("worker id", worker_id)
 
     @property
-    def log_prefix(self) -> str:
-        return self.base + "log:"
+    def gid_buckets_prefix(self) -> str:
+        return self.base + "gb:"
 
-    def log(self, gid: int | str) -> str:
-        """STRING: 8-byte big-endian hashes of the blocks a gid indexed, oldest first."""
-        return f"{self.log_prefix}{gid}"
+    def gid_buckets(self, gid: int | str) -> str:
+        """SET: the buckets a gid has entries in (gc visits them when the gid is retired)."""
+        return f"{self.gid_buckets_prefix}{gid}"
 
-    @property
-    def block_prefix(self) -> str:
-        return self.base + "b:"
+    def bucket_base(self, bucket: str) -> str:
+        """The start of a bucket's keys, for any text standing for the bucket number (ACL globs)."""
+        return f"{self.prefix}:{{{self.model}#{bucket}}}:"
 
-    def block(self, block_hash: int) -> str:
-        """SET: the gids that hold the block."""
-        return self.block_prefix + block_hex(block_hash)
+    def bucket(self, bucket: int) -> BucketKeys:
+        if not 0 <= bucket < BUCKETS:
+            raise ValueError(f"bucket {bucket} is not within 0..{BUCKETS - 1}")
+        return BucketKeys(self.bucket_base(f"{bucket:03x}"))
+
+    def bucket_of_chain(self, chain_root: int) -> BucketKeys:
+        """The bucket keys of the chain whose first block hashes to ``chain_root``."""
+        return self.bucket(bucket_of(chain_root))
 
     # --- shared routing state (router replicas) ---------------------------------------------
 
@@ -147,3 +166,35 @@ class ModelKeys:
     def expected_deadlines(self) -> str:
         """ZSET: block hash (hex) -> when its ``expected`` entry lapses (ms)."""
         return self.base + "expected_at"
+
+
+@dataclass(frozen=True)
+class BucketKeys:
+    """The keys of one bucket of a model: all share the hash tag ``{model#bucket}``."""
+
+    base: str
+
+    @property
+    def block_prefix(self) -> str:
+        return self.base + "b:"
+
+    def block(self, block_hash: int) -> str:
+        """SET: the gids that hold the block (integers: Redis keeps small sets as intsets)."""
+        return self.block_prefix + block_hex(block_hash)
+
+    @property
+    def log_prefix(self) -> str:
+        return self.base + "log:"
+
+    def log(self, gid: int | str) -> str:
+        """STRING: 8-byte big-endian hashes of the blocks the gid indexed in this bucket, oldest first."""
+        return f"{self.log_prefix}{gid}"
+
+    @property
+    def state_prefix(self) -> str:
+        return self.base + "g:"
+
+    def state(self, gid: int | str) -> str:
+        """HASH: the gid's state in this bucket: ``op`` (last write id applied), ``n`` (entries),
+        ``c`` (gc cursor); ``dead`` once gc collected it (then it expires)."""
+        return f"{self.state_prefix}{gid}"

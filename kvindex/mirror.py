@@ -29,17 +29,21 @@ from kvindex.types import BlockChange, RemovedBlocks, StoredRun, WriteResult
 
 @dataclass(frozen=True)
 class IndexAdd:
-    """Add ``block`` to the worker's indexed blocks; ``parent`` is indexed already (or None)."""
+    """Add ``block`` to the worker's indexed blocks; ``parent`` is indexed already (or None).
+    ``root`` is the first block of its chain (the block itself when it has no parent): it picks
+    the bucket the entry lives in (kvindex.keys.bucket_of)."""
 
     block: int
     parent: int | None
+    root: int
 
 
 @dataclass(frozen=True)
 class IndexSub:
-    """Take ``block`` out of the worker's indexed blocks."""
+    """Take ``block`` (of the chain starting at ``root``) out of the worker's indexed blocks."""
 
     block: int
+    root: int
 
 
 IndexOp = IndexAdd | IndexSub
@@ -56,6 +60,7 @@ class BlockMirror:
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, set[int]] = {}
         self._indexed: set[int] = set()
+        self._root: dict[int, int] = {}  # indexed block -> its chain's first block
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -120,6 +125,7 @@ class BlockMirror:
         self._parent.clear()
         self._children.clear()
         self._indexed.clear()
+        self._root.clear()
 
     def indexed_in_order(self) -> list[IndexAdd]:
         """Every indexed block, each parent before its children."""
@@ -127,7 +133,7 @@ class BlockMirror:
         stack = [b for b in self._indexed if self._parent[b] is None]
         while stack:
             block = stack.pop()
-            out.append(IndexAdd(block, self._parent[block]))
+            out.append(IndexAdd(block, self._parent[block], self._root[block]))
             stack.extend(c for c in self._children.get(block, ()) if c in self._indexed)
         return out
 
@@ -164,9 +170,12 @@ class BlockMirror:
         stack = [root]
         while stack and not self._full():
             block = stack.pop()
+            parent = self._parent[block]
+            root = block if parent is None else self._root[parent]
             self._indexed.add(block)
+            self._root[block] = root
             self._capped.discard(block)
-            out.append(IndexAdd(block, self._parent[block]))
+            out.append(IndexAdd(block, parent, root))
             stack.extend(c for c in self._children.get(block, ()) if c not in self._indexed)
         self._capped.update(stack)
 
@@ -175,7 +184,7 @@ class BlockMirror:
         if block in self._indexed:
             self._unindex_descendants(block, subs)
             self._indexed.discard(block)
-            subs.append(IndexSub(block))
+            subs.append(IndexSub(block, self._root.pop(block)))
         del self._copies[block]
         parent = self._parent.pop(block)
         if parent is not None:
@@ -195,4 +204,4 @@ class BlockMirror:
             stack.extend(c for c in self._children.get(child, ()) if c in self._indexed)
         for child in reversed(order):
             self._indexed.discard(child)
-            subs.append(IndexSub(child))
+            subs.append(IndexSub(child, self._root.pop(child)))

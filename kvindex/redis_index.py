@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from kvindex.codec import pack_hashes
+from kvindex.cluster import RedisClient
+from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
-from kvindex.keys import KeySchema, ModelKeys
+from kvindex.keys import BUCKETS, KeySchema, ModelKeys, bucket_of
 from kvindex.mirror import BlockMirror
 from kvindex.redis_worker import MAX_ITEMS_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import (
@@ -28,10 +28,10 @@ from kvindex.replies import (
     decode,
     depths_from_match_reply,
     raise_script_error,
-    time_ms,
     worker_record,
 )
 from kvindex.scripts import ScriptCall, Scripts
+from kvindex.servers import server_memory, server_run_id
 from kvindex.types import (
     BlockChange,
     GcResult,
@@ -53,7 +53,7 @@ __all__ = ["MAX_ITEMS_PER_CALL", "RELOG_SLACK", "RedisIndex", "RedisWorker"]
 class RedisIndex:
     """:class:`kvindex.interface.KVIndex` backed by Redis (or Valkey, or Redis Cluster)."""
 
-    def __init__(self, client: Redis, schema: KeySchema | None = None) -> None:
+    def __init__(self, client: RedisClient, schema: KeySchema | None = None) -> None:
         self._client = client
         self._schema = schema or KeySchema()
         self._scripts = Scripts(client)
@@ -139,31 +139,32 @@ class RedisIndex:
         return decode(status) == "ok"  # type: ignore[arg-type]
 
     async def gc(self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS) -> GcResult:
-        keys = self.keys(model)
-        reply = await self._scripts.run(
-            "gc",
-            [keys.workers, keys.gids, keys.alive, keys.retired, keys.gc_cursors, keys.meta],
-            [keys.worker_prefix, keys.log_prefix, keys.block_prefix, budget, grace_ms],
-        )
-        return GcResult(*(int(v) for v in reply))
+        return await collect(self._client, self._scripts, self.keys(model), budget, grace_ms)
 
     # --- reads ------------------------------------------------------------------------------
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
-        name, keys, args = self.match_call(model, chain)
-        return await self.match_result(model, await self._scripts.run(name, keys, args))
+        alive_reply, match_reply = await self._scripts.call_many(self.match_calls(model, chain))
+        return await self.match_result(model, alive_reply, match_reply)
 
-    def match_call(self, model: str, chain: Sequence[int]) -> ScriptCall:
-        """:meth:`match` as a script call, for callers that batch it with others."""
+    def match_calls(self, model: str, chain: Sequence[int]) -> list[ScriptCall]:
+        """:meth:`match` as two script calls, for callers that batch them with others: the
+        model's alive gids (alive.lua) and the chain's depth per gid (match.lua). On a cluster
+        they run on two shards at once: the model's and the chain's bucket's."""
         keys = self.keys(model)
-        return ("match", [keys.alive], [keys.block_prefix, pack_hashes(chain).hex()])
+        block_keys = [keys.bucket_of_chain(chain[0]).block(h) for h in chain] if chain else []
+        return [("alive", [keys.alive], []), ("match", block_keys, [])]
 
-    async def match_result(self, model: str, reply: Any) -> dict[str, int]:
-        if isinstance(reply, ResponseError):
-            raise_script_error(reply)
-        if isinstance(reply, Exception):
-            raise reply
-        depths = depths_from_match_reply(reply)
+    async def match_result(self, model: str, alive_reply: Any, match_reply: Any) -> dict[str, int]:
+        """The replies of :meth:`match_calls` -> {alive worker id: matched blocks}."""
+        for reply in (alive_reply, match_reply):
+            if isinstance(reply, ResponseError):
+                raise_script_error(reply)
+            if isinstance(reply, Exception):
+                raise reply
+        alive = {int(g) for g in alive_reply[1:]}
+        depths = dict.fromkeys(alive, 0)
+        depths.update({g: d for g, d in depths_from_match_reply(match_reply).items() if g in alive})
         names = await self._worker_names(model, list(depths))
         return {names[gid]: depth for gid, depth in depths.items() if gid in names}
 
@@ -179,42 +180,48 @@ class RedisIndex:
         return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
 
     async def _alive_gids(self, model: str) -> set[int]:
-        keys = self.keys(model)
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.zrange(keys.alive, 0, -1, withscores=True)
-            server_time, entries = await pipe.execute()
-        now_ms = time_ms(server_time)
-        return {int(gid) for gid, deadline in entries if deadline > now_ms}
+        return {int(g) for g in (await self._scripts.run("alive", [self.keys(model).alive], []))[1:]}
 
-    async def owners(self, model: str, block: int) -> dict[str, int]:
+    async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
         """Alive workers that hold ``block`` in the index, each with 1 (the index records who
-        holds a block; copies are counted by each writer's mirror)."""
-        return (await self.owners_of_chain(model, [block]))[0]
+        holds a block; copies are counted by each writer's mirror). ``root`` is the first block
+        of the block's chain, which says its bucket; without it every bucket is read (an
+        inspection call)."""
+        alive = await self._alive_gids(model)
+        keys = self.keys(model)
+        buckets = range(BUCKETS) if root is None else [bucket_of(root)]
+        async with self._client.pipeline(transaction=False) as pipe:
+            for bucket in buckets:
+                pipe.smembers(keys.bucket(bucket).block(block))
+            replies = await pipe.execute()
+        held = block_owners(set().union(*replies), alive)
+        names = await self._worker_names(model, sorted(held))
+        return {names[gid]: 1 for gid in held if gid in names}
 
     async def owners_of_chain(self, model: str, chain: Sequence[int]) -> list[dict[str, int]]:
         """:meth:`owners` of every block of a chain, in one pipelined round trip."""
         alive = await self._alive_gids(model)
-        keys = self.keys(model)
+        if not chain:
+            return []
+        bucket = self.keys(model).bucket_of_chain(chain[0])
         async with self._client.pipeline(transaction=False) as pipe:
             for block in chain:
-                pipe.smembers(keys.block(block))
+                pipe.smembers(bucket.block(block))
             replies = await pipe.execute()
         held = [block_owners(members, alive) for members in replies]
         names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
         return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
 
     async def server_run_id(self) -> str | None:
-        """The Redis process's run_id: it changes when the server restarts or fails over. None
-        when INFO has none (some proxies and managed services leave it out)."""
-        info = await self._client.info("server")
-        run_id = info.get("run_id")
-        return None if run_id is None else str(run_id)
+        """The Redis process's run_id: it changes when the server restarts or fails over. On a
+        cluster, the run ids of all masters together: any master that restarts, or a replica
+        promoted in its place, changes it. None when INFO has none (some proxies and managed
+        services leave it out)."""
+        return await server_run_id(self._client)
 
     async def server_memory(self) -> dict[str, int]:
-        """Redis's own view of its size, for `kvroute index stats`."""
-        info = await self._client.info("memory")
-        return {"used_memory": int(info["used_memory"]), "keys": int(await self._client.dbsize())}
+        """Redis's own view of its size (summed over a cluster's masters), for `kvroute index stats`."""
+        return await server_memory(self._client)
 
     async def block_size(self, model: str) -> int | None:
         value = await self._client.hget(self.keys(model).meta, "block_size")
@@ -226,14 +233,13 @@ class RedisIndex:
     async def workers(self, model: str) -> list[WorkerRecord]:
         keys = self.keys(model)
         worker_ids = sorted(decode(w) for w in await self._client.hkeys(keys.workers))
+        now, *alive = await self._scripts.run("alive", [keys.alive], ["all"])
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.zrange(keys.alive, 0, -1, withscores=True)
             for worker_id in worker_ids:
                 pipe.hgetall(keys.worker(worker_id))
-            server_time, alive, *records = await pipe.execute()
-        now_ms = time_ms(server_time)
-        deadlines = {int(gid): deadline for gid, deadline in alive}
+            records = await pipe.execute()
+        now_ms = int(now)
+        deadlines = {int(alive[i]): float(alive[i + 1]) for i in range(0, len(alive), 2)}
         out = []
         for raw in records:
             if raw:  # empty when deregistered between the two reads

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from kvindex.bucket_writes import BucketCall, GenerationWrites, bucket_of_op, plan_calls, waves
+from kvindex.cluster import RedisClient
 from kvindex.codec import encode_ops, pack_hashes
 from kvindex.errors import NotRegisteredError, StaleGenerationError
 from kvindex.generations import register_worker, retire, stage_generation, swap_generation
 from kvindex.keys import KeySchema
 from kvindex.mirror import BlockMirror, IndexOp
-from kvindex.replies import decode
+from kvindex.replies import decode, raise_script_error
 from kvindex.scripts import Scripts
 from kvindex.types import (
     BlockChange,
@@ -43,8 +45,10 @@ from kvindex.types import (
 # about as many, so this fits a whole step of up to 128k tokens at 16-token blocks. A call of
 # this size keeps Redis busy ~25 ms (~1.5 us per operation); only a larger batch is split.
 MAX_ITEMS_PER_CALL = 16384
-# Rewrite a gid's block log once it lists this many more entries than the gid holds.
+# Rewrite a gid's block log in a bucket once it lists this many more entries than the gid holds there.
 RELOG_SLACK = 1024
+# How long a bucket remembers that gc collected a gid there (apply.lua then refuses the gid).
+DEAD_TTL_MS = 86_400_000
 
 
 def capacity_limit(capacity_blocks: int) -> int:
@@ -67,7 +71,7 @@ class RedisWorker:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         scripts: Scripts,
         schema: KeySchema,
         info: WorkerInfo,
@@ -79,9 +83,8 @@ class RedisWorker:
         self.keys = schema.for_model(info.model)
         self.ttl_ms = ttl_ms
         self.gid, self.epoch = registration.gid, registration.epoch
-        self.op = 0  # the id of the last write sent under this gid
+        self.writes = GenerationWrites(self.gid)  # the gid's op ids, logs and entries per bucket
         self.mirror = BlockMirror()
-        self.log_entries = 0
         self.dirty = False  # a write failed: Redis may lack part of the mirror until reassert()
         self.load: WorkerLoad | None = None
         self.split_batches = 0  # engine batches too large for one apply.lua call (split over several)
@@ -124,9 +127,9 @@ class RedisWorker:
                 "this handle is closed"
             )
 
-    def _next_op(self) -> int:
-        self.op += 1
-        return self.op
+    def _new_generation(self, gid: int) -> None:
+        self.gid = gid
+        self.writes = GenerationWrites(gid)
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -164,26 +167,16 @@ class RedisWorker:
                 raise
             return result
 
-    def _plan_calls(self, batches: Sequence[Sequence[BlockChange]]) -> tuple[list[list[IndexOp]], WriteResult]:
+    def _plan_calls(self, batches: Sequence[Sequence[BlockChange]]) -> tuple[list[BucketCall], WriteResult]:
         """The batches' index operations (the mirror updated), grouped into apply.lua calls."""
-        calls: list[list[IndexOp]] = []
-        current: list[IndexOp] = []
+        op_batches: list[list[IndexOp]] = []
         result = WriteResult()
         for batch in batches:
             ops, batch_result = self.mirror.apply(batch)
             result += batch_result
-            if current and len(current) + len(ops) > MAX_ITEMS_PER_CALL:
-                calls.append(current)
-                current = []
-            if len(ops) > MAX_ITEMS_PER_CALL:
-                self.split_batches += 1
-                pieces = [ops[i : i + MAX_ITEMS_PER_CALL] for i in range(0, len(ops), MAX_ITEMS_PER_CALL)]
-                calls.extend(pieces[:-1])
-                current = list(pieces[-1])
-            else:
-                current.extend(ops)
-        if current or not calls:
-            calls.append(current)  # even an empty call: Redis checks that this gid is current
+            op_batches.append(ops)
+        calls, split = plan_calls(op_batches, MAX_ITEMS_PER_CALL)
+        self.split_batches += split
         return calls, result
 
     async def clear(self) -> None:
@@ -201,7 +194,7 @@ class RedisWorker:
                 raise
             if decode(status) != "ok":  # type: ignore[arg-type]
                 raise StaleGenerationError(f"worker {self.worker_id!r} is {decode(status)} in the index")  # type: ignore[arg-type]
-            self.gid, self.op, self.log_entries = int(gid), 0, 0  # type: ignore[call-overload]
+            self._new_generation(int(gid))  # type: ignore[call-overload]
 
     def needs_reassert(self) -> bool:
         """True after a write failed: Redis may lack changes the mirror has."""
@@ -235,21 +228,21 @@ class RedisWorker:
         staged = await stage_generation(self._scripts, self.keys, self.worker_id, self.gid, self.stage_ttl_ms)
         if staged is None:
             return None
-        ops = self.mirror.indexed_in_order()
-        op = log_entries = 0
-        for start in range(0, len(ops), MAX_ITEMS_PER_CALL):
-            op += 1
-            log_entries = await self._apply_call(staged, op, ops[start : start + MAX_ITEMS_PER_CALL])
-        registration = await swap_generation(self._scripts, self.keys, self.worker_id, self.gid, staged, self.ttl_ms)
+        writes = GenerationWrites(staged)
+        await self._write(writes, plan_calls([self.mirror.indexed_in_order()], MAX_ITEMS_PER_CALL)[0])
+        await self._tally(writes, self.mirror.indexed_count)  # the block keys; the count waits for the swap
+        registration = await swap_generation(
+            self._scripts, self.keys, self.worker_id, self.gid, staged, self.ttl_ms, self.mirror.indexed_count
+        )
         if registration is not None:
-            self.gid, self.epoch, self.op, self.log_entries = staged, registration.epoch, op, log_entries
+            self.gid, self.epoch, self.writes = staged, registration.epoch, writes
         return registration
 
     async def _register_and_refill(self) -> Registration:
         registration = await register_worker(self._client, self._scripts, self._schema, self.info, self.ttl_ms)
-        self.gid, self.epoch = registration.gid, registration.epoch
-        self.op, self.log_entries = 0, 0
-        await self._send(self.mirror.indexed_in_order())
+        self.epoch = registration.epoch
+        self._new_generation(registration.gid)
+        await self._send_calls(plan_calls([self.mirror.indexed_in_order()], MAX_ITEMS_PER_CALL)[0])
         return registration
 
     async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
@@ -302,50 +295,102 @@ class RedisWorker:
             self.close()
 
     async def indexed_blocks(self) -> int | None:
-        """How many blocks Redis indexes for this generation (None when the record is gone or
-        belongs to another generation): compared with the mirror to find drift."""
+        """How many blocks Redis indexes for this generation, summed over its buckets; None when
+        the record is gone or belongs to another generation, or a bucket does not end at the
+        last write sent to it (it lost writes: a failover, a flush). Compared with the mirror
+        to find drift."""
         self._check_open()
-        gid, blocks = await self._client.hmget(self.keys.worker(self.worker_id), ["gid", "blocks"])
-        if gid is None or int(gid) != self.gid:
-            return None
-        return int(blocks or 0)
+        async with self._lock:
+            gid = await self._client.hget(self.keys.worker(self.worker_id), "gid")
+            if gid is None or int(gid) != self.gid:
+                return None
+            writes = self.writes
+            buckets = sorted(writes.ops)
+            async with self._client.pipeline(transaction=False) as pipe:
+                for bucket in buckets:
+                    pipe.hmget(self.keys.bucket(bucket).state(writes.gid), ["op", "n"])
+                states = await pipe.execute()
+        total = 0
+        for bucket, (op, entries) in zip(buckets, states, strict=True):
+            if int(op or 0) != writes.ops[bucket]:
+                return None
+            total += int(entries or 0)
+        return total
 
     # --- sending ----------------------------------------------------------------------------
 
-    async def _send(self, ops: Sequence[IndexOp]) -> None:
-        """``ops`` in as few apply.lua calls as MAX_ITEMS_PER_CALL allows (a re-assert's refill)."""
-        await self._send_calls(
-            [list(ops[i : i + MAX_ITEMS_PER_CALL]) for i in range(0, max(len(ops), 1), MAX_ITEMS_PER_CALL)]
-        )
+    async def _send_calls(self, calls: Sequence[BucketCall]) -> None:
+        writes = self.writes
+        await self._write(writes, calls)
+        # Also after a write with nothing to send: Redis says whether this gid is still current.
+        status = await self._tally(writes, self.mirror.indexed_count)
+        if status != "ok":
+            raise StaleGenerationError(f"worker {self.worker_id!r} is {status} in the index: register again")
+        for bucket in writes.buckets_to_relog(RELOG_SLACK):
+            await self._relog(bucket)
 
-    async def _send_calls(self, calls: Sequence[Sequence[IndexOp]]) -> None:
-        for ops in calls:
-            self.log_entries = await self._apply_call(self.gid, self._next_op(), ops)
-        if self.log_entries > 2 * self.mirror.indexed_count + RELOG_SLACK:
-            await self._relog()
-
-    async def _apply_call(self, gid: int, op: int, ops: Sequence[IndexOp]) -> int:
-        """One apply.lua call for ``gid``; the gid's block-log length after it."""
-        keys = self.keys
-        kinds, args = encode_ops(ops)
-        reply = await self._scripts.run(
-            "apply",
-            [keys.worker(self.worker_id), keys.log(gid), keys.meta],
-            [gid, op, keys.block_prefix, kinds, *args],
+    async def _tally(self, writes: GenerationWrites, blocks: int) -> str:
+        """The gid's block count and the block keys its writes created, into the model's slot;
+        tally.lua's status ('ok' while ``writes.gid`` is the worker's current gid)."""
+        delta = writes.key_delta
+        status = await self._scripts.run(
+            "tally", [self.keys.worker(self.worker_id), self.keys.meta], [writes.gid, blocks, delta]
         )
-        skipped, log_entries, missing = int(reply[2]), int(reply[4]), int(reply[6])
-        if skipped or missing:
-            raise StaleGenerationError(
-                f"Redis lacks {skipped + missing} blocks that worker {self.worker_id!r} indexed "
-                "before: the index lost data; re-assert the worker"
+        writes.key_delta -= delta
+        return decode(status)
+
+    async def _write(self, writes: GenerationWrites, calls: Sequence[BucketCall]) -> None:
+        """``calls`` for ``writes.gid``: its new buckets claimed first (claim.lua), then round by
+        round, each round's calls concurrently (one per bucket)."""
+        new_buckets = writes.unclaimed(calls)
+        if new_buckets:
+            status = decode(
+                await self._scripts.run(
+                    "claim",
+                    [self.keys.worker(self.worker_id), self.keys.gid_buckets(writes.gid)],
+                    [writes.gid, *new_buckets],
+                )
             )
-        return log_entries
+            if status != "ok":
+                raise StaleGenerationError(f"worker {self.worker_id!r} is {status} in the index: register again")
+            writes.claimed.update(new_buckets)
+        for round_calls in waves(calls):
+            replies = await self._scripts.call_many([self._apply_call(writes, call) for call in round_calls])
+            for call, reply in zip(round_calls, replies, strict=True):
+                self._check_applied(writes, call, reply)
 
-    async def _relog(self) -> None:
-        blocks = [add.block for add in self.mirror.indexed_in_order()]
-        reply = await self._scripts.run(
-            "relog",
-            [self.keys.worker(self.worker_id), self.keys.log(self.gid)],
-            [self.gid, self._next_op(), pack_hashes(blocks)],
+    def _apply_call(self, writes: GenerationWrites, call: BucketCall) -> tuple[str, list[str | bytes | int], list]:
+        bucket = self.keys.bucket(call.bucket)
+        kinds, block_keys, args = encode_ops(call.ops, bucket)
+        previous, op = writes.next_op(call.bucket)
+        keys: list[str | bytes | int] = [bucket.state(writes.gid), bucket.log(writes.gid), *block_keys]
+        return ("apply", keys, [writes.gid, previous, op, kinds, *args])
+
+    def _check_applied(self, writes: GenerationWrites, call: BucketCall, reply: object) -> None:
+        if isinstance(reply, ResponseError):
+            raise_script_error(reply)
+        if isinstance(reply, Exception):
+            raise reply
+        fields: list[Any] = list(reply)  # type: ignore[call-overload]
+        status = decode(fields[0])
+        skipped, log_entries, missing, key_delta, entries = (int(fields[i]) for i in (2, 4, 6, 7, 8))
+        if status in ("lost", "dead") or skipped or missing:
+            why = {"lost": "lost writes", "dead": "was collected"}.get(status, f"lacks {skipped + missing} blocks")
+            raise StaleGenerationError(
+                f"bucket {call.bucket} of worker {self.worker_id!r} {why} in Redis: the index lost data; "
+                "re-assert the worker"
+            )
+        writes.applied(call.bucket, writes.next_op(call.bucket)[1], log_entries, entries, key_delta)
+
+    async def _relog(self, bucket_number: int) -> None:
+        writes = self.writes
+        bucket = self.keys.bucket(bucket_number)
+        blocks = [add.block for add in self.mirror.indexed_in_order() if bucket_of_op(add) == bucket_number]
+        previous, op = writes.next_op(bucket_number)
+        status, log_entries = await self._scripts.run(
+            "relog", [bucket.state(writes.gid), bucket.log(writes.gid)], [writes.gid, previous, op, pack_hashes(blocks)]
         )
-        self.log_entries = int(reply[1])
+        if decode(status) in ("lost", "dead"):
+            raise StaleGenerationError(f"bucket {bucket_number} of worker {self.worker_id!r} lost writes in Redis")
+        writes.ops[bucket_number] = op
+        writes.logs[bucket_number] = int(log_entries)

@@ -191,7 +191,7 @@ class ReferenceIndex:
             out[worker_id] = matched
         return out
 
-    async def owners(self, model: str, block: int) -> dict[str, int]:
+    async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
         """Workers that hold ``block`` (and its ancestors), each with 1: copies are the writer's."""
         return {
             worker_id: 1

@@ -58,16 +58,13 @@ def block_owners(members: set[bytes], alive: set[int]) -> dict[int, int]:
 
 
 def depths_from_match_reply(reply: list[bytes | int]) -> dict[int, int]:
-    """match.lua's reply -> {alive gid: matched blocks} (see the script's header)."""
-    depths = dict.fromkeys(gid_list(reply[0]), 0)  # type: ignore[arg-type]
-    assigned: set[int] = set()
-    for i in range(1, len(reply), 2):
+    """match.lua's reply -> {gid: matched blocks} for the gids that matched at least one block
+    (see the script's header); a gid listed twice keeps its first (deepest) depth."""
+    depths: dict[int, int] = {}
+    for i in range(0, len(reply) - 1, 2):
         depth = int(reply[i])
         for gid in gid_list(reply[i + 1]):  # type: ignore[arg-type]
-            if gid not in assigned:
-                assigned.add(gid)
-                if gid in depths:
-                    depths[gid] = depth
+            depths.setdefault(gid, depth)
     return depths
 
 

@@ -1,35 +1,45 @@
 """Loads the Lua scripts in lua/ and runs them by EVALSHA, reloading on NOSCRIPT.
 
 A Redis restart (or SCRIPT FLUSH, or a failover to a replica) empties the script cache; every
-call goes through :meth:`Scripts.call`, which loads the script again and retries once.
+call goes through :meth:`Scripts.call`, which sends the script itself (EVAL, which also caches it
+on that server) when the server does not know it. On Redis Cluster each call goes to the shard of
+its keys (a replica for read-only scripts when the client reads from replicas), and several calls
+run concurrently, one per shard.
 :meth:`Scripts.run` is the same call with the scripts' own ``kvroute:`` errors raised as
 :mod:`kvindex.errors` exceptions (what the index's reads and writes use).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
+from kvindex.cluster import RedisClient, is_cluster
 from kvindex.replies import raise_script_error
 
 SCRIPT_NAMES = (
     "register",
     "heartbeat",
     "apply",
+    "claim",
+    "tally",
     "load",
     "clear",
     "relog",
     "stage",
     "swap",
-    "gc",
+    "gc_retire",
+    "gc_bucket",
+    "gc_finish",
     "match",
+    "alive",
     "lease",
     "inflight",
     "expect",
@@ -38,7 +48,7 @@ SCRIPT_NAMES = (
 
 # Read-only scripts: flagged `#!lua flags=no-writes` and sent as EVALSHA_RO, so that a user whose
 # ACL only lets it read the index can run them, and a replica can serve them.
-READ_ONLY_SCRIPTS = frozenset({"match", "inflight", "expected"})
+READ_ONLY_SCRIPTS = frozenset({"match", "alive", "inflight", "expected"})
 
 KeyOrArg = str | bytes | int
 ScriptCall = tuple[str, Sequence[KeyOrArg], Sequence[KeyOrArg]]  # (script name, keys, args)
@@ -72,12 +82,16 @@ def load_scripts(directory: Path | None = None) -> dict[str, Script]:
 class Scripts:
     """Runs kvroute's Lua scripts on one Redis client."""
 
-    def __init__(self, client: Redis, scripts: dict[str, Script] | None = None) -> None:
+    def __init__(self, client: RedisClient, scripts: dict[str, Script] | None = None) -> None:
         self._client = client
         self._scripts = scripts or load_scripts()
+        self._cluster = is_cluster(client)
         self.reloads = 0
 
     async def load_all(self) -> None:
+        """Load every script (a single server; a cluster's shards learn them on first use)."""
+        if self._cluster:
+            return
         for script in self._scripts.values():
             sha = await self._client.script_load(script.source)
             if sha != script.sha:  # pragma: no cover - would mean a broken Redis
@@ -85,22 +99,34 @@ class Scripts:
 
     async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Several script calls in one round trip (a pipeline, not a transaction). Errors come
-        back in the list as exception objects; a missing script is loaded and the batch rerun."""
-        for attempt in range(2):
-            results = await self._round_trip(calls)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+        back in the list as exception objects; a missing script is loaded and the batch rerun.
+        On a cluster the calls run concurrently, each on the shard of its keys."""
+        if self._cluster:
+            return list(await asyncio.gather(*(self._call_or_error(*c) for c in calls)))
+        reconnected = reloaded = False
+        while True:
+            try:
+                results = await self._round_trip(calls)
+            except RedisConnectionError:
+                # A pooled connection the server closed (it restarted): once more, on a fresh
+                # one. Every script is idempotent, so a batch the server did run is harmless.
+                if reconnected:
+                    raise
+                reconnected = True
+                continue
+            if not reloaded and any(isinstance(r, NoScriptError) for r in results):
                 self.reloads += 1
+                reloaded = True
                 await self.load_all()
                 continue
             return results
-        return results  # pragma: no cover - the loop always returns
 
     async def _round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """The commands written together on one pooled connection and their replies read in
         order: what redis-py's pipeline does, without its per-command bookkeeping (a third of
         a routing decision's CPU). A connection interrupted mid-reply (a timeout, a cancelled
         request) is closed, never reused with replies pending."""
-        pool = self._client.connection_pool
+        pool = self._client.connection_pool  # type: ignore[union-attr]
         commands = [(_command(name), self._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
         connection = await pool.get_connection()
         try:
@@ -120,13 +146,20 @@ class Scripts:
 
     async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         script = self._scripts[name]
-        command = _command(name)
         try:
-            return await self._client.execute_command(command, script.sha, len(keys), *keys, *args)
+            return await self._client.execute_command(_command(name), script.sha, len(keys), *keys, *args)
         except NoScriptError:
             self.reloads += 1
-            await self._client.script_load(script.source)
-            return await self._client.execute_command(command, script.sha, len(keys), *keys, *args)
+            # EVAL caches the script on whichever server the call lands on (a cluster's shard or
+            # replica), so the next EVALSHA there finds it.
+            evaluate = "EVAL_RO" if name in READ_ONLY_SCRIPTS else "EVAL"
+            return await self._client.execute_command(evaluate, script.source, len(keys), *keys, *args)
+
+    async def _call_or_error(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
+        try:
+            return await self.call(name, keys, args)
+        except ResponseError as exc:
+            return exc
 
     async def run(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         """:meth:`call`; a script's own error (``kvroute: ...``) becomes a :class:`~kvindex.errors.KVIndexError`."""

@@ -16,6 +16,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvindex.cluster import CLUSTER_SCHEMES, RedisClient, cluster_client, is_cluster_url, startup_nodes
 from kvindex.keys import DEFAULT_PREFIX, validate_prefix
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -95,22 +96,30 @@ class RedisSettings:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    read_from_replicas: bool = False
 
     def __post_init__(self) -> None:
         try:
             parts = urlsplit(self.url)
         except ValueError:
             raise ValueError(f"Redis URL {redact_url(self.url)} does not parse") from None
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {redact_url(self.url)!r}")
+        if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+            raise ValueError(
+                "Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://, "
+                f"got {redact_url(self.url)!r}"
+            )
+        if is_cluster_url(self.url):
+            startup_nodes(self.url)  # a ValueError naming the part that is not HOST:PORT
+        elif self.read_from_replicas:
+            raise ValueError("--read-from-replicas needs a cluster URL (redis+cluster://HOST:PORT,...)")
         validate_prefix(self.prefix)
         if self.socket_timeout_s <= 0:
             raise ValueError(f"socket timeout must be positive, got {self.socket_timeout_s}")
         if self.password is not None and (parts.password or _QUERY_PASSWORD.search(parts.query)):
             raise ValueError("give the Redis password in the URL or in --redis-password-file, not both")
         tls_files = {"--redis-tls-ca": self.tls_ca, "--redis-tls-cert": self.tls_cert, "--redis-tls-key": self.tls_key}
-        if any(tls_files.values()) and parts.scheme != "rediss":
-            raise ValueError(f"TLS files need a rediss:// URL, got {redact_url(self.url)!r}")
+        if any(tls_files.values()) and not parts.scheme.startswith("rediss"):
+            raise ValueError(f"TLS files need a rediss:// or rediss+cluster:// URL, got {redact_url(self.url)!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--redis-tls-cert and --redis-tls-key go together (the client certificate and its key)")
         for flag, path in tls_files.items():
@@ -121,9 +130,10 @@ class RedisSettings:
             f", {name}={getattr(self, name)!r}" for name in ("tls_ca", "tls_cert", "tls_key") if getattr(self, name)
         )
         secret = ", password='***'" if self.password is not None else ""
+        replicas = ", read_from_replicas=True" if self.read_from_replicas else ""
         return (
             f"RedisSettings(url={redact_url(self.url)!r}, prefix={self.prefix!r}, "
-            f"socket_timeout_s={self.socket_timeout_s}{secret}{tls})"
+            f"socket_timeout_s={self.socket_timeout_s}{secret}{tls}{replicas})"
         )
 
     @classmethod
@@ -137,6 +147,8 @@ class RedisSettings:
             "prefix": env.get("KVROUTE_PREFIX", DEFAULT_PREFIX),
         }
         values.update({name: env[variable] for name, variable in _FILE_VARIABLES.items() if env.get(variable)})
+        if env.get("KVROUTE_REDIS_READ_FROM_REPLICAS", "").lower() in ("1", "true", "yes"):
+            values["read_from_replicas"] = True
         values.update({k: v for k, v in overrides.items() if v is not None})
         password_file = values.pop("password_file", None)
         if password_file is not None:
@@ -157,7 +169,7 @@ class RedisSettings:
 
     def client(
         self, command_timeouts: bool = True, max_connections: int | None = None, client_name: str | None = None
-    ) -> Redis:
+    ) -> RedisClient:
         """A client that reconnects once a dropped connection is noticed (a restarted server
         closes every pooled connection; the first command on each would fail otherwise).
 
@@ -175,6 +187,9 @@ class RedisSettings:
         }
         if client_name:
             options["client_name"] = "".join(c if c.isprintable() and not c.isspace() else "_" for c in client_name)
+        if is_cluster_url(self.url):
+            # Per node: a cluster client keeps one pool per shard (and replica).
+            return cluster_client(self.url, self.read_from_replicas, max_connections=max_connections or 100, **options)
         if max_connections is None:
             return Redis.from_url(self.url, **options)
         if max_connections < 1:
@@ -195,7 +210,15 @@ _FILE_VARIABLES = {
 
 
 def add_redis_security_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The flags every command with ``--redis-url`` takes for a password file and TLS."""
+    """The flags every command with ``--redis-url`` takes for a password file, TLS and replica reads."""
+    parser.add_argument(
+        "--read-from-replicas",
+        dest="read_from_replicas",
+        action="store_true",
+        default=None,
+        help="with a redis+cluster:// URL, send the index's reads (matches, liveness, load) to the replicas "
+        "of each shard, round robin (env KVROUTE_REDIS_READ_FROM_REPLICAS=1)",
+    )
     parser.add_argument(
         "--redis-password-file",
         dest="redis_password_file",
@@ -219,6 +242,7 @@ def add_redis_security_arguments(parser: argparse.ArgumentParser | argparse._Arg
 def redis_security_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The flags of :func:`add_redis_security_arguments` as ``RedisSettings.from_env`` overrides."""
     return {
+        "read_from_replicas": getattr(args, "read_from_replicas", None) or None,
         "password_file": getattr(args, "redis_password_file", None),
         "tls_ca": getattr(args, "redis_tls_ca", None),
         "tls_cert": getattr(args, "redis_tls_cert", None),
@@ -232,5 +256,9 @@ def export_redis_security_arguments(
     """Put the flags into the KVROUTE_REDIS_* variables, for commands (bench, demo) whose Redis
     clients are built by the processes they start: the children inherit the environment."""
     for name, value in redis_security_overrides(args).items():
-        if value is not None:
+        if value is None:
+            continue
+        if name == "read_from_replicas":
+            env["KVROUTE_REDIS_READ_FROM_REPLICAS"] = "1"
+        else:
             env[_FILE_VARIABLES[name]] = str(value)

@@ -47,8 +47,8 @@ if mode == 'leave' then
   redis.call('DEL', record_key)
   return {'ok', 0}
 end
-redis.call('HSET', record_key, 'gid', gid, 'op', 0, 'blocks', 0)
-redis.call('HDEL', record_key, 'pending', 'pending_op', 'pending_blocks')  -- a re-assert's stage is void
+redis.call('HSET', record_key, 'gid', gid, 'blocks', 0)
+redis.call('HDEL', record_key, 'pending')  -- a re-assert's stage is void
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)
 redis.call('ZADD', alive_key, deadline or now_ms, gid)

@@ -71,8 +71,8 @@ end
 local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
 redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'block_size', block_size,
   'dp_rank', dp_rank, 'gid', gid, 'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms,
-  'op', 0, 'blocks', 0)
-redis.call('HDEL', record_key, 'pending', 'pending_op', 'pending_blocks')  -- a re-assert's stage is void
+  'blocks', 0)
+redis.call('HDEL', record_key, 'pending')  -- a re-assert's stage is void
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)
 redis.call('ZADD', alive_key, now_ms + ttl_ms, gid)

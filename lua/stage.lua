@@ -9,7 +9,7 @@
 -- KEYS[1] gids     HASH  gid -> worker_id
 -- KEYS[2] alive    ZSET  gid -> heartbeat deadline (ms)
 -- KEYS[3] retired  ZSET  gid -> retirement time (ms); a staged gid: until when it is staged
--- KEYS[4] record   HASH  the worker's record (fields gid, pending, pending_op, pending_blocks)
+-- KEYS[4] record   HASH  the worker's record (fields gid, pending)
 -- ARGV[1] worker_id   ARGV[2] the caller's current gid   ARGV[3] the new gid (see register.lua)
 -- ARGV[4] stage_ttl_ms (> 0)
 -- Returns 'ok', 'taken' (draw another gid), 'missing' (no record) or 'superseded'.
@@ -35,7 +35,7 @@ if redis.call('HEXISTS', gids_key, gid) == 1 or redis.call('ZSCORE', alive_key, 
     or redis.call('ZSCORE', retired_key, gid) then
   return 'taken'
 end
-redis.call('HSET', record_key, 'pending', gid, 'pending_op', 0, 'pending_blocks', 0)
+redis.call('HSET', record_key, 'pending', gid)
 redis.call('HSET', gids_key, gid, worker_id)
 redis.call('ZADD', retired_key, now_ms + stage_ttl_ms, gid)
 return 'ok'

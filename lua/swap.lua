@@ -7,17 +7,21 @@
 -- KEYS[3] retired  ZSET  gid -> retirement time (ms)
 -- KEYS[4] record   HASH  the worker's record
 -- ARGV[1] worker_id   ARGV[2] the caller's current gid   ARGV[3] the staged gid   ARGV[4] ttl_ms (>= 0)
+-- ARGV[5] the staged gid's indexed blocks (>= 0)
 -- Returns {'ok', epoch}, {'missing', 0}, {'superseded', 0}, or {'expired', 0} when the stage is
 -- gone (replaced, discarded by a registration, or past its staging time, when gc may collect it).
 local workers_key, alive_key, retired_key, record_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local worker_id, current_gid, staged, ttl_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local worker_id, current_gid, staged, ttl_ms, blocks = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 if ttl_ms == nil or ttl_ms < 0 then
   return redis.error_reply('ERR kvroute: ttl_ms must be a non-negative number, got ' .. tostring(ARGV[4]))
 end
-local record = redis.call('HMGET', record_key, 'gid', 'pending', 'pending_op', 'pending_blocks')
+if blocks == nil or blocks < 0 or blocks % 1 ~= 0 then
+  return redis.error_reply('ERR kvroute: swap blocks must be a non-negative integer, got ' .. tostring(ARGV[5]))
+end
+local record = redis.call('HMGET', record_key, 'gid', 'pending')
 if not record[1] then
   return {'missing', 0}
 end
@@ -34,7 +38,7 @@ redis.call('ZREM', retired_key, staged)
 redis.call('ZADD', alive_key, now_ms + ttl_ms, staged)
 redis.call('HSET', workers_key, worker_id, staged)
 local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
-redis.call('HSET', record_key, 'gid', staged, 'op', record[3] or 0, 'blocks', record[4] or 0,
-  'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms)
-redis.call('HDEL', record_key, 'pending', 'pending_op', 'pending_blocks')
+redis.call('HSET', record_key, 'gid', staged, 'blocks', blocks, 'registered_ms', now_ms,
+  'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms)
+redis.call('HDEL', record_key, 'pending')
 return {'ok', epoch}

@@ -218,9 +218,9 @@ class Decider:
     async def _lookup(self, model: str, chain: list[int]) -> IndexView:
         """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.lookups`)."""
         depths = checkpoints(len(chain))
-        match_reply, totals_reply, expected_reply = await self._index.scripts.call_many(
+        alive_reply, match_reply, totals_reply, expected_reply = await self._index.scripts.call_many(
             [
-                self._index.match_call(model, chain),
+                *self._index.match_calls(model, chain),
                 self._shared.totals_call(model),
                 self._shared.expected_call(model, [chain[d - 1] for d in depths]),
             ]
@@ -228,7 +228,7 @@ class Decider:
         for reply in (totals_reply, expected_reply):
             if isinstance(reply, Exception):
                 raise reply
-        matches = await self._index.match_result(model, match_reply)
+        matches = await self._index.match_result(model, alive_reply, match_reply)
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
             if worker_id is not None:

@@ -16,12 +16,15 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
-
+from kvindex.cluster import RedisClient
 from kvindex.keys import KeySchema, ModelKeys, block_hex
 from kvindex.scripts import ScriptCall, Scripts
 
 LOAD_KINDS = ("r", "t", "u")
+# A replica's in-flight hash expires this many lease periods after its last renewal (at least
+# 10 s), so the hash of a killed replica goes by itself; its lease stops counting it long before.
+HASH_EXPIRY_LEASES = 10
+HASH_EXPIRY_MS = 60_000
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,12 @@ def parse_totals(reply: Sequence[bytes | str]) -> dict[str, InflightLoad]:
 class SharedLoad:
     """One router replica's view of, and contribution to, the shared routing state."""
 
-    def __init__(self, client: Redis, schema: KeySchema, replica_id: str, scripts: Scripts | None = None) -> None:
+    def __init__(self, client: RedisClient, schema: KeySchema, replica_id: str, scripts: Scripts | None = None) -> None:
         self._client = client
         self._schema = schema
         self.replica_id = replica_id
         self._scripts = scripts or Scripts(client)
+        self._live: dict[str, list[str]] = {}  # model -> live replica ids, from the last lease
 
     def keys(self, model: str) -> ModelKeys:
         return self._schema.for_model(model)
@@ -84,11 +88,12 @@ class SharedLoad:
             for field, value in load.fields(worker_id).items():
                 if value > 0:
                     pairs += [field, value]
-        removed = await self._scripts.call(
+        removed, *live = await self._scripts.call(
             "lease",
             [keys.replicas, keys.inflight(self.replica_id)],
-            [self.replica_id, ttl_ms, keys.inflight_prefix, *pairs],
+            [self.replica_id, ttl_ms, max(ttl_ms * HASH_EXPIRY_LEASES, 10_000), *pairs],
         )
+        self._live[model] = [r.decode() if isinstance(r, bytes) else str(r) for r in live]
         return int(removed)
 
     async def add(self, model: str, worker_id: str, delta: InflightLoad) -> None:
@@ -99,8 +104,11 @@ class SharedLoad:
         return parse_totals(await self._scripts.call(name, keys, args))
 
     def totals_call(self, model: str) -> ScriptCall:
+        """inflight.lua over the replicas live at this replica's last lease (and itself): a new
+        replica counts from this replica's next renewal, within a lease period."""
         keys = self.keys(model)
-        return ("inflight", [keys.replicas], [keys.inflight_prefix])
+        replicas = list(dict.fromkeys([self.replica_id, *self._live.get(model, ())]))
+        return ("inflight", [keys.replicas, *(keys.inflight(r) for r in replicas)], replicas)
 
     async def add_many(self, deltas: Mapping[tuple[str, str], InflightLoad]) -> None:
         """Several (model, worker) load changes in one round trip."""
@@ -110,12 +118,15 @@ class SharedLoad:
                 for field, value in delta.fields(worker_id).items():
                     if value:
                         pipe.hincrby(key, field, value)
+                # A hash HINCRBY creates has no expiry yet: a replica killed before its next
+                # lease must not leave it behind for good.
+                pipe.pexpire(key, HASH_EXPIRY_MS, nx=True)
             await pipe.execute()
 
     async def leave(self, model: str) -> None:
         """Graceful shutdown: this replica's load stops counting at once."""
         keys = self.keys(model)
-        async with self._client.pipeline(transaction=True) as pipe:
+        async with self._client.pipeline(transaction=False) as pipe:
             pipe.zrem(keys.replicas, self.replica_id)
             pipe.delete(keys.inflight(self.replica_id))
             await pipe.execute()

@@ -137,12 +137,13 @@ def _run_lookup(args: argparse.Namespace) -> int:
         owners = await index.owners_of_chain(args.model, chain)
         matches = await index.match(args.model, chain)
         _hint_if_empty(bool(await index.workers(args.model)), f"workers of model {args.model!r}", settings)
-        keys = index.keys(args.model)
+        bucket = index.keys(args.model).bucket_of_chain(chain[0]) if chain else None
         return {
             "model": args.model,
             "block_size": block_size,
             "blocks": [
-                {"index": i, "hash": h, "key": keys.block(h), "owners": sorted(owners[i])} for i, h in enumerate(chain)
+                {"index": i, "hash": h, "key": bucket.block(h) if bucket else "", "owners": sorted(owners[i])}
+                for i, h in enumerate(chain)
             ],
             "workers": [
                 {"id": w, "matched_blocks": m} for w, m in sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))

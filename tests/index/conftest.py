@@ -10,16 +10,23 @@ from redis.asyncio import Redis
 from kvindex.interface import KVIndex
 from kvindex.redis_index import RedisIndex
 from kvindex.reference import ReferenceIndex
+from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from tests.conftest import server_kinds
 
 
-@pytest.fixture(params=["reference", *server_kinds()])
+@pytest.fixture(params=["reference", *server_kinds(), "cluster"])
 async def index(request: pytest.FixtureRequest, redis_servers: dict[str, RedisServer]) -> AsyncIterator[KVIndex]:
+    """Every backend: the reference, RedisIndex on each server kind, and RedisIndex on a Redis
+    Cluster (3 masters, a replica each: the model's index spread over the masters)."""
     if request.param == "reference":
         yield ReferenceIndex()
         return
-    client = Redis.from_url(redis_servers[request.param].url)
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        client = RedisSettings(url=cluster.url).client()
+    else:
+        client = Redis.from_url(redis_servers[request.param].url)
     yield RedisIndex(client)
     await client.aclose()
 

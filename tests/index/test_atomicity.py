@@ -8,12 +8,11 @@ import random
 import threading
 from collections.abc import Awaitable, Callable
 
-import pytest
 from redis.asyncio import Redis
 
 from kvindex.codec import encode_ops
-from kvindex.errors import StaleGenerationError
 from kvindex.generations import stage_generation, swap_generation
+from kvindex.keys import bucket_of
 from kvindex.redis_index import MAX_ITEMS_PER_CALL, RedisIndex
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo
 from tests.support import wait_until
@@ -26,19 +25,22 @@ def chain(seed: int, length: int) -> tuple[int, ...]:
     return tuple(rng.getrandbits(64) for _ in range(length))
 
 
-async def applied_op(client, index: RedisIndex, model: str) -> int:
-    """The record's op: one per apply.lua call this generation received."""
-    return int(await client.hget(index.keys(model).worker("a"), "op"))
+async def applied_calls(client, index: RedisIndex, model: str, handle, root: int) -> int:
+    """The op id of the gid's state in the bucket of ``root``'s chain: one per apply.lua call
+    the bucket received for this generation."""
+    state = index.keys(model).bucket_of_chain(root).state(handle.gid)
+    return int(await client.hget(state, "op") or 0)
 
 
-async def test_an_engine_batch_of_thousands_of_blocks_is_one_apply_call(redis_client, unique_name):
+async def test_an_engine_batch_of_thousands_of_blocks_is_one_apply_call_per_bucket(redis_client, unique_name):
     index = RedisIndex(redis_client)
     handle = await index.register(WorkerInfo("a", unique_name, "http://a", 16), LONG_TTL)
     stored = chain(1, 5000)  # above the 4,096 operations one call used to carry
-    evicted = chain(2, 3000)
+    evicted = chain(2, 1000)  # under RELOG_SLACK: no log compaction (which would take an op id)
     await handle.store([StoredRun(None, evicted)])
     await handle.apply([StoredRun(None, stored), RemovedBlocks(evicted[::-1])])
-    assert await applied_op(redis_client, index, unique_name) == 2
+    assert await applied_calls(redis_client, index, unique_name, handle, stored[0]) == 1
+    assert await applied_calls(redis_client, index, unique_name, handle, evicted[0]) == 2
     assert await index.match(unique_name, list(stored)) == {"a": 5000}
     assert await index.match(unique_name, list(evicted)) == {"a": 0}
 
@@ -47,11 +49,14 @@ async def test_batches_share_calls_and_only_an_oversized_one_is_split(redis_clie
     index = RedisIndex(redis_client)
     handle = await index.register(WorkerInfo("a", unique_name, "http://a", 16), LONG_TTL)
     third = MAX_ITEMS_PER_CALL // 3 + 1  # two batches fit a call, three do not
-    batches = [[StoredRun(None, chain(seed, third))] for seed in range(3)]
+    one = chain(0, 3 * third)  # one chain, so one bucket: three batches storing a third each
+    batches = [[StoredRun(one[k * third - 1] if k else None, one[k * third : (k + 1) * third])] for k in range(3)]
     await handle.apply_batches(batches)
-    assert await applied_op(redis_client, index, unique_name) == 2 and handle.split_batches == 0
-    await handle.apply([StoredRun(None, chain(9, MAX_ITEMS_PER_CALL + 10))])
-    assert await applied_op(redis_client, index, unique_name) == 4 and handle.split_batches == 1
+    assert await applied_calls(redis_client, index, unique_name, handle, one[0]) == 2
+    assert handle.split_batches == 0
+    big = chain(9, MAX_ITEMS_PER_CALL + 10)
+    await handle.apply([StoredRun(None, big)])
+    assert await applied_calls(redis_client, index, unique_name, handle, big[0]) == 2 and handle.split_batches == 1
     assert (await index.stats(unique_name)).entries == 3 * third + MAX_ITEMS_PER_CALL + 10
 
 
@@ -117,11 +122,13 @@ async def test_a_stage_never_swapped_counts_for_nobody_and_gc_collects_it_in_tim
     keys = index.keys(unique_name)
     staged = await stage_generation(index.scripts, keys, "a", handle.gid, 300)  # the writer dies after
     assert staged is not None
-    kinds, args = encode_ops(handle.mirror.indexed_in_order())
+    bucket = keys.bucket_of_chain(prompt[0])
+    kinds, block_keys, args = encode_ops(handle.mirror.indexed_in_order(), bucket)
+    await index.scripts.run("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, bucket_of(prompt[0])])
     await index.scripts.run(
-        "apply", [keys.worker("a"), keys.log(staged), keys.meta], [staged, 1, keys.block_prefix, kinds, *args]
+        "apply", [bucket.state(staged), bucket.log(staged), *block_keys], [staged, 0, 1, kinds, *args]
     )
-    assert await redis_client.sismember(keys.block(prompt[-1]), str(staged))
+    assert await redis_client.sismember(bucket.block(prompt[-1]), str(staged))
     assert await index.match(unique_name, list(prompt)) == {"a": 20}
     assert (await index.gc(unique_name, grace_ms=0)).entries_removed == 0  # not before its time
 
@@ -129,7 +136,7 @@ async def test_a_stage_never_swapped_counts_for_nobody_and_gc_collects_it_in_tim
         return (await index.gc(unique_name, grace_ms=0)).entries_removed == 20
 
     await wait_until(collected, 5)
-    assert not await redis_client.sismember(keys.block(prompt[-1]), str(staged))
+    assert not await redis_client.sismember(bucket.block(prompt[-1]), str(staged))
     assert await index.match(unique_name, list(prompt)) == {"a": 20}
     assert await redis_client.hget(keys.gids, str(staged)) is None
 
@@ -140,8 +147,6 @@ async def test_a_registration_during_a_reassert_voids_its_stage(redis_client, un
     keys = index.keys(unique_name)
     staged = await stage_generation(index.scripts, keys, "a", handle.gid, LONG_TTL)
     current = (await RedisIndex(redis_client).register(WorkerInfo("a", unique_name, "http://a", 16))).gid
-    assert await swap_generation(index.scripts, keys, "a", current, staged, LONG_TTL) is None
-    with pytest.raises(StaleGenerationError):
-        await index.scripts.run(
-            "apply", [keys.worker("a"), keys.log(staged), keys.meta], [staged, 1, keys.block_prefix, b""]
-        )
+    assert await swap_generation(index.scripts, keys, "a", current, staged, LONG_TTL, 0) is None
+    # The registration voided the stage: the staged gid can claim no bucket to write into.
+    assert await index.scripts.run("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, 1]) == b"superseded"

@@ -1,4 +1,4 @@
-"""gc.lua's bounds: a call does at most `budget` units of work whatever waits, and a retired gid
+"""gc's bounds (kvindex.collector): a call does at most `budget` units of work whatever waits, and a retired gid
 whose cursor outlived its log is still collected (it stopped gc for the whole model)."""
 
 from __future__ import annotations
@@ -30,13 +30,19 @@ async def test_a_cursor_beyond_its_log_counts_from_the_logs_end(redis_client, un
     shortened, lost = a.gid, b.gid
     await a.clear()
     await b.clear()
-    await redis_client.hset(keys.gc_cursors, mapping={str(shortened): 8000, str(lost): 24})
-    await redis_client.delete(keys.log(lost))  # the log is gone, its cursor is not
+    bucket = keys.bucket_of_chain(CHAIN[0])
+    await redis_client.hset(bucket.state(shortened), "c", 8000)
+    await redis_client.hset(bucket.state(lost), "c", 24)
+    await redis_client.delete(bucket.log(lost))  # the log is gone, its cursor is not
     result = await index.gc(unique_name, budget=1000, grace_ms=0)
     assert (result.entries_removed, result.gids_finished, result.gids_pending) == (10, 2, 0)
     # b's entries cannot be found without its log: they stay, counted for nobody.
-    assert sorted(await block_keys_left(redis_client, unique_name)) == sorted(keys.block(h).encode() for h in CHAIN[:4])
-    assert await redis_client.hlen(keys.gc_cursors) == 0
+    assert sorted(await block_keys_left(redis_client, unique_name)) == sorted(
+        bucket.block(h).encode() for h in CHAIN[:4]
+    )
+    for gid in (shortened, lost):  # each state is a tombstone that apply.lua refuses, and expires
+        assert await redis_client.hgetall(bucket.state(gid)) == {b"dead": b"1"}
+        assert await redis_client.pttl(bucket.state(gid)) > 0
     assert await index.match(unique_name, CHAIN) == {"a": 0, "b": 0}
 
 

@@ -13,11 +13,8 @@ from redis.exceptions import MovedError
 
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import available_servers
-from tests import cluster_fixtures
 from tests.conftest import server_kinds
 from tests.support import wait_until
-
-redis_cluster = cluster_fixtures.redis_cluster
 
 
 @pytest.fixture(scope="module", params=server_kinds())

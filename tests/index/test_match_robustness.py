@@ -33,7 +33,7 @@ async def held_prefix(client: Redis, index: RedisIndex, model: str, gid: int, ch
     """The oracle: how many leading blocks of ``chain`` list ``gid`` as a member in Redis."""
     async with client.pipeline(transaction=False) as pipe:
         for block in chain:
-            pipe.sismember(index.keys(model).block(block), str(gid))
+            pipe.sismember(index.keys(model).bucket_of_chain(chain[0]).block(block), str(gid))
         present = await pipe.execute()
     return next((depth for depth, held in enumerate(present) if not held), len(chain))
 
@@ -53,7 +53,7 @@ async def test_a_deleted_block_key_ends_every_match_there(redis_client, unique_n
     a, b = [await index.register(info(unique_name, n), LONG_TTL) for n in "ab"]
     await a.store([StoredRun(None, tuple(CHAIN[:8]))])
     await b.store([StoredRun(None, tuple(CHAIN[:6]))])
-    await redis_client.delete(index.keys(unique_name).block(CHAIN[3]))  # an eviction
+    await redis_client.delete(index.keys(unique_name).bucket_of_chain(CHAIN[0]).block(CHAIN[3]))  # an eviction
     assert await index.match(unique_name, CHAIN) == {"a": 3, "b": 3}
     await b.reassert()  # b writes its blocks again: only b holds block 3 now
     assert await index.match(unique_name, CHAIN) == {"a": 3, "b": 6}
@@ -64,7 +64,7 @@ async def test_members_added_by_hand_credit_nobody_beyond_what_they_hold(redis_c
     a, b = [await index.register(info(unique_name, n), LONG_TTL) for n in "ab"]
     await a.store([StoredRun(None, tuple(CHAIN[:8]))])
     await b.store([StoredRun(None, tuple(CHAIN[:4]))])
-    keys = index.keys(unique_name)
+    keys = index.keys(unique_name).bucket_of_chain(CHAIN[0])
     # Block 5 loses its key and comes back by hand with b alone: same owner count as a's chain.
     await redis_client.delete(keys.block(CHAIN[5]))
     await redis_client.sadd(keys.block(CHAIN[5]), str(b.gid))
@@ -85,7 +85,7 @@ corruption = st.one_of(
 
 async def damage(client: Redis, index: RedisIndex, model: str, handles, forest, nodes, op) -> None:
     kind, node, who = op
-    key = index.keys(model).block(nodes[node])
+    key = index.keys(model).bucket_of_chain(path_to(forest, nodes[node])[0]).block(nodes[node])
     if kind == "delete":
         await client.delete(key)
     elif kind == "inject":

@@ -13,24 +13,26 @@ from kvindex.types import WorkerInfo
 LONG_TTL = 60_000
 
 
-async def lease(index: RedisIndex, model: str, replica: str, *pairs: str | int) -> None:
+async def lease(index: RedisIndex, model: str, replica: str, *pairs: str | int) -> list:
     keys = index.keys(model)
-    await index.scripts.call(
-        "lease", [keys.replicas, keys.inflight(replica)], [replica, LONG_TTL, keys.inflight_prefix, *pairs]
+    return await index.scripts.call(
+        "lease", [keys.replicas, keys.inflight(replica)], [replica, LONG_TTL, LONG_TTL, *pairs]
     )
 
 
-async def inflight_totals(index: RedisIndex, model: str) -> dict[str, float]:
+async def inflight_totals(index: RedisIndex, model: str, replicas: list[str]) -> dict[str, float]:
     keys = index.keys(model)
-    flat = await index.scripts.call("inflight", [keys.replicas], [keys.inflight_prefix])
+    flat = await index.scripts.call("inflight", [keys.replicas, *(keys.inflight(r) for r in replicas)], replicas)
     return {flat[i].decode(): float(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 async def test_inflight_sums_the_64_most_recent_replicas(redis_client, unique_name):
     index = RedisIndex(redis_client)
     for i in range(70):
-        await lease(index, unique_name, f"replica-{i}", "r:w", 1)
-    assert await inflight_totals(index, unique_name) == {"r:w": 64.0}
+        _, *live = await lease(index, unique_name, f"replica-{i}", "r:w", 1)
+    assert len(live) == 64  # lease.lua names the 64 most recently renewed
+    everyone = [f"replica-{i}" for i in range(70)]
+    assert await inflight_totals(index, unique_name, everyone) == {"r:w": 64.0}
 
 
 async def test_inflight_skips_a_replica_hash_too_large_to_sum(redis_client, unique_name):
@@ -39,7 +41,7 @@ async def test_inflight_skips_a_replica_hash_too_large_to_sum(redis_client, uniq
     await lease(index, unique_name, "garbage")
     garbage = {f"r:x{i}": 1 for i in range(20_000)}
     await redis_client.hset(index.keys(unique_name).inflight("garbage"), mapping=garbage)
-    assert await inflight_totals(index, unique_name) == {"r:w": 2.0}
+    assert await inflight_totals(index, unique_name, ["sane", "garbage"]) == {"r:w": 2.0}
 
 
 async def test_gc_retires_at_most_budget_dead_workers_per_call(redis_client, unique_name):
@@ -65,9 +67,11 @@ async def lazyfreed(client) -> int:
     return int((await client.info("memory")).get("lazyfreed_objects", 0))
 
 
-async def test_lease_frees_large_hashes_outside_the_script(redis_client, unique_name):
-    """A replica's hash is deleted with UNLINK (freed by a background thread), so its size costs
-    lease.lua nothing: the snapshot rewrite and an expired replica's hash both."""
+async def test_lease_frees_its_old_snapshot_outside_the_script_and_a_dead_replicas_hash_expires(
+    redis_client, unique_name
+):
+    """A replica's old snapshot is deleted with UNLINK (freed by a background thread), so its
+    size costs lease.lua nothing; an expired replica's hash is no script's to touch: it expires."""
     index = RedisIndex(redis_client)
     keys = index.keys(unique_name)
     await lease(index, unique_name, "big")
@@ -76,6 +80,8 @@ async def test_lease_frees_large_hashes_outside_the_script(redis_client, unique_
     await lease(index, unique_name, "big", "r:w", 1)  # the rewrite drops the 1000 fields
     await redis_client.hset(keys.inflight("big"), mapping={f"r:x{i}": 1 for i in range(1000)})
     await redis_client.zadd(keys.replicas, {"big": 1})  # its lease ran out long ago
-    await lease(index, unique_name, "other")  # drops expired replicas
-    assert not await redis_client.exists(keys.inflight("big"))
-    assert await lazyfreed(redis_client) - before == 2
+    forgotten, *live = await lease(index, unique_name, "other")  # forgets expired replicas
+    assert forgotten == 1 and live == [b"other"]
+    assert 0 < await redis_client.pttl(keys.inflight("big")) <= LONG_TTL
+    assert await inflight_totals(index, unique_name, ["big", "other"]) == {}
+    assert await lazyfreed(redis_client) - before == 1

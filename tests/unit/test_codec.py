@@ -1,22 +1,27 @@
 import pytest
 
-from kvindex.codec import encode_adds, encode_ops, encode_subs, pack_hashes, unpack_hashes
+from kvindex.codec import encode_adds, encode_ops, pack_hashes, unpack_hashes
+from kvindex.keys import KeySchema
 from kvindex.mirror import IndexAdd, IndexSub
+
+BUCKET = KeySchema().for_model("m").bucket(7)
 
 
 def test_adds_use_continuation_flags_for_chains():
-    args = encode_adds([IndexAdd(10, None), IndexAdd(11, 10), IndexAdd(20, 10)])
+    args = encode_adds([IndexAdd(10, None, 10), IndexAdd(11, 10, 10), IndexAdd(20, 10, 10)])
     assert args.flags == b"rcp"
     assert unpack_hashes(args.hashes) == [10, 11, 20]
-    assert unpack_hashes(args.parents) == [10]
+    assert args.parents == [10]
 
 
-def test_ops_become_segments_of_one_kind_in_their_order():
-    kinds, args = encode_ops([IndexAdd(1, None), IndexAdd(2, 1), IndexSub(2), IndexSub(1), IndexAdd(1, None)])
+def test_ops_become_segments_of_one_kind_in_their_order_with_every_key_declared():
+    ops = [IndexAdd(1, None, 1), IndexAdd(2, 1, 1), IndexSub(2, 1), IndexSub(1, 1), IndexAdd(3, 1, 1)]
+    kinds, keys, args = encode_ops(ops, BUCKET)
     assert kinds == b"asa"
-    assert [len(a) for a in args] == [16, 2, 0, 16, 8, 1, 0]
-    assert unpack_hashes(args[3]) == [2, 1]
-    assert encode_subs([IndexSub(7)]) == pack_hashes([7])
+    # a segment's items, then the parents of its 'p' items; the subtractions' items
+    assert keys == [BUCKET.block(h) for h in (1, 2, 2, 1, 3, 1)]
+    assert args == [pack_hashes([1, 2]), b"rc", 2, pack_hashes([3]), b"p"]
+    assert all(key.startswith("kvr:{m#007}:b:") for key in keys)
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**64]])

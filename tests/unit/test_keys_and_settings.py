@@ -1,25 +1,40 @@
+import random
+
 import pytest
 from redis.crc import key_slot
 
-from kvindex.keys import KeySchema
+from kvindex.keys import BUCKETS, KeySchema, bucket_of
 from kvindex.settings import RedisSettings
 
 
-def test_every_model_key_shares_the_model_hash_tag():
+def test_control_keys_share_the_model_tag_and_bucket_keys_their_buckets():
     keys = KeySchema("kvr").for_model("meta-llama/Llama-3.1-8B")
-    names = [
+    control = [
         keys.meta,
         keys.workers,
         keys.gids,
         keys.alive,
         keys.retired,
-        keys.gc_cursors,
+        keys.gid_buckets(17),
         keys.worker("http://10.0.0.1:8000#0"),
-        keys.log(17),
-        keys.block(2**64 - 1),
+        keys.replicas,
+        keys.inflight("r1"),
+        keys.expected,
     ]
-    assert {key_slot(n.encode()) for n in names} == {key_slot(b"meta-llama/Llama-3.1-8B")}
-    assert keys.block(255) == "kvr:{meta-llama/Llama-3.1-8B}:b:00000000000000ff"
+    assert {key_slot(n.encode()) for n in control} == {key_slot(b"meta-llama/Llama-3.1-8B")}
+    bucket = keys.bucket(0x2A)
+    assert bucket.block(255) == "kvr:{meta-llama/Llama-3.1-8B#02a}:b:00000000000000ff"
+    names = [bucket.block(2**64 - 1), bucket.log(17), bucket.state(17)]
+    assert {key_slot(n.encode()) for n in names} == {key_slot(b"meta-llama/Llama-3.1-8B#02a")}
+
+
+def test_buckets_spread_roots_evenly_even_when_hashes_are_small_integers():
+    counts = [0] * BUCKETS
+    for root in range(64 * BUCKETS):
+        counts[bucket_of(root)] += 1
+    assert min(counts) >= 32 and max(counts) <= 96  # 64 each on average
+    assert len({bucket_of(random.Random(seed).getrandbits(64)) for seed in range(4000)}) > 0.9 * BUCKETS
+    assert KeySchema().for_model("m").bucket_of_chain(12345) == KeySchema().for_model("m").bucket(bucket_of(12345))
 
 
 @pytest.mark.parametrize("model", ["", "bad\nname", "x" * 600])
@@ -32,7 +47,9 @@ def test_prefix_may_not_move_the_hash_tag():
     with pytest.raises(ValueError, match="braces"):
         KeySchema("kv{r}")
     with pytest.raises(ValueError, match="block hash"):
-        KeySchema().for_model("m").block(-1)
+        KeySchema().for_model("m").bucket(0).block(-1)
+    with pytest.raises(ValueError, match="bucket"):
+        KeySchema().for_model("m").bucket(BUCKETS)
 
 
 def test_settings_hide_the_password_and_read_the_environment():

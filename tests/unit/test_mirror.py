@@ -50,6 +50,7 @@ def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
             for add in adds:
                 assert add.parent is None or add.parent in index, "parents must be indexed first"
                 assert add.parent == PARENT[add.block]
+                assert add.root == path_to(add.block)[0], "the root picks the bucket: the chain's first block"
                 assert add.block not in index, "a block is added once, when it becomes indexed"
                 index.add(add.block)
             assert orphaned == sum(1 for b in run if b not in expected_indexed(held))
@@ -65,6 +66,7 @@ def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
                     expected_missing += 1
             assert missing == expected_missing
             for sub in subs:
+                assert sub.root == path_to(sub.block)[0]
                 index.remove(sub.block)  # a block is taken out once, when it stops being indexed
                 assert not any(PARENT[c] == sub.block for c in index), "children leave before parents"
         else:
@@ -73,6 +75,7 @@ def test_mirror_index_is_prefix_closed_and_ops_are_consistent(operations):
             index.clear()
         assert index == expected_indexed(held)
         assert {a.block for a in mirror.indexed_in_order()} == index
+        assert all(a.root == path_to(a.block)[0] for a in mirror.indexed_in_order())
         assert mirror.indexed_count == len(index)
 
 
@@ -111,6 +114,7 @@ def test_a_limited_mirror_never_indexes_more_than_its_limit(operations, limit):
         elif kind == "remove":
             subs, _ = mirror.remove(arg)
             for sub in subs:
+                assert sub.root == path_to(sub.block)[0]
                 index.remove(sub.block)
                 assert not any(PARENT[c] == sub.block for c in index), "children leave before parents"
         else:
@@ -118,6 +122,7 @@ def test_a_limited_mirror_never_indexes_more_than_its_limit(operations, limit):
             index.clear()
         assert len(index) <= limit and mirror.indexed_count == len(index)
         assert {a.block for a in mirror.indexed_in_order()} == index
+        assert all(a.root == path_to(a.block)[0] for a in mirror.indexed_in_order())
 
 
 def test_a_block_left_out_by_the_limit_joins_when_stored_again_with_room():

@@ -274,7 +274,7 @@ async def test_a_block_key_lost_in_redis_heals_at_the_next_store_below_it(engine
     await wait_for_match(index, unique_name, [6])
     client = Redis.from_url(server.url)
     try:
-        await client.delete(index.keys(unique_name).block(CHAIN[5]))  # as an evicting Redis would
+        await client.delete(index.keys(unique_name).bucket_of_chain(CHAIN[0]).block(CHAIN[5]))  # as Redis evicting
     finally:
         await client.aclose()
     await wait_for_match(index, unique_name, [5])

@@ -29,9 +29,12 @@ async def delete_block_keys(scene: Scene, rng: random.Random, share: float) -> d
     """Delete, for probe p, its block at depth 1 + p % 6, and ``share`` of all block keys.
     Returns each probe's first deleted depth."""
     keys = KeySchema().for_model(MODEL)
-    chains = [[keys.block(h).encode() for h in sequence_hashes(probe, BLOCK)] for probe in scene.probes]
+    chains = []
+    for probe in scene.probes:
+        hashes = sequence_hashes(probe, BLOCK)
+        chains.append([keys.bucket_of_chain(hashes[0]).block(h).encode() for h in hashes])
     doomed = {chain[1 + p % 6] for p, chain in enumerate(chains)}
-    every = [key async for key in scene.client.scan_iter(match=keys.block_prefix + "*", count=1000)]
+    every = [key async for key in scene.client.scan_iter(match=keys.bucket_base("*") + "b:*", count=1000)]
     doomed |= {key for key in every if rng.random() < share}
     await scene.client.delete(*doomed)
     return {p: next(d for d, key in enumerate(chain) if key in doomed) for p, chain in enumerate(chains)}

@@ -17,11 +17,18 @@ from kvindex.redis_index import RedisIndex
 async def engine_blocks(session: aiohttp.ClientSession, url: str, block_size: int) -> set[int]:
     """The index hashes of every block the engine caches whose whole chain it caches (the part
     an agent indexes: a block is indexed only under its parent)."""
+    return set(await engine_block_roots(session, url, block_size))
+
+
+async def engine_block_roots(session: aiohttp.ClientSession, url: str, block_size: int) -> dict[int, int]:
+    """:func:`engine_blocks`, each with the index hash of its chain's first block (which says
+    the block's bucket in the index)."""
     async with session.get(url + "/debug/cache", params={"detail": "1"}) as response:
         response.raise_for_status()
         body = await response.json()
     content = {int(b["hash"], 16): b for b in body["blocks"]}
     hashed: dict[int, int | None] = {}
+    roots: dict[int, int] = {}
 
     def index_hash(engine_hash: int) -> int | None:
         if engine_hash in hashed:
@@ -36,18 +43,26 @@ async def engine_blocks(session: aiohttp.ClientSession, url: str, block_size: in
         salt = block["salt"] if parent is None else None
         value = extend_sequence_hashes(parent, block["token_ids"], block_size, cache_salt=salt)[0]
         hashed[engine_hash] = value
+        roots[value] = value if parent is None else roots[parent]
         return value
 
-    return {h for h in (index_hash(e) for e in content) if h is not None}
+    indexed = {h for h in (index_hash(e) for e in content) if h is not None}
+    return {h: roots[h] for h in indexed}
 
 
-async def index_blocks(client: Redis, model: str, universe: Sequence[int]) -> dict[str, set[int]]:
-    """For each alive worker, which of ``universe`` the index credits it with."""
-    owners = await RedisIndex(client).owners_of_chain(model, universe)
+async def index_blocks(client: Redis, model: str, roots: dict[int, int]) -> dict[str, set[int]]:
+    """For each alive worker, which of the blocks in ``roots`` (block -> its chain's first block,
+    which says its bucket) the index credits it with."""
+    index = RedisIndex(client)
+    by_root: dict[int, list[int]] = {}
+    for block, root in roots.items():
+        by_root.setdefault(root, []).append(block)
     held: dict[str, set[int]] = {}
-    for block, workers in zip(universe, owners, strict=True):
-        for worker in workers:
-            held.setdefault(worker, set()).add(block)
+    for root, blocks in by_root.items():
+        chain = [root, *(b for b in blocks if b != root)]  # owners_of_chain reads the bucket of chain[0]
+        for block, workers in zip(chain, await index.owners_of_chain(model, chain), strict=True):
+            for worker in workers:
+                held.setdefault(worker, set()).add(block)
     return held
 
 
