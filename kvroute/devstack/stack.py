@@ -286,6 +286,17 @@ class Stack:
             lambda workers: len(workers) == self.engines and all(w.blocks <= tiny_blocks for w in workers),
             "the agents did not apply the cache resets",
         )
+        await self._forget_expected_prefixes()
+
+    async def _forget_expected_prefixes(self) -> None:
+        """The routers' "expected" prefixes of the run before (kept a few seconds) would steer the
+        next run's first requests to where the previous run sent them: a run starts from nothing."""
+        keys = KeySchema(self.redis.prefix).for_model(MODEL)
+        client = self.redis.client()
+        try:
+            await client.delete(keys.expected, keys.expected_deadlines)
+        finally:
+            await client.aclose()
 
     @property
     def engine_urls(self) -> list[str]:
