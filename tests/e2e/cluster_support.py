@@ -5,11 +5,14 @@ router tests' helpers assume the model 'tiny'; tests on the shared session clust
 from __future__ import annotations
 
 import random
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import aiohttp
+import redis
 from redis.crc import key_slot
 
 from kvindex.hashing import extend_sequence_hashes, sequence_hashes
@@ -179,3 +182,18 @@ async def index_disagreements(
             wrong |= {(worker, block) for worker in owners if block not in held.get(worker, {})}
             lost |= {(worker, block) for worker, blocks in held.items() if block in blocks and worker not in owners}
     return wrong, lost
+
+
+def make_acl_user(role: str, user: str, password_file: Path, nodes: Sequence[redis.Redis]) -> None:
+    """Create ``user`` with ``role``'s rights from what ``kvroute redis acl`` prints, applied as
+    the default user on each of ``nodes`` (ACLs are per node: on a cluster, every node)."""
+    printed = subprocess.run(
+        [sys.executable, "-m", "kvroute", "redis", "acl", "--role", role, "--user", user,
+         "--password-file", str(password_file)],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    (command,) = printed.splitlines()
+    words = shlex.split(command)
+    assert words[:3] == ["ACL", "SETUSER", user], command
+    for node in nodes:
+        assert node.execute_command(*words) in (b"OK", "OK", True)

@@ -5,10 +5,7 @@ router's user cannot write a worker record, neither by a plain command nor throu
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +23,13 @@ from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
 from tests.e2e.cluster_support import (
     PROMPT_BLOCKS,
     index_credits,
+    make_acl_user,
     prime,
     routed_to,
     start_router_process,
     wait_held,
 )
-from tests.support import ROOT, SimFleet, wait_until
+from tests.support import SimFleet, wait_until
 
 ROLES = ("agent", "router")
 
@@ -43,7 +41,7 @@ class Deployment:
     kind: str
     address: str  # HOST:PORT[,HOST:PORT...]
     ports: list[int]
-    admin: object  # a sync client factory: port -> redis.Redis (the default user)
+    admin: Callable[[int], redis.Redis]  # port -> a client of that node's default user
 
     def url_as(self, user: str) -> str:
         scheme = "redis+cluster" if self.kind == "cluster" else "redis"
@@ -51,9 +49,12 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def single_server() -> Iterator[RedisServer]:
+def single_server() -> Iterator[tuple[RedisServer, redis.Redis]]:
+    """A private server and a client of its default user."""
     server = RedisServer(binary=default_server_binary()).start()
-    yield server
+    admin = redis.Redis(port=server.port)
+    yield server, admin
+    admin.close()
     server.stop()
 
 
@@ -63,8 +64,8 @@ def deployment(request: pytest.FixtureRequest) -> Deployment:
         cluster: LocalCluster = request.getfixturevalue("redis_cluster")
         address = ",".join(f"{host}:{port}" for host, port in cluster.startup_nodes)
         return Deployment("cluster", address, sorted(cluster.nodes), cluster.client)
-    server: RedisServer = request.getfixturevalue("single_server")
-    return Deployment("single", f"127.0.0.1:{server.port}", [server.port], lambda port: redis.Redis(port=port))
+    server, admin = request.getfixturevalue("single_server")
+    return Deployment("single", f"127.0.0.1:{server.port}", [server.port], lambda _: admin)
 
 
 @pytest.fixture
@@ -75,16 +76,7 @@ def users(deployment: Deployment, unique_name: str, tmp_path: Path) -> dict[str,
     for role in ROLES:
         user, password_file = f"{unique_name}-{role}", tmp_path / f"{role}.pw"
         password_file.write_text(f"{role}-secret-{unique_name}\n")
-        printed = subprocess.run(
-            [sys.executable, "-m", "kvroute", "redis", "acl", "--role", role, "--user", user,
-             "--password-file", str(password_file)],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        (command,) = printed.splitlines()
-        words = shlex.split(command)
-        assert words[:3] == ["ACL", "SETUSER", user]
-        for port in deployment.ports:  # ACLs are per node: replicas too (replica reads, failover)
-            assert deployment.admin(port).execute_command(*words) in (b"OK", "OK", True)
+        make_acl_user(role, user, password_file, [deployment.admin(port) for port in deployment.ports])
         made[role] = (user, password_file)
     return made
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -22,19 +22,20 @@ from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
 from router.main import RunningRouter
 from tests.e2e.cluster_support import (
-    PROMPT_BLOCKS,
     block_keys_per_master,
     chain_of,
     control_slot,
     engine_roots,
     index_credits,
     index_disagreements,
+    make_acl_user,
     prime,
     prompts_on_every_master,
     wait_for_workers,
     wait_held,
 )
 from tests.e2e.faults.traffic import Traffic, make_prefixes
+from tests.e2e.faults.views import leading_run
 from tests.e2e.router.support import start_router
 from tests.support import SimFleet, wait_until
 
@@ -71,12 +72,22 @@ class ClusterScene:
                 return False
         return True
 
-    async def probes_matched(self) -> bool:
-        """The index and the router credit every probe, whole, to the worker that holds it."""
+    async def prime(self) -> None:
+        """Serve probe k on its engine again (before a fault: so that the traffic's LRU evictions
+        leave it there) and wait until the index has it."""
         for prompt, worker in self.probes:
-            if (await self.index.match(MODEL, chain_of(prompt))).get(worker) != PROMPT_BLOCKS:
+            await prime(self.session, self.fleet.engine_of(worker).url, MODEL, prompt)
+            await wait_held(self.index, MODEL, prompt, worker)
+
+    async def probes_matched(self) -> bool:
+        """The index and the router credit each probe to its worker with the blocks its engine
+        holds now (all of them, unless the traffic evicted some since it was primed)."""
+        for prompt, worker in self.probes:
+            chain = chain_of(prompt)
+            held = leading_run(chain, set(await engine_roots(self.session, self.fleet.engine_of(worker).url)))
+            if (await self.index.match(MODEL, chain)).get(worker) != held:
                 return False
-            if (await index_credits(self.session, self.router.url, MODEL, prompt)).get(worker) != PROMPT_BLOCKS:
+            if (await index_credits(self.session, self.router.url, MODEL, prompt)).get(worker) != held:
                 return False
         return True
 
@@ -98,35 +109,55 @@ def cluster() -> Iterator[LocalCluster]:
         yield started
 
 
-@pytest.fixture
-async def scene(cluster: LocalCluster) -> AsyncIterator[ClusterScene]:
+@contextlib.asynccontextmanager
+async def cluster_scene(
+    cluster: LocalCluster, agent_url: str | None = None, agent_args: Sequence[str] = (), **router: str | float
+) -> AsyncIterator[ClusterScene]:
+    """Engines with agents (on ``agent_url``, by default the cluster's), a router (its settings:
+    ``router``, ``url`` among them) and the traffic running; the probes primed and indexed."""
     async with contextlib.AsyncExitStack() as stack:
-        fleet = SimFleet(cluster.url, count=3, num_blocks=512)
+        fleet = SimFleet(agent_url or cluster.url, count=3, num_blocks=512, agent_args=list(agent_args))
         stack.push_async_callback(fleet.stop)
         await fleet.start()
-        context, router = await start_router(cluster.url)
+        context, running = await start_router(str(router.pop("url", cluster.url)), **router)
         stack.push_async_callback(context.__aexit__, None, None, None)  # type: ignore[attr-defined]
-        await wait_for_workers(router, MODEL, fleet.count)
+        await wait_for_workers(running, MODEL, fleet.count)
         client = RedisSettings(url=cluster.url).client()
         stack.push_async_callback(client.aclose)
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
-        traffic = Traffic([router.url], make_prefixes(6, seed=13), concurrency=CLIENTS)
+        traffic = Traffic([running.url], make_prefixes(6, seed=13), concurrency=CLIENTS)
         stack.push_async_callback(traffic.stop)
-        scene = ClusterScene(cluster, fleet, router, traffic, RedisIndex(client), session)
-        for k, prompt in enumerate(prompts_on_every_master(cluster, MODEL, per_master=1, seed=99)):
-            worker = fleet.worker_id(k % fleet.count)
-            await prime(session, fleet.engine_of(worker).url, MODEL, prompt)
-            await wait_held(scene.index, MODEL, prompt, worker)
-            scene.probes.append((prompt, worker))
+        scene = ClusterScene(cluster, fleet, running, traffic, RedisIndex(client), session)
+        probes = prompts_on_every_master(cluster, MODEL, per_master=1, seed=99)
+        scene.probes = [(prompt, fleet.worker_id(k % fleet.count)) for k, prompt in enumerate(probes)]
         traffic.start()
         await traffic.progressed(60)
         yield scene
 
 
+@pytest.fixture
+async def scene(cluster: LocalCluster) -> AsyncIterator[ClusterScene]:
+    async with cluster_scene(cluster) as opened:
+        yield opened
+
+
+async def recovered(scene: ClusterScene) -> None:
+    """No request failed; the probes are matched to their workers again (by the index and the
+    router); with the traffic paused, the index agrees with the engines block for block."""
+    await wait_until(scene.probes_matched, 30, interval=0.2)
+    await scene.traffic.pause()
+    try:
+        await wait_until(scene.index_agrees, 30, interval=0.2)
+    finally:
+        scene.traffic.resume()
+    assert scene.traffic.failed == 0, scene.traffic.failures
+
+
 async def survive(scene: ClusterScene, fault, port: int) -> int:
     """Run ``fault(port)`` (a blocking LocalCluster call, in a thread: the traffic runs on) and
-    check the recovery: no request failed, every agent re-asserted, the probes are matched to
-    their workers again and the index agrees with the engines. Returns what the fault returned."""
+    check the recovery: every agent re-asserted, then :func:`recovered`. Returns what the fault
+    returned."""
+    await scene.prime()
     before = await scene.reasserts()
     served = scene.traffic.completed
     new_port = await asyncio.to_thread(fault, port)
@@ -142,13 +173,7 @@ async def survive(scene: ClusterScene, fault, port: int) -> int:
 
     await wait_until(everyone_reasserted, 30, interval=0.2)
     reasons = {name for counts in await scene.reasserts() for name in counts}
-    await wait_until(scene.probes_matched, 30, interval=0.2)
-    await scene.traffic.pause()
-    try:
-        await wait_until(scene.index_agrees, 30, interval=0.2)
-    finally:
-        scene.traffic.resume()
-    assert scene.traffic.failed == 0, scene.traffic.failures
+    await recovered(scene)
     degraded = scene.router.state.decider.degraded_count
     figures = f"served_during_fault={during} degraded={degraded} degraded_after_fault={degraded_after}"
     print(f"FIGURES {fault.__name__}: {figures} reasserts={sorted(reasons)}", flush=True)
@@ -179,6 +204,38 @@ async def test_a_bucket_master_killed(scene: ClusterScene):
     buckets = next(port for port, count in block_keys_per_master(cluster, MODEL).items() if port != control and count)
     await survive(scene, cluster.kill_master, buckets)
     print(f"FIGURES cluster_kill_bucket_master: requests={scene.traffic.sent} failed={scene.traffic.failed}")
+
+
+async def test_least_privilege_users_through_a_failover_and_a_killed_master(cluster: LocalCluster, tmp_path):
+    """The ACL users of ``kvroute redis acl`` (on every node) have what a failover takes: slot
+    map refreshes, every master's INFO, re-asserts. No node logs a denied command."""
+    passwords = {role: tmp_path / f"{role}.pw" for role in ("agent", "router")}
+    for role, path in passwords.items():
+        path.write_text(f"{role}-pw\n")
+        make_acl_user(role, f"kvr-{role}", path, [cluster.client(port) for port in cluster.nodes])
+    nodes = cluster.url.split("://", 1)[1]
+    agent_url, router_url = f"redis+cluster://kvr-agent@{nodes}", f"redis+cluster://kvr-router:router-pw@{nodes}"
+    agent_args = ["--redis-password-file", str(passwords["agent"])]
+    async with cluster_scene(cluster, agent_url, agent_args, url=router_url) as scene:
+        control = cluster.master_for_slot(control_slot(MODEL))
+        await survive(scene, cluster.failover, control)
+        await survive(scene, cluster.kill_master, cluster.master_for_slot(control_slot(MODEL)))
+    for port, role in cluster.nodes.items():
+        if role != "down":
+            assert cluster.client(port).execute_command("ACL", "LOG") == [], port
+
+
+async def test_every_master_paused_routes_by_round_robin_then_by_the_cache_again(cluster: LocalCluster):
+    """Redis there but answering nothing for 3 s (every master paused, longer than the agents'
+    heartbeat TTL): the router routes without it (degraded), then by the index again."""
+    async with cluster_scene(cluster, redis_timeout_s=0.05) as scene:
+        await scene.prime()
+        degraded = scene.router.state.decider.degraded_count
+        for port in cluster.master_ports():
+            cluster.client(port).execute_command("CLIENT", "PAUSE", 3000, "ALL")
+        await scene.traffic.progressed(30)  # decided while the masters were paused
+        assert scene.router.state.decider.degraded_count > degraded
+        await recovered(scene)
 
 
 POOL_EXHAUSTED = pytest.mark.xfail(
