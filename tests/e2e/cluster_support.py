@@ -15,7 +15,7 @@ import aiohttp
 import redis
 from redis.crc import key_slot
 
-from kvindex.hashing import extend_sequence_hashes, sequence_hashes
+from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_cluster import LocalCluster
@@ -134,54 +134,6 @@ async def start_router_process(redis_url: str, *flags: str) -> tuple[subprocess.
         process.wait()
         raise
     return process, url
-
-
-async def engine_roots(session: aiohttp.ClientSession, url: str) -> dict[int, int]:
-    """Each block the engine caches with its whole chain, as the index hashes it, mapped to the
-    first block of its chain (which names its bucket): the part of the cache an agent indexes."""
-    async with session.get(url + "/debug/cache", params={"detail": "1"}) as response:
-        response.raise_for_status()
-        content = {int(b["hash"], 16): b for b in (await response.json())["blocks"]}
-    hashed: dict[int, tuple[int, int] | None] = {}  # engine hash -> (index hash, root)
-
-    def walk(engine_hash: int) -> tuple[int, int] | None:
-        if engine_hash in hashed:
-            return hashed[engine_hash]
-        hashed[engine_hash] = None  # until known (a cycle would be a simulator bug)
-        block = content.get(engine_hash)
-        if block is None:
-            return None
-        if block["parent"] is None:
-            value = extend_sequence_hashes(None, block["token_ids"], BLOCK, cache_salt=block["salt"])[0]
-            hashed[engine_hash] = (value, value)
-        elif (parent := walk(int(block["parent"], 16))) is not None:
-            value = extend_sequence_hashes(parent[0], block["token_ids"], BLOCK)[0]
-            hashed[engine_hash] = (value, parent[1])
-        return hashed[engine_hash]
-
-    return dict(found for found in map(walk, content) if found is not None)
-
-
-async def index_disagreements(
-    index: RedisIndex, model: str, held: dict[str, dict[int, int]], seen: dict[int, int]
-) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
-    """Compare the index with the engines' caches (``held``: worker -> :func:`engine_roots`), one
-    pipelined read per chain root: (credits the worker's engine does not back, blocks an engine
-    holds uncredited). ``seen`` (block -> root) gathers every block held so far: a credit left on
-    a block no engine holds any more counts as wrong too."""
-    for blocks in held.values():
-        seen.update(blocks)
-    by_root: dict[int, set[int]] = {}
-    for block, root in seen.items():
-        by_root.setdefault(root, set()).add(block)
-    wrong: set[tuple[str, int]] = set()
-    lost: set[tuple[str, int]] = set()
-    for root, blocks in by_root.items():
-        universe = [root, *sorted(blocks - {root})]  # the first block names the bucket
-        for block, owners in zip(universe, await index.owners_of_chain(model, universe), strict=True):
-            wrong |= {(worker, block) for worker in owners if block not in held.get(worker, {})}
-            lost |= {(worker, block) for worker, blocks in held.items() if block in blocks and worker not in owners}
-    return wrong, lost
 
 
 def make_acl_user(role: str, user: str, password_file: Path, nodes: Sequence[redis.Redis]) -> None:

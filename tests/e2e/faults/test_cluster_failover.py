@@ -16,18 +16,18 @@ import aiohttp
 import pytest
 import redis
 
+from kvindex.cluster import RedisClient
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
 from router.main import RunningRouter
 from tests.e2e.cluster_support import (
+    BLOCK,
     block_keys_per_master,
     chain_of,
     control_slot,
-    engine_roots,
     index_credits,
-    index_disagreements,
     make_acl_user,
     prime,
     prompts_on_every_master,
@@ -35,7 +35,7 @@ from tests.e2e.cluster_support import (
     wait_held,
 )
 from tests.e2e.faults.traffic import Traffic, make_prefixes
-from tests.e2e.faults.views import leading_run
+from tests.e2e.faults.views import engine_block_roots, index_blocks, leading_run
 from tests.e2e.router.support import start_router
 from tests.support import SimFleet, wait_until
 
@@ -52,10 +52,14 @@ class ClusterScene:
     fleet: SimFleet
     router: RunningRouter
     traffic: Traffic
-    index: RedisIndex
+    client: RedisClient
     session: aiohttp.ClientSession
     probes: list[tuple[list[int], str]] = field(default_factory=list)  # (prompt, the worker it was primed on)
     seen: dict[int, int] = field(default_factory=dict)  # every block an engine held -> its chain's root
+
+    @property
+    def index(self) -> RedisIndex:
+        return RedisIndex(self.client)
 
     async def reasserts(self) -> list[dict[str, float]]:
         """Each agent's re-asserts so far, by reason."""
@@ -84,7 +88,9 @@ class ClusterScene:
         holds now (all of them, unless the traffic evicted some since it was primed)."""
         for prompt, worker in self.probes:
             chain = chain_of(prompt)
-            held = leading_run(chain, set(await engine_roots(self.session, self.fleet.engine_of(worker).url)))
+            held = leading_run(
+                chain, set(await engine_block_roots(self.session, self.fleet.engine_of(worker).url, BLOCK))
+            )
             if (await self.index.match(MODEL, chain)).get(worker) != held:
                 return False
             if (await index_credits(self.session, self.router.url, MODEL, prompt)).get(worker) != held:
@@ -96,10 +102,15 @@ class ClusterScene:
         if not await self.caught_up():
             return False
         held = {
-            self.fleet.worker_id(i): await engine_roots(self.session, engine.url)
+            self.fleet.worker_id(i): await engine_block_roots(self.session, engine.url, BLOCK)
             for i, engine in enumerate(self.fleet.engines)
         }
-        wrong, lost = await index_disagreements(self.index, MODEL, held, self.seen)
+        assert all(held.values()), "an engine holds nothing: the comparison would prove nothing"
+        for blocks in held.values():  # a credit left on a block no engine holds any more is wrong too
+            self.seen.update(blocks)
+        indexed = await index_blocks(self.client, MODEL, self.seen)
+        wrong = {(w, b) for w, blocks in indexed.items() for b in blocks if b not in held.get(w, {})}
+        lost = {(w, b) for w, blocks in held.items() for b in blocks if b not in indexed.get(w, set())}
         return not wrong and not lost
 
 
@@ -127,7 +138,7 @@ async def cluster_scene(
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
         traffic = Traffic([running.url], make_prefixes(6, seed=13), concurrency=CLIENTS)
         stack.push_async_callback(traffic.stop)
-        scene = ClusterScene(cluster, fleet, running, traffic, RedisIndex(client), session)
+        scene = ClusterScene(cluster, fleet, running, traffic, client, session)
         probes = prompts_on_every_master(cluster, MODEL, per_master=1, seed=99)
         scene.probes = [(prompt, fleet.worker_id(k % fleet.count)) for k, prompt in enumerate(probes)]
         traffic.start()
