@@ -244,7 +244,7 @@ class ReferenceIndex:
     async def gc(self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS) -> GcResult:
         state = self._models.get(model, _Model())
         cutoff = self._clock_ms() - grace_ms
-        # gc.lua retires at most min(budget, 1000) dead workers per call, the longest dead first.
+        # gc (gc_retire.lua) retires at most min(budget, 1000) dead workers per call, the longest dead first.
         expired = sorted((w.deadline_ms(), wid) for wid, w in state.workers.items() if w.deadline_ms() <= cutoff)
         dead = [wid for _, wid in expired[: min(budget, 1000)]]
         removed = 0

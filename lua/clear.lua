@@ -1,6 +1,6 @@
 -- clear.lua: drop all of a worker's blocks in O(1), or remove the worker altogether.
 -- The worker's current gid is retired (its entries stop counting at once: match.lua only counts
--- alive gids) and gc.lua deletes the entries later in bounded steps.
+-- alive gids) and gc (gc_bucket.lua) deletes the entries later in bounded steps.
 -- mode 'keep': the worker stays registered under a fresh, empty gid (vLLM AllBlocksCleared,
 --              an engine restart). Its heartbeat deadline carries over.
 -- mode 'leave': the worker's record is deleted (graceful shutdown, or an operator's eviction).

@@ -1,6 +1,6 @@
 -- register.lua: (re)register a worker under a fresh generation id (gid) that the caller drew.
 -- A new registration means a new, empty view of the worker's cache: the previous gid (if any)
--- is retired, so its index entries stop counting at once and gc.lua deletes them later.
+-- is retired, so its index entries stop counting at once and gc (gc_bucket.lua) deletes them later.
 -- Gids are random (the client draws them uniformly from [2^32, 2^52)), never counted: a counter
 -- in Redis is rewound by an empty restart, a FLUSHALL or a lossy failover, and would hand a gid
 -- that routers have cached as one worker's to another. A gid this model still knows (in gids,
@@ -10,7 +10,7 @@
 -- KEYS[2] workers  HASH  worker_id -> current gid
 -- KEYS[3] gids     HASH  gid -> worker_id (kept until the gid is garbage-collected)
 -- KEYS[4] alive    ZSET  gid -> heartbeat deadline (ms, server clock)
--- KEYS[5] retired  ZSET  gid -> retirement time (ms); gc.lua works through it oldest first
+-- KEYS[5] retired  ZSET  gid -> retirement time (ms); gc works through it oldest first
 -- KEYS[6] record   HASH  the worker's record
 -- ARGV[1] worker_id   ARGV[2] url   ARGV[3] model   ARGV[4] block_size (> 0)
 -- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (integer, 0..86400000)   ARGV[7] the new gid (decimal, 1 <= gid < 2^53)

@@ -2,7 +2,7 @@
 -- its whole mirror while the current gid stays alive and matched, then swap.lua makes it current
 -- in one step: readers never see the worker emptier than its old generation.
 -- The staged gid is not alive, so no match counts it. It waits in `retired` with a score in the
--- future (now + stage_ttl_ms), where gc.lua does not touch it until that time has passed: a
+-- future (now + stage_ttl_ms), where gc does not touch it until that time has passed: a
 -- writer that dies before the swap leaves entries that gc collects then. A new stage replaces an
 -- older one (which gc collects in its time), and register.lua / clear.lua discard it.
 --

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -59,7 +60,9 @@ async def run_agent(settings: AgentSettings) -> int:
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         stack.enter_context(on_signals(stop.set))
-        client = settings.redis.client()
+        # An agent reads back what it wrote (its buckets' op ids, its record): from the masters
+        # always; replica reads are for routers.
+        client = dataclasses.replace(settings.redis, read_from_replicas=False).client()
         stack.push_async_callback(client.aclose)
         context = zmq.asyncio.Context()
         stack.callback(context.destroy, linger=0)
