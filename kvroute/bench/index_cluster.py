@@ -28,6 +28,7 @@ from kvindex.keys import KeySchema, bucket_of
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo
+from kvroute.bench.cluster_nodes import Nodes, per, read_script_usage, replicas_caught_up, traffic
 from kvroute.bench.common import percentile, write_json
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import usable_redis_url
@@ -37,7 +38,6 @@ SYSTEM_BLOCKS = 32
 MAX_CHAIN = 2048
 THROUGHPUT_BLOCKS = 512
 LOADERS = 16  # conversations stored concurrently (each worker's handle serialises its own)
-READ_SCRIPTS = ("cmdstat_evalsha_ro", "cmdstat_eval_ro")
 
 
 @dataclass
@@ -66,40 +66,9 @@ async def cluster_client(url: str, replicas: bool) -> RedisCluster:
     return client
 
 
-async def node_infos(client: RedisCluster, section: str, replicas: bool = True) -> dict[str, dict]:
-    """INFO ``section`` of every master (and replica), by node name ``host:port``."""
-    nodes = client.get_nodes() if replicas else client.get_primaries()
-    replies = await client.info(section, target_nodes=nodes)  # type: ignore[call-arg]
-    return {str(name): info for name, info in replies.items()}
-
-
-async def read_script_usage(client: RedisCluster) -> dict[str, tuple[int, float]]:
-    """Per node: (calls, usec) of the read-only scripts since the last CONFIG RESETSTAT."""
-    out = {}
-    for name, stats in (await node_infos(client, "commandstats")).items():
-        entries = [stats.get(cmd, {}) for cmd in READ_SCRIPTS]
-        out[name] = (sum(int(e.get("calls", 0)) for e in entries), sum(float(e.get("usec", 0)) for e in entries))
-    return out
-
-
-async def traffic(client: RedisCluster) -> Counter[str]:
-    """Counters summed over every node: bytes in and out (replication apart) and the write
-    scripts' (EVALSHA: apply.lua...) time, masters only (replicas apply their effects, not scripts)."""
-    totals: Counter[str] = Counter()
-    for info in (await node_infos(client, "stats")).values():
-        totals["net_in"] += int(info["total_net_input_bytes"])
-        totals["net_out"] += int(info["total_net_output_bytes"]) - int(info.get("total_net_repl_output_bytes", 0))
-        totals["repl_out"] += int(info.get("total_net_repl_output_bytes", 0))
-    for info in (await node_infos(client, "commandstats", replicas=False)).values():
-        totals["write_usec"] += int(info.get("cmdstat_evalsha", {}).get("usec", 0))
-    return totals
-
-
-def per(delta: Counter[str], count: int) -> dict[str, float]:
-    return {name: value / count for name, value in sorted(delta.items())} if count else {}
-
-
-async def load_spread_fleet(client: RedisCluster, model: str, workers: int, entries: int, roots: int) -> SpreadFleet:
+async def load_spread_fleet(
+    client: RedisCluster, nodes: Nodes, model: str, workers: int, entries: int, roots: int
+) -> SpreadFleet:
     """Conversations of up to MAX_CHAIN blocks, each under one of ``roots`` system prompts, held by
     a primary worker to a random depth and half the time by a second worker to a shorter one,
     stored from the root (a worker that already holds the system prompt adds only the tail)."""
@@ -127,20 +96,21 @@ async def load_spread_fleet(client: RedisCluster, model: str, workers: int, entr
                 loaded += result.applied
                 fleet.entries_per_bucket[bucket_of(chain[0])] += result.applied
 
-    before = await traffic(client)
+    before = await traffic(nodes)
     started = time.perf_counter()
     await asyncio.gather(*(loader() for _ in range(LOADERS)))
     elapsed = time.perf_counter() - started
-    fleet.load = {"entries_per_s": loaded / elapsed, **per(await traffic(client) - before, loaded)}
+    fleet.load = {"entries_per_s": loaded / elapsed, **per(await traffic(nodes) - before, loaded)}
     print(f"  stored {loaded:,} entries in {elapsed:.0f} s: {fleet.load}")
     return fleet
 
 
-async def shard_table(client: RedisCluster, fleet: SpreadFleet, memory_before: dict[str, int]) -> list[dict]:
+async def shard_table(
+    client: RedisCluster, nodes: Nodes, fleet: SpreadFleet, memory_before: dict[str, int]
+) -> list[dict]:
     """Per master: used memory (and its growth), keys, entries of the fleet and bytes per entry."""
-    memory = {name: int(info["used_memory"]) for name, info in (await node_infos(client, "memory", False)).items()}
-    # one call per master: given several nodes, redis-py sums their DBSIZE replies
-    sizes = {node.name: await client.dbsize(target_nodes=node) for node in client.get_primaries()}  # type: ignore[call-arg]
+    memory = {name: int(info["used_memory"]) for name, info in (await nodes.info("memory", False)).items()}
+    sizes = {name: await nodes.clients[name].dbsize() for name in nodes.masters}
     keys = KeySchema().for_model(fleet.model)
     entries: Counter[str] = Counter()
     for bucket, count in fleet.entries_per_bucket.items():
@@ -162,59 +132,38 @@ async def shard_table(client: RedisCluster, fleet: SpreadFleet, memory_before: d
     return rows
 
 
-async def replicas_caught_up(client: RedisCluster, timeout_s: float = 300.0) -> None:
-    """Wait until every replica has applied everything its master has written (the load's
-    replication stream would otherwise take CPU from the timed matches)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        infos = await node_infos(client, "replication", replicas=False)
-        behind = [
-            name
-            for name, info in infos.items()
-            for key, slave in info.items()
-            if key.startswith("slave") and isinstance(slave, dict) and slave["offset"] < info["master_repl_offset"]
-        ]
-        if not behind:
-            return
-        if time.monotonic() > deadline:
-            raise StartupError(
-                f"replicas of {', '.join(sorted(set(behind)))} did not catch up within {timeout_s:.0f} s"
-            )
-        await asyncio.sleep(0.2)
-
-
-async def alive_us_per_call(client: RedisCluster, model: str, calls: int) -> float:
+async def alive_us_per_call(client: RedisCluster, nodes: Nodes, model: str, calls: int) -> float:
     """Redis CPU of alive.lua alone (the read every match makes on the model's control shard)."""
     index = RedisIndex(client)
     alive = index.keys(model).alive
     await index.scripts.run("alive", [alive], [])
-    await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
+    await nodes.resetstat()
     for _ in range(calls):
         await index.scripts.run("alive", [alive], [])
-    return sum(u for _, u in (await read_script_usage(client)).values()) / calls
+    return sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
 
 
 async def time_matches(
-    client: RedisCluster, model: str, chains: list[list[int]]
+    client: RedisCluster, nodes: Nodes, model: str, chains: list[list[int]]
 ) -> tuple[float, float, float, dict[str, float]]:
     """p50 and p99 client latency (ms), Redis CPU per match (us, all nodes), bytes per match."""
     index = RedisIndex(client)
     for chain in chains[:8]:  # load the scripts on every node involved, warm the gid name cache
         await index.match(model, chain)
-    await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
-    before = await traffic(client)
+    await nodes.resetstat()
+    before = await traffic(nodes)
     samples = []
     for chain in chains:
         start = time.perf_counter()
         await index.match(model, chain)
         samples.append((time.perf_counter() - start) * 1000)
-    network = per(await traffic(client) - before, len(chains))
-    usec = sum(u for _, u in (await read_script_usage(client)).values())
+    network = per(await traffic(nodes) - before, len(chains))
+    usec = sum(u for _, u in (await read_script_usage(nodes)).values())
     return statistics.median(samples), percentile(samples, 0.99), usec / len(chains), network
 
 
 async def measure_throughput(
-    client: RedisCluster, model: str, chains: list[list[int]], args: argparse.Namespace
+    client: RedisCluster, nodes: Nodes, model: str, chains: list[list[int]], args: argparse.Namespace
 ) -> dict:
     """Matches/s of ``args.concurrency`` clients for ``args.seconds``; Redis CPU per match and each
     node's share of the read-script calls. Each prompt's keys are built once beforehand (building
@@ -224,7 +173,7 @@ async def measure_throughput(
     prepared = [index.match_calls(model, chain) for chain in chains]
     for calls in prepared[:8]:
         await index.match_result(model, *await index.scripts.call_many(calls))
-    await client.config_resetstat(target_nodes=client.get_nodes())  # type: ignore[call-arg]
+    await nodes.resetstat()
     done = 0
     deadline = time.perf_counter() + args.seconds
 
@@ -239,7 +188,7 @@ async def measure_throughput(
     started = time.perf_counter()
     await asyncio.gather(*(reader(i) for i in range(args.concurrency)))
     elapsed = time.perf_counter() - started
-    usage = await read_script_usage(client)
+    usage = await read_script_usage(nodes)
     total_calls = sum(c for c, _ in usage.values()) or 1
     return {
         "matches_per_s": done / elapsed,
@@ -266,31 +215,31 @@ async def replica_reader(url: str, timeout_s: float = 30.0) -> RedisCluster:
 
 async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str, list]:
     primary = await cluster_client(url, replicas=False)
+    nodes = await Nodes.discover(primary, url)
     reads = {"primary": primary}
     rng = random.Random(11)
     results: dict[str, list] = {"shards": [], "match": [], "throughput": [], "alive": [], "load": []}
     for workers in args.workers:
         model = f"bench-cluster-w{workers}"
-        before = {n: int(i["used_memory"]) for n, i in (await node_infos(primary, "memory", False)).items()}
-        fleet = await load_spread_fleet(primary, model, workers, args.entries, args.roots)
-        shards = await shard_table(primary, fleet, before)
+        before = {n: int(i["used_memory"]) for n, i in (await nodes.info("memory", False)).items()}
+        fleet = await load_spread_fleet(primary, nodes, model, workers, args.entries, args.roots)
+        shards = await shard_table(primary, nodes, fleet, before)
         results["shards"] += [{"workers": workers, **row} for row in shards]
         results["load"].append({"workers": workers, **fleet.load})
         total = sum(r["entries"] for r in shards)
         print(f"loaded {total:,} entries for {workers} workers under {args.roots} roots ({fleet.conversations} chains)")
         if args.read_from_replicas and "replicas" not in reads:
             reads["replicas"] = await replica_reader(url)
-        await replicas_caught_up(primary)
-        alive_cost = await alive_us_per_call(primary, model, args.queries)
+        await replicas_caught_up(nodes)
+        alive_cost = await alive_us_per_call(primary, nodes, model, args.queries)
         results["alive"].append({"workers": workers, "redis_us_per_call": alive_cost})
         print(f"  alive.lua alone: {alive_cost:.1f} us/call")
         for blocks in args.prompt_blocks:
             chains = [fleet.chain(rng.randrange(fleet.conversations))[:blocks] for _ in range(args.queries)]
             for mode, client in reads.items():
-                p50, p99, cpu, network = await time_matches(client, model, chains)
-                row = MatchRow(
-                    blocks, workers, mode, p50, p99, cpu, network.get("net_in", 0), network.get("net_out", 0)
-                )
+                p50, p99, cpu, network = await time_matches(client, nodes, model, chains)
+                process_cpu = network.get("master_cpu_us", 0) + network.get("replica_cpu_us", 0)
+                row = MatchRow(blocks, workers, mode, p50, p99, cpu, network["net_in"], network["net_out"], process_cpu)
                 results["match"].append(asdict(row))
                 print(f"  {blocks:5d} blocks, {mode:8s}: p50 {p50:.3f} ms  p99 {p99:.3f} ms  redis {cpu:.1f} us/match")
         hot = [c for c in range(fleet.conversations) if c % args.roots == 0]
@@ -301,11 +250,12 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
         for layout, chains in layouts.items():
             chains = [c[:THROUGHPUT_BLOCKS] for c in chains]
             for mode, client in reads.items():
-                figures = await measure_throughput(client, model, chains, args)
+                figures = await measure_throughput(client, nodes, model, chains, args)
                 results["throughput"].append({"workers": workers, "layout": layout, "reads": mode, **figures})
                 print(f"  {layout}, {mode}: {figures['matches_per_s']:,.0f} matches/s {figures['node_call_share']}")
     for client in reads.values():
         await client.aclose()
+    await nodes.aclose()
     results["settings"] = [vars_of(args)]
     return results
 
@@ -320,6 +270,7 @@ class MatchRow:
     redis_us_per_match: float
     bytes_in_per_match: float
     bytes_out_per_match: float
+    process_cpu_us_per_match: float  # INFO cpu of every node: the scripts plus network and parsing
 
 
 def vars_of(args: argparse.Namespace) -> dict[str, object]:
@@ -340,17 +291,20 @@ def render(results: dict[str, list]) -> str:
     for f in results["load"]:
         lines.append(
             f"\nLoad ({f['workers']} workers): {f['entries_per_s']:,.0f} entries/s; per entry: apply.lua "
-            f"{f.get('write_usec', 0):.2f} us, {f.get('net_in', 0):.0f} B in, {f.get('repl_out', 0):.0f} B to replicas"
+            f"{f.get('write_usec', 0):.2f} us; CPU of masters {f.get('master_cpu_us', 0):.2f} us and replicas "
+            f"{f.get('replica_cpu_us', 0):.2f} us; {f.get('net_in', 0):.0f} B in, "
+            f"{f.get('repl_out', 0):.0f} B to replicas"
         )
     lines += [
         "",
-        "| prompt blocks | workers | reads | p50 ms | p99 ms | Redis CPU us/match | B in/match | B out/match |",
+        "| prompt blocks | workers | reads | p50 ms | p99 ms | script us/match | CPU us/match | B in | B out |",
     ]
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in results["match"]:
         lines.append(
             f"| {r['prompt_blocks']} | {r['workers']} | {r['reads']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
-            f"| {r['redis_us_per_match']:.1f} | {r['bytes_in_per_match']:,.0f} | {r['bytes_out_per_match']:,.0f} |"
+            f"| {r['redis_us_per_match']:.1f} | {r['process_cpu_us_per_match']:.1f} | {r['bytes_in_per_match']:,.0f} "
+            f"| {r['bytes_out_per_match']:,.0f} |"
         )
     lines += ["", "alive.lua alone (every match makes one on the model's control shard): "]
     lines[-1] += ", ".join(f"{a['redis_us_per_call']:.1f} us/call at {a['workers']} workers" for a in results["alive"])
