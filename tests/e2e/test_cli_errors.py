@@ -61,7 +61,8 @@ def test_a_url_without_a_scheme_is_one_line_with_status_2(command):
     line = one_line(kvroute(*command, "--redis-url", BAD_SCHEME), 2)
     assert line == (
         f"kvroute {' '.join(command[:2] if command[0] != 'demo' else command[:1])}: error: "
-        f"Redis URL must start with redis://, rediss:// or unix://, got '{BAD_SCHEME}'"
+        "Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://, "
+        f"got '{BAD_SCHEME}'"
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from kvindex.hashing import sequence_hashes
+from kvindex.keys import bucket_of
 from kvindex.redis_index import RedisIndex
 from kvindex.types import StoredRun, WorkerInfo
 
@@ -56,7 +57,8 @@ def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     assert data["model"] == unique_name and data["block_size"] == 32
     assert [b["hash"] for b in data["blocks"]] == chain
     assert [b["index"] for b in data["blocks"]] == [0, 1, 2, 3]
-    assert data["blocks"][0]["key"] == f"kvr:{{{unique_name}}}:b:{chain[0]:016x}"
+    # the chain's bucket (from its first block) is in the key's hash tag
+    assert data["blocks"][0]["key"] == f"kvr:{{{unique_name}#{bucket_of(chain[0]):03x}}}:b:{chain[0]:016x}"
     assert [b["owners"] for b in data["blocks"]] == [["w-long", "w-short"], ["w-long"], ["w-long"], ["w-long"]]
     assert data["workers"] == [{"id": "w-long", "matched_blocks": 4}, {"id": "w-short", "matched_blocks": 1}]
 

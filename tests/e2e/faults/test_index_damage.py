@@ -107,7 +107,7 @@ async def test_a_malformed_entry_leaves_other_workers_matches_exact(redis_server
                 assert response.status == 200
         await wait_until(scene.caught_up, 10)
         chain = sequence_hashes(probe, BLOCK)
-        await add_member(scene, KeySchema().for_model(MODEL).block(chain[7]), "999999")
+        await add_member(scene, KeySchema().for_model(MODEL).bucket_of_chain(chain[0]).block(chain[7]), "999999")
         errors = []
         for url in scene.router_urls:
             view = await route_view(scene.session, url, probe)
