@@ -1,0 +1,119 @@
+"""Memoized tokenization equals a full tokenization exactly: vLLM's /tokenize captures (golden),
+random texts against the tokenizer itself, multi-turn growth; tokenizers it cannot cut get no memo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+from router.prompts import Tokenization
+from router.token_memo import TokenMemo
+from router.tokenizer import ModelPrompts
+from sim_engine.settings import TINY_MODEL_DIR
+from tests.unit.test_prompts import CHAT, TEXT1, captured
+
+# Characters that stress the cuts: whitespace of every kind, contractions, punctuation, digits,
+# multi-byte text, the model's added tokens and pieces of them.
+ALPHABET = [
+    *"ab cd  \n\t'sxyz.,!?0123 ",
+    *("'s", "'ll", "  ", "\n\n", "\r\n", "\r", "é", "日本", "\u00a0", "\u3000", "\u2003", "\u2028", "\x85", "\x0b"),
+    *("\x1c", "\u200b", "\u180e", " '", "''", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<unk>", "<|im", "_end|>"),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> ModelPrompts:
+    return ModelPrompts(TINY_MODEL_DIR)
+
+
+def memo_of(prompts: ModelPrompts, **kwargs) -> TokenMemo:
+    memo = TokenMemo.for_tokenizer(prompts.tokenizer, **kwargs)
+    assert memo is not None
+    return memo
+
+
+def test_text_and_chat_tokenize_as_the_captured_vllm_did(prompts):
+    memo = memo_of(prompts, chunk_chars=16)
+    for _ in range(2):  # cold, then every piece remembered
+        assert list(memo.encode(TEXT1)) == captured("tokenize_prompt")
+        assert list(memo.encode(TEXT1, add_special_tokens=False)) == captured("tokenize_prompt_nospecial")
+        assert list(memo.encode(prompts.render_chat(CHAT), False)) == captured("tokenize_chat")
+    assert memo.hits > 0
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 5, 64])
+def test_random_texts_equal_a_full_tokenization(prompts, chunk_chars):
+    memo = memo_of(prompts, chunk_chars=chunk_chars)
+    rng = random.Random(chunk_chars)
+    for _ in range(3000):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 80)))
+        for special in (True, False):
+            assert list(memo.encode(text, special)) == prompts.encode(text, special), repr(text)
+
+
+def test_growing_conversations_tokenize_only_their_new_end(prompts):
+    memo = memo_of(prompts, chunk_chars=32)
+    rng = random.Random(7)
+    words = ["cache", "block", "router", " prefix", "token's", "engine,", "\n", "  ", "worker.", "日本"]
+    messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(300))}]
+    for turn in range(8):
+        messages.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(40 + turn))})
+        text = prompts.render_chat(messages)
+        new = sum(len(piece) for piece in memo.missing(memo.pieces(text)))
+        assert list(memo.encode(text, False)) == prompts.chat_tokens(messages)
+        if turn:  # the last two messages and the template's words around them, not the rest
+            assert new <= len(messages[-1]["content"]) + len(messages[-2]["content"]) + 40
+        messages.append({"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(20))})
+    completion = ""
+    for _ in range(6):  # a completion's text growing turn by turn
+        completion += " ".join(rng.choice(words) for _ in range(60))
+        assert list(memo.encode(completion)) == prompts.encode(completion)
+
+
+def test_the_memo_is_bounded_by_tokens(prompts):
+    memo = memo_of(prompts, max_tokens=400, chunk_chars=8)
+    for i in range(200):
+        text = f"entry number {i} with a few more words in it"
+        assert list(memo.encode(text)) == prompts.encode(text)
+        assert memo.tokens <= 400
+    assert memo.tokens == sum(len(ids) for ids in memo._pieces.values())
+
+
+def _tokenizer(pre_tokenizer: pre_tokenizers.PreTokenizer, added: AddedToken | None = None) -> Tokenizer:
+    vocab = {"a": 0, "b": 1, " ": 2, "▁": 3, "[SEP]": 4}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tokenizer.pre_tokenizer = pre_tokenizer
+    if added is not None:
+        tokenizer.add_special_tokens([added])
+    return tokenizer
+
+
+def test_tokenizers_that_cannot_be_cut_exactly_get_no_memo():
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert TokenMemo.for_tokenizer(_tokenizer(byte_level, AddedToken("[SEP]", special=True))) is not None
+    # Metaspace prepends its marker to the first stretch only: where a stretch sits matters.
+    assert TokenMemo.for_tokenizer(_tokenizer(pre_tokenizers.Metaspace(prepend_scheme="first"))) is None
+    # An added token that swallows the whitespace around it is not matched on the raw text alone.
+    assert TokenMemo.for_tokenizer(_tokenizer(byte_level, AddedToken("[SEP]", lstrip=True, special=True))) is None
+    spec = json.loads(_tokenizer(byte_level).to_str())
+    spec["truncation"] = {"max_length": 4, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}
+    assert TokenMemo.for_tokenizer(Tokenizer.from_str(json.dumps(spec))) is None
+
+
+def test_the_router_tokenizes_through_the_memo(prompts):
+    async def scenario() -> None:
+        tokenization = Tokenization({"tiny": TINY_MODEL_DIR}, session=None)  # type: ignore[arg-type]
+        assert tokenization.memos["tiny"] is not None
+        long_text = TEXT1 * 30  # past OFF_LOOP_CHARS: tokenized in a thread
+        for _ in range(2):
+            body = {"model": "tiny", "messages": CHAT}
+            assert list(await tokenization.chat("tiny", body, "")) == captured("tokenize_chat")
+            assert list(await tokenization.completion("tiny", {"prompt": TEXT1}, "")) == captured("tokenize_prompt")
+            got = await tokenization.completion("tiny", {"prompt": long_text, "add_special_tokens": False}, "")
+            assert list(got) == prompts.encode(long_text, add_special_tokens=False)
+
+    asyncio.run(scenario())
