@@ -8,8 +8,9 @@ appends to the gid's block log.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from kvindex.keys import BucketKeys
 from kvindex.mirror import IndexAdd, IndexOp
@@ -79,3 +80,36 @@ def encode_ops(ops: Sequence[IndexOp], bucket: BucketKeys) -> tuple[bytes, list[
             args.append(len(segment))
         start = end
     return bytes(kinds), keys, args
+
+
+class KeyRun(Sequence[str]):
+    """Keys made of one prefix and 16 hex digits each (a chain's block keys), kept as the packed
+    hashes: a script call declares them all, and :meth:`resp` encodes them for the wire in one
+    pass (redis-py's encoder takes ~0.6 us per argument: 300 us for an 8k-token prompt's keys)."""
+
+    __slots__ = ("_hashes", "prefix")
+
+    def __init__(self, prefix: str, hashes: Sequence[int]) -> None:
+        self.prefix = prefix
+        self._hashes = pack_hashes(hashes)
+
+    def __len__(self) -> int:
+        return len(self._hashes) // 8
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        keys = [f"{self.prefix}{h:016x}" for h in unpack_hashes(self._hashes)]
+        return keys[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self[:])
+
+    def resp(self) -> bytes:
+        """The keys as RESP bulk strings, back to back."""
+        if not self._hashes:
+            return b""
+        head = f"${len(self.prefix.encode()) + 16}\r\n{self.prefix}"
+        return (head + self._hashes.hex(":", 8).replace(":", "\r\n" + head) + "\r\n").encode()

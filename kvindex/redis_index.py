@@ -16,6 +16,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from kvindex.cluster import RedisClient
+from kvindex.codec import KeyRun
 from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
@@ -152,8 +153,8 @@ class RedisIndex:
         model's alive gids (alive.lua) and the chain's depth per gid (match.lua). On a cluster
         they run on two shards at once: the model's and the chain's bucket's."""
         keys = self.keys(model)
-        block_keys = [keys.bucket_of_chain(chain[0]).block(h) for h in chain] if chain else []
-        return [("alive", [keys.alive], []), ("match", block_keys, [])]
+        prefix = keys.bucket_of_chain(chain[0]).block_prefix if chain else ""
+        return [("alive", [keys.alive], []), ("match", KeyRun(prefix, chain), [])]
 
     async def match_result(self, model: str, alive_reply: Any, match_reply: Any) -> dict[str, int]:
         """The replies of :meth:`match_calls` -> {alive worker id: matched blocks}."""

@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvindex.cluster import RedisClient, is_cluster
+from kvindex.codec import KeyRun
 from kvindex.replies import raise_script_error
 
 SCRIPT_NAMES = (
@@ -127,12 +128,11 @@ class Scripts:
         a routing decision's CPU). A connection interrupted mid-reply (a timeout, a cancelled
         request) is closed, never reused with replies pending."""
         pool = self._client.connection_pool  # type: ignore[union-attr]
-        commands = [(_command(name), self._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
         connection = await pool.get_connection()
         try:
-            await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            await connection.send_packed_command(self._pack(connection, calls), check_health=False)
             results: list[Any] = []
-            for _ in commands:
+            for _ in calls:
                 try:
                     results.append(await connection.read_response())
                 except ResponseError as exc:
@@ -143,6 +143,21 @@ class Scripts:
         finally:
             await pool.release(connection)
         return results
+
+    def _pack(self, connection: Any, calls: Sequence[ScriptCall]) -> list[bytes]:
+        """The calls as RESP: redis-py's encoder, except for keys given as a :class:`KeyRun`,
+        which are encoded in one pass."""
+        out: list[bytes] = []
+        for name, keys, args in calls:
+            head: tuple[KeyOrArg, ...] = (_command(name), self._scripts[name].sha, len(keys))
+            if not isinstance(keys, KeyRun):
+                out += connection.pack_command(*head, *keys, *args)
+                continue
+            packed = b"".join(connection.pack_command(*head, *args))
+            count, _, rest = packed.partition(b"\r\n")  # '*<args>' and the arguments
+            split = _after_arguments(rest, len(head))
+            out.append(b"*%d\r\n%s%s%s" % (int(count[1:]) + len(keys), rest[:split], keys.resp(), rest[split:]))
+        return out
 
     async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         script = self._scripts[name]
@@ -167,6 +182,15 @@ class Scripts:
             return await self.call(name, keys, args)
         except ResponseError as exc:
             raise_script_error(exc)
+
+
+def _after_arguments(resp: bytes, count: int) -> int:
+    """Where the first ``count`` RESP bulk strings of ``resp`` end."""
+    position = 0
+    for _ in range(count):
+        line_end = resp.index(b"\r\n", position)
+        position = line_end + 2 + int(resp[position + 1 : line_end]) + 2
+    return position
 
 
 def _command(name: str) -> str:

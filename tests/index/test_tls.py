@@ -86,7 +86,7 @@ def test_without_a_client_certificate_the_server_refuses_the_client(tls_redis, c
 @pytest.mark.parametrize(
     ("url", "files", "message"),
     [
-        ("redis://127.0.0.1:6379/0", {"tls_ca": "ca"}, "TLS files need a rediss:// URL"),
+        ("redis://127.0.0.1:6379/0", {"tls_ca": "ca"}, r"TLS files need a rediss:// or rediss\+cluster:// URL"),
         ("rediss://127.0.0.1:6379/0", {"tls_cert": "cert"}, "--redis-tls-cert and --redis-tls-key go together"),
         (
             "rediss://127.0.0.1:6379/0",
@@ -107,4 +107,7 @@ def test_a_bad_tls_flag_is_one_line_from_the_cli(capsys, tmp_path: Path):
         == 2
     )
     err = capsys.readouterr().err.strip()
-    assert err == "kvroute index workers: error: TLS files need a rediss:// URL, got 'redis://127.0.0.1:6379/0'"
+    assert (
+        err
+        == "kvroute index workers: error: TLS files need a rediss:// or rediss+cluster:// URL, got 'redis://127.0.0.1:6379/0'"
+    )

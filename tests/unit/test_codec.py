@@ -33,3 +33,22 @@ def test_out_of_range_hashes_are_rejected(bad):
 def test_unpack_rejects_partial_hashes():
     with pytest.raises(ValueError, match="8 bytes"):
         unpack_hashes(b"1234567")
+
+
+def test_a_key_run_is_encoded_exactly_as_redis_py_encodes_its_keys():
+    from redis.asyncio.connection import Connection
+
+    from kvindex.codec import KeyRun
+    from kvindex.scripts import Scripts
+
+    chain = [0, 1, 2**64 - 1, 0xDEADBEEF]
+    prefix = KeySchema().for_model("modèle/ünïcode").bucket_of_chain(chain[0]).block_prefix
+    run = KeyRun(prefix, chain)
+    assert list(run) == [f"{prefix}{h:016x}" for h in chain] and len(run) == 4 and run[2] == f"{prefix}{2**64 - 1:x}"
+    connection = Connection()
+    scripts = Scripts(None)  # type: ignore[arg-type]
+    calls = [("alive", ["k"], []), ("match", run, ["extra", 7]), ("match", KeyRun(prefix, []), [])]
+    expected = connection.pack_commands(
+        [("EVALSHA_RO", scripts._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
+    )
+    assert b"".join(scripts._pack(connection, calls)) == b"".join(expected)
