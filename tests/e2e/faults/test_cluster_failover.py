@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from tests.e2e.cluster_support import (
     make_acl_user,
     prime,
     prompts_on_every_master,
+    start_router_process,
     wait_for_workers,
     wait_held,
 )
@@ -56,6 +58,11 @@ class ClusterScene:
     session: aiohttp.ClientSession
     probes: list[tuple[list[int], str]] = field(default_factory=list)  # (prompt, the worker it was primed on)
     seen: dict[int, int] = field(default_factory=dict)  # every block an engine held -> its chain's root
+    extra_router_urls: list[str] = field(default_factory=list)  # router processes, sent traffic and checked too
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [self.router.url, *self.extra_router_urls]
 
     @property
     def index(self) -> RedisIndex:
@@ -93,8 +100,9 @@ class ClusterScene:
             )
             if (await self.index.match(MODEL, chain)).get(worker) != held:
                 return False
-            if (await index_credits(self.session, self.router.url, MODEL, prompt)).get(worker) != held:
-                return False
+            for url in self.router_urls:
+                if (await index_credits(self.session, url, MODEL, prompt)).get(worker) != held:
+                    return False
         return True
 
     async def index_agrees(self) -> bool:
@@ -122,10 +130,15 @@ def cluster() -> Iterator[LocalCluster]:
 
 @contextlib.asynccontextmanager
 async def cluster_scene(
-    cluster: LocalCluster, agent_url: str | None = None, agent_args: Sequence[str] = (), **router: str | float
+    cluster: LocalCluster,
+    agent_url: str | None = None,
+    agent_args: Sequence[str] = (),
+    router_processes: Sequence[Sequence[str]] = (),
+    **router: str | float,
 ) -> AsyncIterator[ClusterScene]:
-    """Engines with agents (on ``agent_url``, by default the cluster's), a router (its settings:
-    ``router``, ``url`` among them) and the traffic running; the probes primed and indexed."""
+    """Engines with agents (on ``agent_url``, by default the cluster's), a router in this process
+    (its settings: ``router``, ``url`` among them), a ``python -m router`` process on the cluster
+    for each of ``router_processes`` (its flags), and the traffic running through every router."""
     async with contextlib.AsyncExitStack() as stack:
         fleet = SimFleet(agent_url or cluster.url, count=3, num_blocks=512, agent_args=list(agent_args))
         stack.push_async_callback(fleet.stop)
@@ -133,17 +146,27 @@ async def cluster_scene(
         context, running = await start_router(str(router.pop("url", cluster.url)), **router)
         stack.push_async_callback(context.__aexit__, None, None, None)  # type: ignore[attr-defined]
         await wait_for_workers(running, MODEL, fleet.count)
+        extra_router_urls = []
+        for flags in router_processes:
+            process, url = await start_router_process(cluster.url, *flags)
+            stack.callback(_terminated, process)
+            extra_router_urls.append(url)
         client = RedisSettings(url=cluster.url).client()
         stack.push_async_callback(client.aclose)
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
-        traffic = Traffic([running.url], make_prefixes(6, seed=13), concurrency=CLIENTS)
+        traffic = Traffic([running.url, *extra_router_urls], make_prefixes(6, seed=13), concurrency=CLIENTS)
         stack.push_async_callback(traffic.stop)
-        scene = ClusterScene(cluster, fleet, running, traffic, client, session)
+        scene = ClusterScene(cluster, fleet, running, traffic, client, session, extra_router_urls=[*extra_router_urls])
         probes = prompts_on_every_master(cluster, MODEL, per_master=1, seed=99)
         scene.probes = [(prompt, fleet.worker_id(k % fleet.count)) for k, prompt in enumerate(probes)]
         traffic.start()
         await traffic.progressed(60)
         yield scene
+
+
+def _terminated(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    assert process.wait(15) == 0, f"the router process exited with {process.returncode}"
 
 
 @pytest.fixture
@@ -234,6 +257,14 @@ async def test_least_privilege_users_through_a_failover_and_a_killed_master(clus
     for port, role in cluster.nodes.items():
         if role != "down":
             assert cluster.client(port).execute_command("ACL", "LOG") == [], port
+
+
+async def test_a_router_reading_from_replicas_through_a_failover_and_a_killed_master(cluster: LocalCluster):
+    async with cluster_scene(cluster, router_processes=[["--read-from-replicas"]]) as scene:
+        control = cluster.master_for_slot(control_slot(MODEL))
+        buckets = next(p for p, n in block_keys_per_master(cluster, MODEL).items() if p != control and n)
+        await survive(scene, cluster.failover, buckets)  # its replica, read from, becomes the master
+        await survive(scene, cluster.kill_master, control)
 
 
 async def test_every_master_paused_routes_by_round_robin_then_by_the_cache_again(cluster: LocalCluster):
