@@ -22,12 +22,22 @@ DEFAULT_PORT = 6379
 RedisClient: TypeAlias = Redis | RedisCluster
 
 
+SCRIPT_COMMANDS = frozenset({"EVALSHA", "EVALSHA_RO", "EVAL", "EVAL_RO"})
+
+
 class ClusterClient(RedisCluster):
-    """RedisCluster that routes EVALSHA_RO / EVAL_RO by their keys, as it does EVALSHA."""
+    """RedisCluster that routes kvroute's script calls by their first key.
+
+    Every kvroute script declares keys of one slot (kvindex.keys), so the first key names it:
+    redis-py would hash every key (a match declares one per block: ~1 ms of Python for 512) and
+    asks the server where EVALSHA_RO / EVAL_RO go. A script whose keys did span slots is refused
+    by the server (CROSSSLOT), not sent anywhere wrong."""
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
-        if command.upper() in ("EVALSHA_RO", "EVAL_RO"):
-            command = "EVALSHA"
+        if command.upper() in SCRIPT_COMMANDS:
+            if len(args) > 2 and int(args[1]) > 0:
+                return int(self.keyslot(args[2]))
+            command = "EVALSHA"  # no keys: any node (redis-py picks a slot at random)
         return await super()._determine_slot(command, *args)
 
 

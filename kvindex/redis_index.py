@@ -28,6 +28,7 @@ from kvindex.replies import (
     block_owners,
     decode,
     depths_from_match_reply,
+    gid_list,
     raise_script_error,
     worker_record,
 )
@@ -163,7 +164,7 @@ class RedisIndex:
                 raise_script_error(reply)
             if isinstance(reply, Exception):
                 raise reply
-        alive = {int(g) for g in alive_reply[1:]}
+        alive = set(gid_list(alive_reply[1]))
         depths = dict.fromkeys(alive, 0)
         depths.update({g: d for g, d in depths_from_match_reply(match_reply).items() if g in alive})
         names = await self._worker_names(model, list(depths))
@@ -181,7 +182,7 @@ class RedisIndex:
         return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
 
     async def _alive_gids(self, model: str) -> set[int]:
-        return {int(g) for g in (await self._scripts.run("alive", [self.keys(model).alive], []))[1:]}
+        return set(gid_list((await self._scripts.run("alive", [self.keys(model).alive], []))[1]))
 
     async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
         """Alive workers that hold ``block`` in the index, each with 1 (the index records who

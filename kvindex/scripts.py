@@ -130,13 +130,19 @@ class Scripts:
         pool = self._client.connection_pool  # type: ignore[union-attr]
         connection = await pool.get_connection()
         try:
-            await connection.send_packed_command(self._pack(connection, calls), check_health=False)
-            results: list[Any] = []
-            for _ in calls:
-                try:
-                    results.append(await connection.read_response())
-                except ResponseError as exc:
-                    results.append(exc)
+            try:
+                await connection.send_packed_command(self._pack(connection, calls), check_health=False)
+                results: list[Any] = []
+                for _ in calls:
+                    try:
+                        results.append(await connection.read_response())
+                    except ResponseError as exc:
+                        results.append(exc)
+            except AttributeError as exc:
+                # redis-py can lose a connection's stream under a concurrent close and then fail
+                # with AttributeError ('NoneType' ... 'writelines', redis-py #4287): a dropped
+                # connection, for the callers' retry and failure handling.
+                raise RedisConnectionError(f"the Redis connection was closed under us ({exc})") from exc
         except BaseException:
             await connection.disconnect()
             raise

@@ -8,13 +8,14 @@
 --         score), 'due' (score now or earlier: retired gids gc may collect; staged ones wait
 --         in the future), 'dead' (deadline at least ARGV[3] ms ago)
 -- ARGV[2] 'due' and 'dead': at most this many gids   ARGV[3] 'dead': grace ms
--- Returns {now_ms, gid, ...}, or for 'all' {now_ms, gid, score, ...}.
+-- Returns {now_ms, 'gid,gid,...'} for 'alive' (one string: a thousand gids parse in one split),
+-- {now_ms, gid, ...} for 'due' and 'dead', {now_ms, gid, score, ...} for 'all'.
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local mode, limit, grace = ARGV[1] or 'alive', tonumber(ARGV[2] or '100'), tonumber(ARGV[3] or '0')
 local out
 if mode == 'alive' then
-  out = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf')
+  out = {table.concat(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf'), ',')}
 elseif mode == 'all' then
   out = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 elseif (mode == 'due' or mode == 'dead') and limit and limit >= 0 and grace and grace >= 0 then

@@ -102,8 +102,12 @@ class SharedLoad:
     async def totals(self, model: str) -> dict[str, InflightLoad]:
         """The summed load now, over the replicas live now (read first: an observer that never
         renews a lease knows of none); routing decisions use :meth:`totals_call` instead."""
-        live = await self._scripts.call("alive", [self.keys(model).replicas], [])
-        self._live[model] = [r.decode() if isinstance(r, bytes) else str(r) for r in live[1:]]
+        now, *leases = await self._scripts.call("alive", [self.keys(model).replicas], ["all"])
+        self._live[model] = [
+            r.decode() if isinstance(r, bytes) else str(r)
+            for r, deadline in zip(leases[::2], leases[1::2], strict=True)
+            if float(deadline) > int(now)
+        ]
         name, keys, args = self.totals_call(model)
         return parse_totals(await self._scripts.call(name, keys, args))
 
