@@ -4,11 +4,12 @@ router tests' helpers assume the model 'tiny'; tests on the shared session clust
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -149,3 +150,17 @@ def make_acl_user(role: str, user: str, password_file: Path, nodes: Sequence[red
     assert words[:3] == ["ACL", "SETUSER", user], command
     for node in nodes:
         assert node.execute_command(*words) in (b"OK", "OK", True)
+
+
+def bounded(check: Callable[[], Awaitable[bool]], seconds: float = 5.0) -> Callable[[], Awaitable[bool]]:
+    """``check`` for :func:`~tests.support.wait_until`, taking False for an answer that does not
+    come within ``seconds`` (a look at an agent or a router must not outlast the wait itself)."""
+
+    async def looked() -> bool:
+        try:
+            async with asyncio.timeout(seconds):
+                return await check()
+        except TimeoutError:
+            return False
+
+    return looked

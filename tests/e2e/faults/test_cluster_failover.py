@@ -26,6 +26,7 @@ from router.main import RunningRouter
 from tests.e2e.cluster_support import (
     BLOCK,
     block_keys_per_master,
+    bounded,
     chain_of,
     control_slot,
     index_credits,
@@ -69,10 +70,11 @@ class ClusterScene:
         return RedisIndex(self.client)
 
     async def reasserts(self) -> list[dict[str, float]]:
-        """Each agent's re-asserts so far, by reason."""
+        """Each agent's re-asserts so far, by reason (each agent must answer within 5 s)."""
         counts = []
         for agent in self.fleet.agents:
-            metrics = await agent.metrics()
+            async with asyncio.timeout(5):
+                metrics = await agent.metrics()
             counts.append({name: value for name, value in metrics.items() if name.startswith(REASSERT_REASONS)})
         return counts
 
@@ -178,10 +180,10 @@ async def scene(cluster: LocalCluster) -> AsyncIterator[ClusterScene]:
 async def recovered(scene: ClusterScene) -> None:
     """No request failed; the probes are matched to their workers again (by the index and the
     router); with the traffic paused, the index agrees with the engines block for block."""
-    await wait_until(scene.probes_matched, 30, interval=0.2)
+    await wait_until(bounded(scene.probes_matched), 30, interval=0.2)
     await scene.traffic.pause()
     try:
-        await wait_until(scene.index_agrees, 30, interval=0.2)
+        await wait_until(bounded(scene.index_agrees, 10), 30, interval=0.2)
     finally:
         scene.traffic.resume()
     assert scene.traffic.failed == 0, scene.traffic.failures
@@ -205,7 +207,7 @@ async def survive(scene: ClusterScene, fault, port: int) -> int:
         now = await scene.reasserts()
         return all(sum(n.values()) > sum(b.values()) for n, b in zip(now, before, strict=True))
 
-    await wait_until(everyone_reasserted, 30, interval=0.2)
+    await wait_until(bounded(everyone_reasserted), 30, interval=0.2)
     reasons = {name for counts in await scene.reasserts() for name in counts}
     await recovered(scene)
     degraded = scene.router.state.decider.degraded_count
