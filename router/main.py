@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
 from router.upstream import UpstreamWaits, upstream_session
+from router.workers import run_workers
 
 log = logging.getLogger("router")
 # Connections kept from decision lookups: the fleet refresh, the lease renewal and the load writer.
@@ -102,7 +104,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         with listening("the router's HTTP API", f"{settings.host}:{settings.port}", "--port (or --host)"):
-            await web.TCPSite(runner, settings.host, settings.port).start()
+            await web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None).start()
         port = runner.addresses[0][1]
         yield RunningRouter(f"http://{settings.host}:{port}", state)
 
@@ -145,7 +147,16 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(logging_settings)
-    return run_service(parser.prog, lambda: serve_until_signal(running_router(settings), _announce(settings)))
+    # Prompts are tokenized a piece at a time (router.token_memo): a thread pool per call only
+    # spun idle threads (sched_yield) between them, on cores that --workers' processes share.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if settings.workers > 1:
+        return run_workers(settings, lambda one: _serve(parser.prog, one))
+    return _serve(parser.prog, settings)
+
+
+def _serve(prog: str, settings: RouterSettings) -> int:
+    return run_service(prog, lambda: serve_until_signal(running_router(settings), _announce(settings)))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvroute router") -> int:

@@ -59,6 +59,8 @@ class RouterSettings:
     enable_debug: bool = False  # /debug/* served at all
     expose_routing_headers: bool | None = None  # x-kvroute-* on replies; None: only without API keys
     worker_allow: tuple[str, ...] = ()  # worker URL hosts/networks routed to; empty: any (warned)
+    workers: int = 1  # router processes on this port (router.workers), each its own replica
+    reuse_port: bool = False  # SO_REUSEPORT: set for each of --workers' processes
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -79,6 +81,10 @@ class RouterSettings:
         for name in ("max_inflight", "upstream_connections", "upstream_connections_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("--workers above 1 needs a fixed --port (its processes share it)")
         WorkerAllowList(self.worker_allow)  # a malformed entry: its ValueError
         for model, directory in self.tokenizers:
             if not (Path(directory) / "tokenizer.json").is_file():
@@ -158,6 +164,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"longer prompts get 413 (env KVROUTE_MAX_PROMPT_TOKENS; default {d.max_prompt_tokens})",
     )
     parser.add_argument("--replica-id", help="this replica's id in the shared load (default host-pid-random)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="router processes sharing the port (SO_REUSEPORT), each a replica of its own with --replica-id "
+        "suffixed -w0, -w1, ...; they share only Redis (default 1)",
+    )
     parser.add_argument(
         "--redis-timeout-ms",
         type=float,
@@ -262,6 +275,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         weights=weights,
         api_keys=frozenset(keys),
         redis_timeout_s=args.redis_timeout_ms / 1000,
+        workers=getattr(args, "workers", 1),
         **extra,  # type: ignore[arg-type]
     )
 

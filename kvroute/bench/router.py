@@ -1,10 +1,15 @@
 """``kvroute bench router``: what the router adds to a request, and how many it can route.
 
-A trivial upstream (an aiohttp server answering completions at once, registered as 4 workers in a
-private Redis) is called directly and through one ``kvroute router`` process, in the same run:
+A trivial upstream (an aiohttp server answering completions and chat completions at once,
+registered as 4 workers in a private Redis) is called directly and through one ``kvroute router``
+process, in the same run:
 * added latency (router minus direct, p50/p99) at a fixed open-loop rate for 8k-token token-id
-  prompts and for 2k-token text prompts (the router tokenizes those with the tiny model);
-* the most requests/s one router process completes for short non-streaming requests.
+  prompts and for 2k-token text prompts (the router tokenizes those with the tiny model), and at
+  ``MULTI_TURN_RATE`` for multi-turn conversations (shared system prompts, 0.5-2.5k tokens) sent
+  as chats (``chat``) and as completions of their transcript (``turns``);
+* the most requests/s one router process, and one ``--workers 2`` router, completes for short
+  non-streaming requests;
+* the router process's CPU per request (``cpu_us``: from /proc, robust to a shared machine).
 A bare aiohttp pass-through (:mod:`kvroute.devstack.passthrough`) is measured the same way: the floor of a
 Python hop. Optionally the SGLang router (``--sglang``, its cache_aware policy) is measured the same way.
 """
@@ -14,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -28,9 +35,16 @@ from aiohttp import web
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
-from kvroute.bench.common import closed_loop, percentile, remove_files, start_logged, stop_processes, wait_healthy
+from kvroute.bench.common import (
+    closed_loop,
+    percentile,
+    remove_files,
+    serve_app,
+    start_logged,
+    stop_processes,
+    wait_healthy,
+)
 from kvroute.devstack.embedded_redis import RedisServer, free_port
-from kvroute.devstack.passthrough import completions_site
 from kvroute.devstack.peers import SglangRouters
 from sim_engine.settings import TINY_MODEL_DIR
 
@@ -40,6 +54,24 @@ CHOICE = {"index": 0, "text": "ok", "finish_reason": "length"}
 REPLY = json.dumps(
     {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL, "choices": [CHOICE], "usage": USAGE}
 ).encode()
+MULTI_TURN_RATE = 100.0  # requests/s of the multi-turn runs (issue 15)
+WORDS = (
+    "cache",
+    "block",
+    "router",
+    "prefix",
+    "token",
+    "engine",
+    "worker",
+    "index",
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "is",
+)
+CHATS, MAX_TURNS, SYSTEM_PROMPTS = 16, 9, 4  # conversations at once, turns each, system prompts shared
 
 
 async def _upstream(port: int) -> web.AppRunner:
@@ -47,7 +79,69 @@ async def _upstream(port: int) -> web.AppRunner:
         await request.read()
         return web.Response(body=REPLY, content_type="application/json")
 
-    return await completions_site(port, completions)
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/health", health)
+    return await serve_app(app, port)
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def _conversation(i: int, seed: int) -> list[dict[str, str]]:
+    """Request ``i``'s messages: conversation ``i % CHATS`` at turn ``i // CHATS`` (a new
+    conversation after ``MAX_TURNS``), each turn ~230 tokens after a ~450-token system prompt
+    that ``CHATS / SYSTEM_PROMPTS`` conversations share: 0.5-2.5k tokens in all."""
+    chat, turn = i % CHATS, (i // CHATS) % MAX_TURNS
+    generation = i // (CHATS * MAX_TURNS)
+    system = _words(random.Random(f"{seed}:system:{chat % SYSTEM_PROMPTS}"), 200)
+    rng = random.Random(f"{seed}:{generation}:{chat}")
+    messages = [{"role": "system", "content": system}]
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": _words(rng, 60) + f" ({t}?)"})
+        answer = _words(rng, 40)
+        if t < turn:
+            messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def _transcript(messages: list[dict[str, str]]) -> str:
+    """A conversation as one completion prompt (plain text: no special tokens)."""
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+
+
+def _multi_turn_bodies(kind: str, count: int, seed: int) -> list[bytes]:
+    out = []
+    for i in range(count):
+        messages = _conversation(i, seed)
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
+        if kind == "chat":
+            body["messages"] = messages
+        else:
+            body["prompt"] = _transcript(messages)
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` and their children so far (Linux /proc), 0 elsewhere."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:13]) / ticks  # utime, stime
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        if children.exists():
+            total += _cpu_s([int(c) for c in children.read_text().split()])
+    return total
 
 
 async def _open_loop(session: aiohttp.ClientSession, url: str, bodies: list[bytes], rate: float) -> list[float]:
@@ -94,6 +188,9 @@ def _bodies(kind: str, count: int, seed: int = 5) -> list[bytes]:
     return out
 
 
+LATENCY_KINDS = ("ids8k", "text2k", "chat", "turns")
+
+
 async def _measure(
     session: aiohttp.ClientSession,
     name: str,
@@ -101,30 +198,52 @@ async def _measure(
     direct: str,
     args: argparse.Namespace,
     results: dict[str, Any],
-    token_ids: bool = True,
+    kinds: tuple[str, ...] = LATENCY_KINDS,
+    pids: list[int] | None = None,
 ) -> None:
-    """``token_ids=False`` for routers that accept only text prompts (SGLang's)."""
-    for kind in ("ids8k", "text2k") if token_ids else ("text2k",):
-        bodies = _bodies(kind, args.requests)
-        await _open_loop(session, url + "/v1/completions", bodies[:50], args.rate)  # warm up
-        routed = await _open_loop(session, url + "/v1/completions", bodies, args.rate)
-        plain = await _open_loop(session, direct + "/v1/completions", bodies, args.rate)
+    """The latency runs of ``kinds`` (SGLang's router takes no token ids; the pass-through no chats),
+    then the most requests/s; ``pids``: the router's processes, whose CPU is read."""
+    for kind in kinds:
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        rate = MULTI_TURN_RATE if kind in ("chat", "turns") else args.rate
+        warm, bodies = _latency_bodies(kind, args.requests)
+        await _open_loop(session, url + path, warm, rate)
+        cpu = _cpu_s(pids or [])
+        routed = await _open_loop(session, url + path, bodies, rate)
+        cpu = _cpu_s(pids or []) - cpu
+        plain = await _open_loop(session, direct + path, bodies, rate)
         results[f"{name}:{kind}"] = {
             "direct_p50_ms": round(1000 * statistics.median(plain), 3),
             "routed_p50_ms": round(1000 * statistics.median(routed), 3),
             "added_p50_ms": round(1000 * (statistics.median(routed) - statistics.median(plain)), 3),
             "added_p99_ms": round(1000 * (percentile(routed, 0.99) - percentile(plain, 0.99)), 3),
+            **({"cpu_us": round(1e6 * cpu / len(bodies))} if pids else {}),
         }
-    for text in (False, True) if token_ids else (True,):
-        urls = [url + "/v1/completions"]
-        done, took = await closed_loop(session, urls, args.seconds, args.concurrency, partial(_short_request, text))
-        results[f"{name}:max_rps_{'text' if text else 'ids'}"] = round(done / took, 1)
+    for text in (False, True) if "ids8k" in kinds else (True,):
+        await _max_rps(session, name, url, args, results, text)
 
 
-def _start_router(redis_url: str) -> tuple[subprocess.Popen[bytes], str, str]:
+def _latency_bodies(kind: str, count: int) -> tuple[list[bytes], list[bytes]]:
+    """(warm-up bodies, measured bodies); multi-turn warm-ups are other conversations, so that
+    the measured ones find only their own earlier turns remembered."""
+    if kind in ("chat", "turns"):
+        return _multi_turn_bodies(kind, 50, seed=1), _multi_turn_bodies(kind, count, seed=2)
+    bodies = _bodies(kind, count)
+    return bodies[:50], bodies
+
+
+async def _max_rps(
+    session: aiohttp.ClientSession, name: str, url: str, args: argparse.Namespace, results: dict[str, Any], text: bool
+) -> None:
+    urls = [url + "/v1/completions"]
+    done, took = await closed_loop(session, urls, args.seconds, args.concurrency, partial(_short_request, text))
+    results[f"{name}:max_rps_{'text' if text else 'ids'}"] = round(done / took, 1)
+
+
+def _start_router(redis_url: str, workers: int = 1) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     command = [sys.executable, "-m", "router", "--redis-url", redis_url, "--port", str(port)]
-    command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]
+    command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING", "--workers", str(workers)]
     return *start_logged(command, "bench-router"), f"http://127.0.0.1:{port}"
 
 
@@ -156,18 +275,24 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         with RedisServer() as server:
             await _register_upstreams(server.url, upstream_ports)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-                for name, start, ready in (
-                    ("kvroute", partial(_start_router, server.url), "/ready"),
-                    ("passthrough", partial(_start_passthrough, upstream_ports[0]), "/health"),
+                for name, start, ready, kinds in (
+                    ("kvroute", partial(_start_router, server.url), "/ready", LATENCY_KINDS),
+                    ("kvroute_workers2", partial(_start_router, server.url, 2), "/ready", ()),
+                    ("passthrough", partial(_start_passthrough, upstream_ports[0]), "/health", ("ids8k", "text2k")),
                 ):
                     process, log, url = start()
                     processes.append(process)
                     logs.append(log)
                     await wait_healthy(session, url + ready, process, log, 30, name=f"the {name} process")
-                    await _measure(session, name, url, direct, args, results)
+                    if kinds:
+                        await _measure(session, name, url, direct, args, results, kinds, [process.pid])
+                    else:  # --workers 2: the most requests/s only
+                        await _max_rps(session, name, url, args, results, text=False)
+                    stop_processes([process])  # not competing with the next one for the cores
                 if args.sglang:
                     async with SglangRouters([f"http://127.0.0.1:{p}" for p in upstream_ports]) as sglang:
-                        await _measure(session, "sglang", sglang.urls[0], direct, args, results, token_ids=False)
+                        text_kinds = ("text2k", "chat", "turns")
+                        await _measure(session, "sglang", sglang.urls[0], direct, args, results, text_kinds)
     finally:
         stop_processes(processes)
         remove_files(logs)
