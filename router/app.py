@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.redis_index import RedisIndex
-from router.accounting import RollingWindow, SharedPrefixes
+from router.accounting import RollingWindow, SharedPrefixes, Split
 from router.body import TOO_DEEP, BodyError, decode_body
 from router.booking import Booking
 from router.dashboard import add_dashboard_routes
@@ -151,15 +151,18 @@ def _reported_cached(usage: dict | None) -> int | None:
 
 def _split_fields(decision: Decision, candidate: Candidate | None = None, reported: int | None = None) -> dict:
     """The accounting's fields of the access log and /debug/route (None: unknown, for a degraded decision)."""
-    found = decision.split(candidate, reported)
+    return _log_fields(decision.split(candidate, reported))
+
+
+def _log_fields(found: Split | None) -> dict:
     if found is None:
         return dict.fromkeys(("best_match_tokens", "lost_load_tokens", "lost_stale_tokens", "cold_tokens"))
     return found.log_fields()
 
 
-def _account(state: RouterState, decision: Decision, candidate: Candidate, reported: int | None) -> None:
-    """A proxied request's decision quality: the metrics, the dashboard's window and prefixes."""
-    found = decision.split(candidate, reported)
+def _account(state: RouterState, decision: Decision, found: Split | None) -> None:
+    """A proxied request's decision quality (``found``: its split, once computed for the log too):
+    the metrics, the dashboard's window and prefixes."""
     if found is None:  # degraded: no match was read; counted by degraded_decisions_total
         return
     now = time.monotonic()
@@ -231,7 +234,8 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
     _record_usage(state, decision, forwarded.candidate, forwarded.usage)
     reported = _reported_cached(forwarded.usage)
-    _account(state, decision, forwarded.candidate, reported)
+    found = decision.split(forwarded.candidate, reported)
+    _account(state, decision, found)
     request[LOG_FIELDS] = {
         "model": decision.model,
         "worker": forwarded.candidate.worker_id,
@@ -239,7 +243,7 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
         "degraded": decision.degraded,
         "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
         "cached_tokens": reported,
-        **_split_fields(decision, forwarded.candidate, reported),
+        **_log_fields(found),
         "decision_ms": round(decision.seconds * 1000, 3),
         "retried": forwarded.retried,
     }

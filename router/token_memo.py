@@ -111,14 +111,15 @@ class TokenMemo:
         chunk_chars: int = CHUNK_CHARS,
     ) -> None:
         self._tokenizer = tokenizer
-        self._before, self._after = affixes
+        self._before, self._after = (array("I", ids).tobytes() for ids in affixes)
+        self._packed: dict[int, bytes] = {}  # an added token's id, packed
         self._cut_at_spaces = cut_at_spaces
         self._chunk = chunk_chars
         self.max_tokens = max_tokens
         self.tokens = 0  # held now
         self.hits = 0  # pieces found remembered
         self.misses = 0  # pieces tokenized
-        self._pieces: OrderedDict[str, array] = OrderedDict()
+        self._pieces: OrderedDict[str, bytes] = OrderedDict()  # text -> its ids as u32 (array's bytes)
         added = sorted(tokenizer.get_added_tokens_decoder().items(), key=lambda item: -len(item[1].content))
         self._added_ids = {token.content: token_id for token_id, token in added}
         # Longest first: at a position where several match, the longest wins (leftmost-longest).
@@ -182,31 +183,35 @@ class TokenMemo:
         for text, token_ids in zip(texts, ids, strict=True):
             if len(token_ids) > self.max_tokens // 4 or text in self._pieces:
                 continue
-            self._pieces[text] = array("I", token_ids)
+            self._pieces[text] = array("I", token_ids).tobytes()
             self.tokens += len(token_ids)
         while self.tokens > self.max_tokens:
             _, evicted = self._pieces.popitem(last=False)
-            self.tokens -= len(evicted)
+            self.tokens -= len(evicted) // 4
 
     def assemble(
         self, pieces: Sequence[Piece], add_special_tokens: bool, fresh: Mapping[str, Sequence[int]] | None = None
     ) -> array:
-        """The text's ids from its pieces, every text piece remembered or in ``fresh``."""
-        ids = array("I", self._before if add_special_tokens else ())
+        """The text's ids from its pieces, every text piece remembered or in ``fresh``: the pieces'
+        packed ids joined in one C call (they are kept packed, as the block hashing reads them)."""
         known = self._pieces
+        packed = self._packed
+        parts = [self._before if add_special_tokens else b""]
         for piece in pieces:
             if isinstance(piece, int):
-                ids.append(piece)
+                parts.append(packed.get(piece) or packed.setdefault(piece, array("I", [piece]).tobytes()))
                 continue
             found = known.get(piece)
             if found is not None:
                 known.move_to_end(piece)
-                ids.extend(found)
-            else:
-                given = fresh.get(piece) if fresh else None  # evicted since missing(): rare
-                ids.extend(given if given is not None else self.encode_pieces([piece])[0])
+                parts.append(found)
+                continue
+            given = fresh.get(piece) if fresh else None  # None: evicted since missing(), rare
+            parts.append(array("I", given if given is not None else self.encode_pieces([piece])[0]).tobytes())
         if add_special_tokens:
-            ids.extend(self._after)
+            parts.append(self._after)
+        ids = array("I")
+        ids.frombytes(b"".join(parts))
         return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> array:
