@@ -18,8 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 
 from kvindex.cluster import RedisClient, is_cluster
 from kvindex.codec import KeyRun
@@ -103,7 +110,7 @@ class Scripts:
         back in the list as exception objects; a missing script is loaded and the batch rerun.
         On a cluster the calls run concurrently, each on the shard of its keys."""
         if self._cluster:
-            return list(await asyncio.gather(*(self._call_or_error(*c) for c in calls)))
+            return await self._cluster_round_trip(calls)
         reconnected = reloaded = False
         while True:
             try:
@@ -176,6 +183,26 @@ class Scripts:
             evaluate = "EVAL_RO" if name in READ_ONLY_SCRIPTS else "EVAL"
             return await self._client.execute_command(evaluate, script.source, len(keys), *keys, *args)
 
+    async def _cluster_round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """The calls as one cluster pipeline: one connection and one round trip per shard that
+        has calls (a decision's alive, load and expected reads share the model's shard), the
+        shards at once. A call the shard does not know the script for is sent again with it."""
+        pipe = self._client.pipeline(transaction=False)
+        for name, keys, args in calls:
+            pipe.execute_command(_command(name), self._scripts[name].sha, len(keys), *keys, *args)
+        try:
+            results: list[Any] = list(await pipe.execute(raise_on_error=False))
+        except RedisError:
+            # A shard that went away mid-pipeline (a failover): each call on its own, with the
+            # cluster client's retries (it refreshes the slot map and follows MOVED and ASK).
+            results = [RedisError()] * len(calls)
+        redo = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
+        if redo:
+            again = await asyncio.gather(*(self._call_or_error(*calls[i]) for i in redo))
+            for i, result in zip(redo, again, strict=True):
+                results[i] = result
+        return results
+
     async def _call_or_error(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         try:
             return await self.call(name, keys, args)
@@ -188,6 +215,14 @@ class Scripts:
             return await self.call(name, keys, args)
         except ResponseError as exc:
             raise_script_error(exc)
+
+
+def _script_answer(error: Exception) -> bool:
+    """An error the script itself returned (kept as the call's result), not one of reaching it
+    (a connection, a moved slot, a script the server does not have yet: worth a second call)."""
+    return isinstance(error, ResponseError) and not isinstance(
+        error, NoScriptError | MovedError | AskError | TryAgainError
+    )
 
 
 def _after_arguments(resp: bytes, count: int) -> int:

@@ -188,8 +188,11 @@ class RedisSettings:
         if client_name:
             options["client_name"] = "".join(c if c.isprintable() and not c.isspace() else "_" for c in client_name)
         if is_cluster_url(self.url):
-            # Per node: a cluster client keeps one pool per shard (and replica).
-            return cluster_client(self.url, self.read_from_replicas, max_connections=max_connections or 100, **options)
+            # Per node: a cluster client keeps one pool per shard (and replica), and refuses a
+            # command at once (MaxConnectionsError) when a node's pool is full rather than wait:
+            # twice the bound, so that what the caller sized for one server fits on each node.
+            per_node = 2 * max_connections if max_connections else 100
+            return cluster_client(self.url, self.read_from_replicas, max_connections=per_node, **options)
         if max_connections is None:
             return Redis.from_url(self.url, **options)
         if max_connections < 1:

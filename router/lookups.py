@@ -50,7 +50,13 @@ class Lookups:
         errors of the lookup itself are raised as they are."""
         on_wire = asyncio.Event()
         task = asyncio.create_task(self._in_slot(lookup, on_wire))
-        done, _ = await asyncio.wait({task}, timeout=self._budget_s)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self._budget_s)
+        except asyncio.CancelledError:
+            # The decision was cancelled (its client went, or the router is stopping): the
+            # lookup finishes alone like a late one, and aclose() still cancels it.
+            self._leave_in_background(task)
+            raise
         if task in done:
             return task.result()
         if not on_wire.is_set():  # still waiting for a slot: nothing sent, safe to cancel
@@ -58,9 +64,12 @@ class Lookups:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise BudgetExpired(self._budget_s, busy=True)
-        self._background.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(self._discard)
+        self._leave_in_background(task)
         raise BudgetExpired(self._budget_s, busy=False)
+
+    def _leave_in_background(self, task: asyncio.Task[T]) -> None:
+        self._background.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._discard)  # type: ignore[arg-type]
 
     async def _in_slot(self, lookup: Callable[[], Awaitable[T]], on_wire: asyncio.Event) -> T:
         async with self._slots:

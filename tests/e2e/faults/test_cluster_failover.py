@@ -282,15 +282,7 @@ async def test_every_master_paused_routes_by_round_robin_then_by_the_cache_again
         await recovered(scene)
 
 
-POOL_EXHAUSTED = pytest.mark.xfail(
-    strict=True,
-    reason="on a cluster a decision's lookup sends 3 concurrent script calls to the model's shard, each on its own "
-    "connection; the lookup slots (pool size - 3) assume one, and redis-py's cluster node pool raises "
-    "MaxConnectionsError at once instead of waiting: decisions degrade though Redis answers within the budget",
-)
-
-
-@pytest.fixture(params=["single", pytest.param("cluster", marks=POOL_EXHAUSTED)])
+@pytest.fixture(params=["single", "cluster"])
 def index_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, int, redis.Redis]]:
     """A private single Redis or cluster: (URL, port of the model's control keys, a client there)."""
     if request.param == "single":

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
-from redis.asyncio import Redis
 
+from kvindex.cluster import RedisClient
 from kvindex.hashing import extend_sequence_hashes
 from kvindex.redis_index import RedisIndex
 
@@ -50,7 +50,7 @@ async def engine_block_roots(session: aiohttp.ClientSession, url: str, block_siz
     return {h: roots[h] for h in indexed}
 
 
-async def index_blocks(client: Redis, model: str, roots: dict[int, int]) -> dict[str, set[int]]:
+async def index_blocks(client: RedisClient, model: str, roots: dict[int, int]) -> dict[str, set[int]]:
     """For each alive worker, which of the blocks in ``roots`` (block -> its chain's first block,
     which says its bucket) the index credits it with."""
     index = RedisIndex(client)
