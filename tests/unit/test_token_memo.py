@@ -117,3 +117,19 @@ def test_the_router_tokenizes_through_the_memo(prompts):
             assert list(got) == prompts.encode(long_text, add_special_tokens=False)
 
     asyncio.run(scenario())
+
+
+def test_new_text_of_known_words_needs_no_tokenizer(prompts):
+    memo = memo_of(prompts, chunk_chars=32)
+    rng = random.Random(3)
+    words = ["cache", "block's", "router,", "prefix", "  token", "\nengine", "日本", "worker."]
+    first = " ".join(rng.choice(words) for _ in range(400))
+    assert list(memo.encode(first)) == prompts.encode(first)
+    for _ in range(20):  # the same words in another order: every new piece is made of known words
+        text = " ".join(rng.choice(words) for _ in range(100))
+        pieces = memo.pieces(text)
+        new_words = memo.missing(pieces)
+        assert list(memo.assemble(pieces, True, {w: prompts.encode(w, False) for w in new_words})) == prompts.encode(
+            text
+        )
+    assert len(new_words) <= 2  # at most a piece's first word, cut differently (no space before it)
