@@ -77,6 +77,18 @@ async def test_engine_metrics_garbage(redis_server):
         recovery = await scene.recover(time.monotonic())  # with the garbage still served: ~0 if never lost
         assert all(agent.process.poll() is None for agent in scene.fleet.agents), "an agent died"
         await scene.traffic.pause()
+        await scene.prime()  # again: the traffic of the garbage phase may have evicted them (LRU)
+
+        async def probes_routed_to_holders() -> bool:
+            """The agents have indexed the probes again, garbage metrics and all."""
+            for k, probe in enumerate(scene.probes):
+                body = {"model": MODEL, "prompt": [*probe, 9]}
+                async with scene.session.post(scene.router_urls[0] + "/debug/route", json=body) as response:
+                    if (await response.json())["chosen"] != scene.worker(k % 3):
+                        return False
+            return True
+
+        await wait_until(probes_routed_to_holders, 15, interval=0.1)
         chosen = []
         for k, probe in enumerate(scene.probes):  # each probe goes to the worker that holds it
             body = {"model": MODEL, "prompt": [*probe, 9], "max_tokens": 1}
