@@ -16,13 +16,21 @@ async def _per_master(client: RedisClient, section: str) -> dict[str, dict[str, 
 
 
 async def server_run_id(client: RedisClient) -> str | None:
-    """The run_id of the server, or of every master of a cluster joined (node:run_id, sorted):
-    it changes when a server restarts or a replica is promoted. None when INFO lacks it."""
+    """The run_id of the server; on a cluster, the ids of the nodes that are masters now (from
+    CLUSTER NODES: a promoted replica changes them, even while this client's slot map still
+    names the old master) and each master's run_id (a master restarted in place changes it).
+    None when INFO lacks a run_id."""
     infos = await _per_master(client, "server")
     ids = [f"{name}:{info['run_id']}" for name, info in sorted(infos.items()) if info.get("run_id")]
     if len(ids) != len(infos):
         return None
-    return ids[0].split(":", 1)[1] if not is_cluster(client) else ",".join(ids)
+    if not is_cluster(client):
+        return ids[0].split(":", 1)[1]
+    nodes = await client.cluster_nodes()  # type: ignore[union-attr]
+    masters = sorted(
+        str(node["node_id"]) for node in nodes.values() if {"master"} & _flags(node) and not {"fail"} & _flags(node)
+    )
+    return ",".join(masters + ids)
 
 
 async def server_memory(client: RedisClient) -> dict[str, int]:
@@ -35,3 +43,7 @@ async def server_memory(client: RedisClient) -> dict[str, int]:
     else:
         keys = int(await client.dbsize())
     return {"used_memory": used, "keys": keys}
+
+
+def _flags(node: Any) -> set[str]:
+    return set(str(node.get("flags", "")).split(","))
