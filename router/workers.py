@@ -67,6 +67,8 @@ def run_workers(settings: RouterSettings, serve: Callable[[RouterSettings], int]
                 code = 1
                 try:
                     code = serve(worker_settings(settings, number))
+                except BaseException:  # os._exit skips the interpreter's own report: say it here
+                    log.exception("router process %d failed", number)
                 finally:
                     os._exit(code)
             children[pid] = number

@@ -6,6 +6,7 @@ import pytest
 
 from router.main import build_parser
 from router.settings import RouterSettings, settings_from_args
+from router.workers import worker_settings
 
 
 def _settings(argv: list[str], env: dict[str, str] | None = None) -> RouterSettings:
@@ -41,9 +42,19 @@ def test_variables_set_what_no_flag_does_and_flags_win():
         (["--redis-pool-size", "3"], {}, "--redis-pool-size must be at least 4"),
         (["--worker-retain-s", "-1"], {}, "--worker-retain-s must be 0 or more"),
         ([], {"KVROUTE_MAX_BODY_BYTES": "100"}, "--max-body-bytes must be at least 1024"),
+        (["--workers", "0"], {}, "--workers must be at least 1"),
+        (["--workers", "2", "--port", "0"], {}, "--workers above 1 needs a fixed --port"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_setting(argv, env, message):
     with pytest.raises(ValueError) as error:
         _settings(argv, env)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_each_of_workers_processes_is_a_replica_of_its_own():
+    settings = _settings(["--workers", "3", "--replica-id", "edge", "--port", "9000"], {})
+    assert (settings.workers, settings.reuse_port) == (3, False)
+    ones = [worker_settings(settings, n) for n in range(3)]
+    assert [s.replica_id for s in ones] == ["edge-w0", "edge-w1", "edge-w2"]
+    assert all(s.workers == 1 and s.reuse_port and s.port == 9000 for s in ones)
