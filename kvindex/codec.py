@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
-from kvindex.keys import BucketKeys
 from kvindex.mirror import IndexAdd, IndexOp
 
 
@@ -56,12 +55,13 @@ def encode_adds(adds: Sequence[IndexAdd]) -> StoreArgs:
     return StoreArgs(pack_hashes(hashes), bytes(flags), parents)
 
 
-def encode_ops(ops: Sequence[IndexOp], bucket: BucketKeys) -> tuple[bytes, list[str], list[bytes | int]]:
+def encode_ops(ops: Sequence[IndexOp]) -> tuple[bytes, list[int], list[bytes | int]]:
     """Encode an ordered mix of additions and subtractions in one bucket for apply.lua: the
-    segment kinds ('a'/'s', one per run of same-kind operations), the block keys the segments
-    touch (declared in KEYS, in the script's order) and each segment's arguments in order."""
+    segment kinds ('a'/'s', one per run of same-kind operations), the blocks whose keys the
+    segments touch (declared in KEYS, in the script's order: see :class:`KeyRun`) and each
+    segment's arguments in order."""
     kinds = bytearray()
-    keys: list[str] = []
+    keys: list[int] = []
     args: list[bytes | int] = []
     start = 0
     for end in range(1, len(ops) + 1):
@@ -71,37 +71,39 @@ def encode_ops(ops: Sequence[IndexOp], bucket: BucketKeys) -> tuple[bytes, list[
         if isinstance(segment[0], IndexAdd):
             kinds += b"a"
             encoded = encode_adds(segment)  # type: ignore[arg-type]
-            keys += [bucket.block(op.block) for op in segment]
-            keys += [bucket.block(parent) for parent in encoded.parents]
+            keys += [op.block for op in segment]
+            keys += encoded.parents
             args += [encoded.hashes, encoded.flags]
         else:
             kinds += b"s"
-            keys += [bucket.block(op.block) for op in segment]
+            keys += [op.block for op in segment]
             args.append(len(segment))
         start = end
     return bytes(kinds), keys, args
 
 
 class KeyRun(Sequence[str]):
-    """Keys made of one prefix and 16 hex digits each (a chain's block keys), kept as the packed
-    hashes: a script call declares them all, and :meth:`resp` encodes them for the wire in one
-    pass (redis-py's encoder takes ~0.6 us per argument: 300 us for an 8k-token prompt's keys)."""
+    """Script keys: a few ``lead`` keys, then keys made of one prefix and 16 hex digits each (a
+    chain's or a bucket's block keys), kept as the packed hashes: a script call declares them
+    all, and :meth:`resp` encodes them for the wire in one pass (redis-py's encoder takes ~0.6 us
+    per argument: 300 us for an 8k-token prompt's keys, 10 ms for a 16k-operation apply call)."""
 
-    __slots__ = ("_hashes", "prefix")
+    __slots__ = ("_hashes", "lead", "prefix")
 
-    def __init__(self, prefix: str, hashes: Sequence[int]) -> None:
+    def __init__(self, prefix: str, hashes: Sequence[int] | bytes, lead: Sequence[str] = ()) -> None:
         self.prefix = prefix
-        self._hashes = pack_hashes(hashes)
+        self.lead = tuple(lead)
+        self._hashes = hashes if isinstance(hashes, bytes) else pack_hashes(hashes)
 
     def __len__(self) -> int:
-        return len(self._hashes) // 8
+        return len(self.lead) + len(self._hashes) // 8
 
     @overload
     def __getitem__(self, i: int) -> str: ...
     @overload
     def __getitem__(self, i: slice) -> list[str]: ...
     def __getitem__(self, i: int | slice) -> str | list[str]:
-        keys = [f"{self.prefix}{h:016x}" for h in unpack_hashes(self._hashes)]
+        keys = [*self.lead, *(f"{self.prefix}{h:016x}" for h in unpack_hashes(self._hashes))]
         return keys[i]
 
     def __iter__(self) -> Iterator[str]:
@@ -109,7 +111,8 @@ class KeyRun(Sequence[str]):
 
     def resp(self) -> bytes:
         """The keys as RESP bulk strings, back to back."""
+        lead = b"".join(b"$%d\r\n%s\r\n" % (len(k.encode()), k.encode()) for k in self.lead)
         if not self._hashes:
-            return b""
+            return lead
         head = f"${len(self.prefix.encode()) + 16}\r\n{self.prefix}"
-        return (head + self._hashes.hex(":", 8).replace(":", "\r\n" + head) + "\r\n").encode()
+        return lead + (head + self._hashes.hex(":", 8).replace(":", "\r\n" + head) + "\r\n").encode()

@@ -22,13 +22,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from kvindex.bucket_writes import BucketCall, GenerationWrites, bucket_of_op, plan_calls, waves
 from kvindex.cluster import RedisClient
-from kvindex.codec import encode_ops, pack_hashes
+from kvindex.codec import KeyRun, encode_ops, pack_hashes
 from kvindex.errors import NotRegisteredError, StaleGenerationError
 from kvindex.generations import register_worker, retire, stage_generation, swap_generation
 from kvindex.keys import KeySchema
 from kvindex.mirror import BlockMirror, IndexOp
 from kvindex.replies import decode, raise_script_error
-from kvindex.scripts import Scripts
+from kvindex.scripts import ScriptCall, Scripts
 from kvindex.types import (
     BlockChange,
     HeartbeatStatus,
@@ -359,11 +359,11 @@ class RedisWorker:
             for call, reply in zip(round_calls, replies, strict=True):
                 self._check_applied(writes, call, reply)
 
-    def _apply_call(self, writes: GenerationWrites, call: BucketCall) -> tuple[str, list[str | bytes | int], list]:
+    def _apply_call(self, writes: GenerationWrites, call: BucketCall) -> ScriptCall:
         bucket = self.keys.bucket(call.bucket)
-        kinds, block_keys, args = encode_ops(call.ops, bucket)
+        kinds, blocks, args = encode_ops(call.ops)
         previous, op = writes.next_op(call.bucket)
-        keys: list[str | bytes | int] = [bucket.state(writes.gid), bucket.log(writes.gid), *block_keys]
+        keys = KeyRun(bucket.block_prefix, blocks, lead=[bucket.state(writes.gid), bucket.log(writes.gid)])
         return ("apply", keys, [writes.gid, previous, op, kinds, *args])
 
     def _check_applied(self, writes: GenerationWrites, call: BucketCall, reply: object) -> None:

@@ -123,7 +123,8 @@ async def test_a_stage_never_swapped_counts_for_nobody_and_gc_collects_it_in_tim
     staged = await stage_generation(index.scripts, keys, "a", handle.gid, 300)  # the writer dies after
     assert staged is not None
     bucket = keys.bucket_of_chain(prompt[0])
-    kinds, block_keys, args = encode_ops(handle.mirror.indexed_in_order(), bucket)
+    kinds, blocks, args = encode_ops(handle.mirror.indexed_in_order())
+    block_keys = [bucket.block(h) for h in blocks]
     await index.scripts.run("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, bucket_of(prompt[0])])
     await index.scripts.run(
         "apply", [bucket.state(staged), bucket.log(staged), *block_keys], [staged, 0, 1, kinds, *args]

@@ -1,6 +1,6 @@
 import pytest
 
-from kvindex.codec import encode_adds, encode_ops, pack_hashes, unpack_hashes
+from kvindex.codec import KeyRun, encode_adds, encode_ops, pack_hashes, unpack_hashes
 from kvindex.keys import KeySchema
 from kvindex.mirror import IndexAdd, IndexSub
 
@@ -16,12 +16,13 @@ def test_adds_use_continuation_flags_for_chains():
 
 def test_ops_become_segments_of_one_kind_in_their_order_with_every_key_declared():
     ops = [IndexAdd(1, None, 1), IndexAdd(2, 1, 1), IndexSub(2, 1), IndexSub(1, 1), IndexAdd(3, 1, 1)]
-    kinds, keys, args = encode_ops(ops, BUCKET)
+    kinds, blocks, args = encode_ops(ops)
     assert kinds == b"asa"
     # a segment's items, then the parents of its 'p' items; the subtractions' items
-    assert keys == [BUCKET.block(h) for h in (1, 2, 2, 1, 3, 1)]
+    assert blocks == [1, 2, 2, 1, 3, 1]
     assert args == [pack_hashes([1, 2]), b"rc", 2, pack_hashes([3]), b"p"]
-    assert all(key.startswith("kvr:{m#007}:b:") for key in keys)
+    keys = KeyRun(BUCKET.block_prefix, blocks, lead=["state", "log"])
+    assert list(keys) == ["state", "log", *(BUCKET.block(h) for h in blocks)] and len(keys) == 8
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**64]])
@@ -47,8 +48,16 @@ def test_a_key_run_is_encoded_exactly_as_redis_py_encodes_its_keys():
     assert list(run) == [f"{prefix}{h:016x}" for h in chain] and len(run) == 4 and run[2] == f"{prefix}{2**64 - 1:x}"
     connection = Connection()
     scripts = Scripts(None)  # type: ignore[arg-type]
-    calls = [("alive", ["k"], []), ("match", run, ["extra", 7]), ("match", KeyRun(prefix, []), [])]
+    calls = [
+        ("alive", ["k"], []),
+        ("match", run, ["extra", 7]),
+        ("match", KeyRun(prefix, []), []),
+        ("apply", KeyRun(prefix, chain, lead=["state:é", "log"]), [1, 0, 1, b"s", 4]),
+    ]
     expected = connection.pack_commands(
-        [("EVALSHA_RO", scripts._scripts[name].sha, len(keys), *keys, *args) for name, keys, args in calls]
+        [
+            ("EVALSHA_RO" if name != "apply" else "EVALSHA", scripts._scripts[name].sha, len(keys), *keys, *args)
+            for name, keys, args in calls
+        ]
     )
     assert b"".join(scripts._pack(connection, calls)) == b"".join(expected)
