@@ -40,7 +40,7 @@ CONNECTION_COMMANDS = (
 )  # fmt: skip
 READ_COMMANDS = (
     "exists", "hget", "hmget", "hgetall", "hkeys", "hlen", "hexists", "zrange", "zrangebyscore",
-    "zrevrangebyscore", "zscore", "zcard", "smembers", "sinter", "sismember", "scard", "strlen", "getrange",
+    "zrevrangebyscore", "zscore", "zcard", "smembers", "sinter", "sismember", "scard", "strlen", "getrange", "pttl",
 )  # fmt: skip
 # The writes each role's scripts and clients send (lua/*.lua, kvindex, router/shared_load.py).
 ROUTER_WRITES = ("hset", "hdel", "hincrby", "zadd", "zrem", "del", "unlink", "pexpire")

@@ -49,6 +49,7 @@ SCRIPT_NAMES = (
     "match",
     "alive",
     "lease",
+    "inflight_add",
     "inflight",
     "expect",
     "expected",

@@ -107,9 +107,8 @@ class ReplicaLoad:
                 self._sending = deltas
                 try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
                     async with asyncio.timeout(self._write_timeout_s):
-                        if deltas:  # a request booked and released within the window: nothing
-                            await self.shared.add_many(deltas)
-                        await self.shared.expect_many(expects, self._expected_ttl_ms)
+                        # one round trip; a request booked and released within the window: no delta
+                        await self.shared.write_many(deltas, expects, self._expected_ttl_ms)
                 except FAILURES as exc:
                     log.debug("shared load update failed: %s", exc)
                 finally:

@@ -120,16 +120,30 @@ class SharedLoad:
 
     async def add_many(self, deltas: Mapping[tuple[str, str], InflightLoad]) -> None:
         """Several (model, worker) load changes in one round trip."""
-        async with self._client.pipeline(transaction=False) as pipe:
-            for (model, worker_id), delta in deltas.items():
-                key = self.keys(model).inflight(self.replica_id)
-                for field, value in delta.fields(worker_id).items():
-                    if value:
-                        pipe.hincrby(key, field, value)
-                # A hash HINCRBY creates has no expiry yet: a replica killed before its next
-                # lease must not leave it behind for good.
-                pipe.pexpire(key, HASH_EXPIRY_MS, nx=True)
-            await pipe.execute()
+        await self.write_many(deltas, [], 0)
+
+    async def write_many(
+        self,
+        deltas: Mapping[tuple[str, str], InflightLoad],
+        expects: Sequence[tuple[str, str, Sequence[int]]],
+        ttl_ms: int,
+    ) -> None:
+        """Load changes (inflight_add.lua, one call per model) and expected prefixes
+        (expect.lua), all in one round trip."""
+        per_model: dict[str, list[str | int]] = defaultdict(list)
+        for (model, worker_id), delta in deltas.items():
+            for field, value in delta.fields(worker_id).items():
+                if value:
+                    per_model[model] += [field, value]
+        calls: list[ScriptCall] = [
+            ("inflight_add", [self.keys(model).inflight(self.replica_id)], [HASH_EXPIRY_MS, *pairs])
+            for model, pairs in per_model.items()
+        ]
+        calls += self._expect_calls(expects, ttl_ms)
+        if calls:
+            for result in await self._scripts.call_many(calls):
+                if isinstance(result, Exception):
+                    raise result
 
     async def leave(self, model: str) -> None:
         """Graceful shutdown: this replica's load stops counting at once."""
@@ -145,21 +159,16 @@ class SharedLoad:
 
     async def expect_many(self, entries: Sequence[tuple[str, str, Sequence[int]]], ttl_ms: int) -> None:
         """Remember several (model, worker, blocks) decisions in one round trip."""
+        await self.write_many({}, entries, ttl_ms)
+
+    def _expect_calls(self, entries: Sequence[tuple[str, str, Sequence[int]]], ttl_ms: int) -> list[ScriptCall]:
         calls: list[ScriptCall] = []
         for model, worker_id, blocks in entries:
             if blocks:
                 keys = self.keys(model)
-                calls.append(
-                    (
-                        "expect",
-                        [keys.expected, keys.expected_deadlines],
-                        [worker_id, ttl_ms, *(block_hex(b) for b in blocks)],
-                    )
-                )
-        if calls:
-            for result in await self._scripts.call_many(calls):
-                if isinstance(result, Exception):
-                    raise result
+                args: list[str | int] = [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]
+                calls.append(("expect", [keys.expected, keys.expected_deadlines], args))
+        return calls
 
     async def expected(self, model: str, blocks: Sequence[int]) -> list[str | None]:
         """For each block, the worker it was just routed to (None: none, or lapsed)."""
