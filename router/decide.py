@@ -221,7 +221,7 @@ class Decider:
         alive_reply, match_reply, totals_reply, expected_reply = await self._index.scripts.call_many(
             [
                 *self._index.match_calls(model, chain),
-                self._shared.totals_call(model),
+                self._shared.totals_call(model, others_only=True),
                 self._shared.expected_call(model, [chain[d - 1] for d in depths]),
             ]
         )
@@ -236,12 +236,16 @@ class Decider:
         return IndexView(matches, parse_totals(totals_reply), expected_depth)
 
     def _candidates(self, model: str, view: IndexView, workers: list[WorkerRecord]) -> list[Candidate]:
-        """The workers as Redis sees them, plus this replica's bookings not yet written there.
-        Read here, with no await between it and the booking of this decision: a burst decided
-        together must each see the ones just before it, or they herd onto one worker."""
+        """The workers as Redis sees them (the other replicas' load), plus this replica's own
+        load from its local truth. Read here, with no await between it and the booking of this
+        decision: a burst decided together must each see the ones just before it, or they herd
+        onto one worker."""
         totals = dict(view.totals)
-        for unsent_worker, delta in self._replica_load.unsent(model).items():
-            totals[unsent_worker] = totals.get(unsent_worker, InflightLoad()) + delta
+        # This replica's own load from its local truth, not from Redis: a decision reading Redis
+        # while a flush lands could count a change twice or not at all (a released prefill still
+        # booked, say), and move a conversation off its worker.
+        for own_worker, load in self._replica_load.inflight(model).items():
+            totals[own_worker] = totals.get(own_worker, InflightLoad()) + load
         candidates = [
             Candidate(
                 w.worker_id,

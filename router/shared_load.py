@@ -111,11 +111,15 @@ class SharedLoad:
         name, keys, args = self.totals_call(model)
         return parse_totals(await self._scripts.call(name, keys, args))
 
-    def totals_call(self, model: str) -> ScriptCall:
-        """inflight.lua over the replicas live at this replica's last lease (and itself): a new
-        replica counts from this replica's next renewal, within a lease period."""
+    def totals_call(self, model: str, others_only: bool = False) -> ScriptCall:
+        """inflight.lua over the replicas live at this replica's last lease (and itself, unless
+        ``others_only``: a decision adds its own replica's load from its local truth, which is
+        exact, where what Redis holds of it may be a flush behind or ahead). A new replica
+        counts from this replica's next renewal, within a lease period."""
         keys = self.keys(model)
         replicas = list(dict.fromkeys([self.replica_id, *self._live.get(model, ())]))
+        if others_only:
+            replicas.remove(self.replica_id)
         return ("inflight", [keys.replicas, *(keys.inflight(r) for r in replicas)], replicas)
 
     async def add_many(self, deltas: Mapping[tuple[str, str], InflightLoad]) -> None:
