@@ -1,14 +1,21 @@
-"""A decision's Redis lookups within its budget, never cancelled once on the wire.
+"""A decision's Redis lookups within its budget, never cutting a connection's replies short.
 
 Cancelling a redis-py command that is waiting for its reply closes its connection (the reply
-would otherwise be read by the next command), so a Redis slower than the budget made every
+would otherwise be read by the next command), so a Redis slower than the budget would make every
 decision close a connection and the next one open another: a reconnect storm, which slows that
-Redis further. Here a lookup runs in its own task; the decision waits for it only as long as its
-budget and then routes without it, while the command finishes in the background and its late
-reply is discarded. Lookups hold one of a fixed number of *slots* (fewer than the connection
-pool's size, so that the fleet refresh and the load writer always find a connection): a decision
-that finds every slot taken by slow lookups waits for one within its budget, or routes without
-Redis, never queueing more commands behind a slow server.
+Redis further. Two ways out:
+
+* ``cancel_safe`` (a single server: the lookups' batches go over :mod:`kvindex.pipelined`, which
+  reads every reply whoever waits for it): the lookup runs in the decision's own task and is
+  cancelled at the budget; its replies are read and dropped by the connection.
+* otherwise (a cluster) a lookup runs in its own task; the decision waits for it only as long
+  as its budget and then routes without it, while the command finishes in the background and
+  its late reply is discarded.
+
+Either way a lookup holds one of a fixed number of *slots* until its replies are read (or the
+backstop passes): a decision that finds every slot taken by slow lookups waits for one within
+its budget, or routes without Redis, never queueing more commands behind a slow server (and, on
+the task path, the pool always keeps connections for the fleet refresh and the load writer).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from kvindex.pipelined import WireWatch, wire_watch
 
 T = TypeVar("T")
 
@@ -32,22 +41,73 @@ class BudgetExpired(TimeoutError):
 
 
 class Lookups:
-    def __init__(self, slots: int, budget_s: float, backstop_s: float) -> None:
+    def __init__(self, slots: int, budget_s: float, backstop_s: float, cancel_safe: bool = False) -> None:
         if slots < 1:
             raise ValueError(f"lookup slots must be at least 1, got {slots}")
         self._slots = asyncio.Semaphore(slots)
         self.slots = slots
         self._budget_s = budget_s
         # A lookup left to finish alone is still bounded: past this its command is cancelled
-        # (which costs its connection, once per backstop, not once per decision).
+        # (which costs its connection, once per backstop, not once per decision), or, when
+        # cancelling is safe, its slot is given back even though its reply has not come.
         self._backstop_s = backstop_s
+        # Whether cancelling a waiting lookup is free (Scripts.cancel_safe of the lookups' client).
+        self.cancel_safe = cancel_safe
         self._background: set[asyncio.Task[object]] = set()
+        self._held: set[_HeldSlot] = set()  # slots of abandoned lookups whose replies are still due
         self.in_flight = 0  # lookups holding a slot now
         self.late_replies = 0  # lookups that finished after their decision had moved on
 
     async def run(self, lookup: Callable[[], Awaitable[T]]) -> T:
         """``lookup()``'s result if it comes within the budget, else :class:`BudgetExpired`;
         errors of the lookup itself are raised as they are."""
+        if self.cancel_safe:
+            return await self._run_here(lookup)
+        return await self._run_in_task(lookup)
+
+    async def _run_here(self, lookup: Callable[[], Awaitable[T]]) -> T:
+        """The lookup in the caller's task (no task per lookup), cancelled at the budget. The
+        :class:`WireWatch` says when the replies of what it sent are read: the slot is held
+        until then."""
+        watch = WireWatch()
+        token = wire_watch.set(watch)
+        budget = asyncio.timeout(self._budget_s)
+        acquired = gave_up = False
+        try:
+            async with budget:
+                await self._slots.acquire()
+                acquired = True
+                self.in_flight += 1
+                return await lookup()
+        except TimeoutError:
+            if not budget.expired():
+                raise  # the lookup's own
+            gave_up = True
+            raise BudgetExpired(self._budget_s, busy=not acquired) from None
+        except asyncio.CancelledError:
+            gave_up = True  # the decision was cancelled (its client went, or the router is stopping)
+            raise
+        finally:
+            wire_watch.reset(token)
+            if acquired:
+                self._hold_until_read(watch, late=gave_up)
+
+    def _hold_until_read(self, watch: WireWatch, late: bool) -> None:
+        if watch.pending == 0:
+            self._give_back(late)
+            return
+        held = _HeldSlot(self, late)
+        self._held.add(held)
+        watch.on_settled = held.release
+        held.backstop = asyncio.get_running_loop().call_later(self._backstop_s, held.release)
+
+    def _give_back(self, late: bool) -> None:
+        self.in_flight -= 1
+        self._slots.release()
+        if late:
+            self.late_replies += 1
+
+    async def _run_in_task(self, lookup: Callable[[], Awaitable[T]]) -> T:
         on_wire = asyncio.Event()
         task = asyncio.create_task(self._in_slot(lookup, on_wire))
         try:
@@ -88,10 +148,31 @@ class Lookups:
             task.exception()  # retrieved: a late failure is no one's concern any more
 
     async def aclose(self) -> None:
-        """Cancel the lookups still finishing in the background (before the client closes)."""
+        """Cancel the lookups still finishing in the background (before the client closes) and
+        give back the slots of abandoned ones."""
+        for held in list(self._held):
+            held.release()
         tasks = list(self._background)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+class _HeldSlot:
+    """The slot of a lookup its decision gave up on, given back once its replies are read or
+    the backstop passes, whichever comes first."""
+
+    def __init__(self, lookups: Lookups, late: bool) -> None:
+        self._lookups = lookups
+        self._late = late
+        self.backstop: asyncio.TimerHandle | None = None
+
+    def release(self) -> None:
+        if self not in self._lookups._held:
+            return  # already given back
+        self._lookups._held.discard(self)
+        if self.backstop is not None:
+            self.backstop.cancel()
+        self._lookups._give_back(self._late)

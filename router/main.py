@@ -52,6 +52,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         stack.push_async_callback(client.aclose)
         schema = KeySchema(settings.redis.prefix)
         index = RedisIndex(client, schema)
+        stack.push_async_callback(index.scripts.aclose)  # its pipelined connection, after the last flush
         _warn_if_open(settings)
         fleet = Fleet(
             index, settings.workers_refresh_s, settings.worker_retain_s, WorkerAllowList(settings.worker_allow)
@@ -81,6 +82,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             lookup_slots=settings.redis_pool_size - RESERVED_CONNECTIONS,
             backstop_s=settings.redis.socket_timeout_s,
         )
+        decider.lookups.cancel_safe = index.scripts.cancel_safe  # no task per lookup when cancelling is free
         stack.push_async_callback(decider.lookups.aclose)
         tokenization = Tokenization(settings.tokenizer_dirs, session, settings.max_prompt_tokens)
         state = RouterState(
