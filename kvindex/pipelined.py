@@ -83,6 +83,7 @@ class _Link(asyncio.Protocol):
         self._reply_timeout_s = reply_timeout_s
         self._pending: deque[_Request] = deque()
         self._deadline: asyncio.TimerHandle | None = None
+        self.loop = asyncio.get_running_loop()
         self.closed = False
 
     def send(self, commands: list[bytes], request: _Request) -> None:
@@ -179,9 +180,9 @@ class PipelinedConnection:
         ``ConnectionError`` (the next call connects again); no reply within the socket timeout
         closes the connection and raises its ``TimeoutError``."""
         link = self._link
-        if link is None or link.closed:
-            link = await self._connected()
         loop = asyncio.get_running_loop()
+        if link is None or link.closed or link.loop is not loop:  # (a socket of another loop is left alone)
+            link = await self._connected()
         request = _Request(loop.create_future(), count, loop.time(), wire_watch.get())
         link.send(commands, request)
         return await request.future
@@ -230,5 +231,5 @@ class PipelinedConnection:
             attempt.cancel()
             await asyncio.wait([attempt])  # its outcome is no one's concern any more
         link, self._link = self._link, None
-        if link is not None and not link.closed:
+        if link is not None and not link.closed and not link.loop.is_closed():
             link.fail(RedisConnectionError("the pipelined Redis connection was closed"))

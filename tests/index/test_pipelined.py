@@ -134,6 +134,20 @@ async def test_a_caller_that_stops_waiting_leaves_the_connection_in_use(redis_se
         await client.aclose()
 
 
+def test_a_new_event_loop_gets_a_new_connection(redis_server):
+    connection = pipelined_for(Redis.from_url(redis_server.url))
+
+    async def echo(text: str, close: bool = False) -> list[object]:
+        try:
+            return await asyncio.wait_for(run(connection, ("ECHO", text)), 5)
+        finally:
+            if close:
+                await connection.aclose()
+
+    assert asyncio.run(echo("one")) == [b"one"]
+    assert asyncio.run(echo("two", close=True)) == [b"two"]  # not on the first loop's socket, never read
+
+
 async def test_no_reply_within_the_socket_timeout_closes_the_connection_and_the_next_call_reconnects(redis_server):
     client = Redis.from_url(redis_server.url, socket_timeout=0.1)
     connection = pipelined_for(client)
