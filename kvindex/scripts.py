@@ -4,7 +4,9 @@ A Redis restart (or SCRIPT FLUSH, or a failover to a replica) empties the script
 call goes through :meth:`Scripts.call`, which sends the script itself (EVAL, which also caches it
 on that server) when the server does not know it. On Redis Cluster each call goes to the shard of
 its keys (a replica for read-only scripts when the client reads from replicas), and several calls
-run concurrently, one per shard.
+run concurrently, one per shard. On a single server, batches (:meth:`Scripts.call_many`) go over
+one pipelined connection beside the client's pool (:mod:`kvindex.pipelined`): waiting callers
+may be cancelled without losing it.
 :meth:`Scripts.run` is the same call with the scripts' own ``kvroute:`` errors raised as
 :mod:`kvindex.errors` exceptions (what the index's reads and writes use).
 """
