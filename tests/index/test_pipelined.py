@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
+from redis.asyncio.connection import Connection
+from redis.exceptions import AuthenticationError, DataError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -240,3 +241,13 @@ async def test_tls_with_the_clients_ca_and_certificate(tls_redis):
     finally:
         await scripts.aclose()
         await client.aclose()
+
+
+def test_arguments_packed_outside_the_fast_path_are_redis_pys_bytes():
+    scripts = Scripts(None)  # type: ignore[arg-type]
+    packer = Connection()
+    calls = [("alive", ["k"], [1.5, memoryview(b"mv")]), ("alive", ["k", "é"], [True])]
+    head = ("EVALSHA_RO", scripts._scripts["alive"].sha)
+    assert b"".join(scripts._pack(packer, calls[:1])) == b"".join(packer.pack_command(*head, 1, "k", 1.5, b"mv"))
+    with pytest.raises(DataError):  # redis-py refuses a bool: so does the fast path, by falling back
+        scripts._pack(packer, calls[1:])
