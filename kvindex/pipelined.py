@@ -179,6 +179,8 @@ class PipelinedConnection:
         the wait is safe: the replies are read and dropped. A lost connection raises redis-py's
         ``ConnectionError`` (the next call connects again); no reply within the socket timeout
         closes the connection and raises its ``TimeoutError``."""
+        if count == 0:
+            return []  # nothing would ever answer it
         link = self._link
         loop = asyncio.get_running_loop()
         if link is None or link.closed or link.loop is not loop:  # (a socket of another loop is left alone)

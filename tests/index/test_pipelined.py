@@ -66,6 +66,7 @@ async def test_error_replies_come_back_as_redis_py_exceptions_in_place(redis_ser
     client = Redis.from_url(redis_server.url)
     connection = pipelined_for(client)
     try:
+        assert await run(connection) == []  # an empty batch is answered at once
         missing, echoed, wrong = await run(
             connection, ("EVALSHA", "0" * 40, 0), ("ECHO", "still in order"), ("NOSUCHCOMMAND",)
         )
