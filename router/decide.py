@@ -27,7 +27,16 @@ from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.lookups import BudgetExpired, Lookups
 from router.prompt_hashing import PromptHasher
-from router.scoring import Candidate, Choice, Policy, Scored, ScoringWeights, choose, predicted_cached_tokens
+from router.scoring import (
+    Candidate,
+    Choice,
+    Policy,
+    Scored,
+    ScoringWeights,
+    busy_share,
+    choose,
+    predicted_cached_tokens,
+)
 from router.shared_load import InflightLoad, parse_expected, parse_totals
 from router.ttft import TtftLearner
 
@@ -181,6 +190,8 @@ class Decider:
         if not dry_run:
             self._leave_degraded()
         candidates = self._with_recent(model, chain, self._candidates(model, view, workers))
+        if not dry_run:
+            self.learner.note_busy(busy_share(candidates))
         choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, self.learner.model)
         return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started)
 

@@ -13,7 +13,10 @@ Two more figures are measured rather than configured:
 * ``typical_uncached_tokens``: the uncached tokens of a typical request (what one request the
   engine reports as waiting stands for);
 * ``reuse``: the share of prompt tokens the engines report as cached (a block a prefill evicts
-  would have been reused with about this probability: the cost of cache pressure).
+  would have been reused with about this probability: the cost of cache pressure);
+* ``utilization``: the share of workers with prefill queued when a request arrives (Poisson
+  arrivals see time averages, so this is the fleet's prefill utilization): how many later
+  requests a prefill added now will delay (:func:`router.scoring.requests_behind`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms 
 HALF_LIFE = 200.0  # observations after which an old one weighs half
 SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
 MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
+UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
+PRIOR_UTILIZATION = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class CostModel:
     fleet: TtftParams = field(default_factory=TtftParams)
     typical_uncached_tokens: float = 512.0
     reuse: float = 0.5
+    utilization: float = PRIOR_UTILIZATION
 
     def params(self, worker_id: str) -> TtftParams:
         return self.rates.get(worker_id, self.fleet)
@@ -103,6 +109,7 @@ class TtftLearner:
         self._fleet = _Sums()
         self._typical = _Average(512.0)
         self._reuse = _Average(0.5)
+        self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
 
     def observe(self, worker_id: str, prefill_tokens: float, seconds: float) -> None:
@@ -116,12 +123,20 @@ class TtftLearner:
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
-        self._model = CostModel(self._model.rates, self._model.fleet, self._typical.value, self._reuse.value)
+        self._model = self._with_averages(self._model.rates, self._model.fleet)
 
     def note_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
         if prompt_tokens > 0:
             self._reuse.add(min(max(cached_tokens / prompt_tokens, 0.0), 1.0))
-            self._model = CostModel(self._model.rates, self._model.fleet, self._typical.value, self._reuse.value)
+            self._model = self._with_averages(self._model.rates, self._model.fleet)
+
+    def note_busy(self, busy_share: float) -> None:
+        """At a decision, ``busy_share`` of the workers had prefill queued."""
+        self._utilization.add(min(max(busy_share, 0.0), 1.0))
+        self._model = self._with_averages(self._model.rates, self._model.fleet)
+
+    def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
+        return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value)
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -136,7 +151,7 @@ class TtftLearner:
             w: TtftParams(fleet.base_s, _blend(sums.fit(fleet), sums.n, fleet).per_token_s)
             for w, sums in self._workers.items()
         }
-        self._model = CostModel(rates, fleet, self._typical.value, self._reuse.value)
+        self._model = self._with_averages(rates, fleet)
 
     @property
     def model(self) -> CostModel:

@@ -64,3 +64,14 @@ def test_learned_parameters_are_never_negative(observations):
     params = learner.model.params("w")
     assert params.base_s >= 0 and params.per_token_s >= 0
     assert isinstance(params, TtftParams)
+
+
+def test_the_fleets_utilization_is_the_average_busy_share_at_decisions():
+    learner = TtftLearner()
+    assert learner.model.utilization == pytest.approx(0.5)  # the prior: the unmeasured weighting
+    for _ in range(1000):
+        learner.note_busy(0.25)
+    assert learner.model.utilization == pytest.approx(0.25, abs=0.01)
+    for _ in range(1000):
+        learner.note_busy(3.0)  # clamped to a share
+    assert learner.model.utilization == pytest.approx(1.0, abs=0.01)
