@@ -10,6 +10,11 @@ prior while it has none.
 
 Two more figures are measured rather than configured:
 
+Requests that are not streamed show their first byte only with their last, so their time is the
+whole reply's: it teaches only the rate, and only while no streamed request has been seen (its
+intercept is the decode of the reply, not a wait; a base of 0 releases a booked prefill a little
+early rather than late).
+
 * ``typical_uncached_tokens``: the uncached tokens of a typical request (what one request the
   engine reports as waiting stands for);
 * ``reuse``: the share of prompt tokens the engines report as cached (a block a prefill evicts
@@ -29,6 +34,7 @@ SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observa
 MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
+MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
 
 
 @dataclass(frozen=True)
@@ -107,18 +113,22 @@ class TtftLearner:
         self._decay = 1 - 1 / HALF_LIFE
         self._workers: dict[str, _Sums] = {}
         self._fleet = _Sums()
+        self._whole_workers: dict[str, _Sums] = {}  # whole replies of requests not streamed
+        self._whole_fleet = _Sums()
         self._typical = _Average(512.0)
         self._reuse = _Average(0.5)
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
 
-    def observe(self, worker_id: str, prefill_tokens: float, seconds: float) -> None:
-        """A streamed request to ``worker_id`` waited ``seconds`` for its first byte, having been
-        predicted to wait for ``prefill_tokens`` of prefill there."""
+    def observe(self, worker_id: str, prefill_tokens: float, seconds: float, whole_reply: bool = False) -> None:
+        """A request to ``worker_id`` waited ``seconds`` for its first byte, having been predicted
+        to wait for ``prefill_tokens`` of prefill there; ``whole_reply``: it was not streamed, so
+        its first byte came with its last."""
         if seconds < 0 or prefill_tokens < 0:
             return
-        self._workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay)
-        self._fleet.add(prefill_tokens, seconds, self._decay)
+        workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
+        workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay)
+        fleet.add(prefill_tokens, seconds, self._decay)
         self._refit()
 
     def note_request(self, uncached_tokens: float) -> None:
@@ -140,16 +150,24 @@ class TtftLearner:
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._whole_workers.pop(worker_id, None)
         self._refit()
 
     def _refit(self) -> None:
-        fleet = _blend(self._fleet.fit(self._prior), self._fleet.n, self._prior)
+        if self._fleet.n < MIN_STREAMED and self._whole_fleet.n > self._fleet.n:
+            self._refit_from(self._whole_workers, self._whole_fleet, with_base=False)
+        else:
+            self._refit_from(self._workers, self._fleet, with_base=True)
+
+    def _refit_from(self, workers: dict[str, _Sums], sums: _Sums, with_base: bool) -> None:
+        fleet = _blend(sums.fit(self._prior), sums.n, self._prior)
+        if not with_base:
+            fleet = TtftParams(self._prior.base_s, fleet.per_token_s)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         rates = {
-            w: TtftParams(fleet.base_s, _blend(sums.fit(fleet), sums.n, fleet).per_token_s)
-            for w, sums in self._workers.items()
+            w: TtftParams(fleet.base_s, _blend(own.fit(fleet), own.n, fleet).per_token_s) for w, own in workers.items()
         }
         self._model = self._with_averages(rates, fleet)
 
