@@ -8,7 +8,8 @@ The single owner of a request's load lifecycle:
 2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
    uncached tokens no longer queue ahead of other prompts on that worker, and the time it took
    teaches the TTFT model (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
-   its last token, so its prefill is released when it is predicted to be done instead.
+   its last token, so its prefill is released when it is predicted to be done instead (and its
+   time teaches the model only the rate, while no streamed request has been seen).
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
    (the retry books the next worker).
 4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
@@ -53,6 +54,8 @@ class Booking:
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
+        if uncached:
+            self._load.prefill_started(decision.model, candidate.worker_id, self, uncached)
         if self._learner is not None:
             self._learner.note_request(uncached)
         if not self._streamed and uncached:
@@ -63,12 +66,14 @@ class Booking:
     def prefilled(self, candidate: Candidate) -> None:
         """The reply's first byte arrived."""
         sent_at = self._sent_at.get(candidate.worker_id)
-        if self._streamed and self._learner is not None and sent_at is not None:
+        if self._learner is not None and sent_at is not None:
             waited = self._decision.scored(candidate).prefill_tokens
-            self._learner.observe(candidate.worker_id, waited, time.perf_counter() - sent_at)
+            seconds = time.perf_counter() - sent_at
+            self._learner.observe(candidate.worker_id, waited, seconds, whole_reply=not self._streamed)
         self._release_prefill(candidate.worker_id)
 
     def _release_prefill(self, worker_id: str) -> None:
+        self._load.prefill_ended(self._decision.model, worker_id, self)
         held = self._held.get(worker_id)
         if held is None or not held.uncached_tokens:
             return
@@ -91,6 +96,7 @@ class Booking:
             self._timer = None
 
     def _release(self, worker_id: str) -> None:
+        self._load.prefill_ended(self._decision.model, worker_id, self)
         held = self._held.pop(worker_id, None)
         if held is not None:
             self._load.release(self._decision.model, worker_id, held)

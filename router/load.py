@@ -49,7 +49,6 @@ class ReplicaLoad:
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
         # pipeline per burst instead of several commands per request.
         self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
-        self._sending: dict[tuple[str, str], InflightLoad] = {}  # the batch being written now
         self._expects: list[tuple[str, str, list[int]]] = []
         self._dirty = asyncio.Event()
         # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
@@ -58,6 +57,9 @@ class ReplicaLoad:
         self._leased: set[str] = set()  # models this replica holds a lease for
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
+        # (model, worker id) -> booking -> (monotonic start, uncached tokens), oldest first: this
+        # replica's prefills not yet at their first byte, for how far the oldest one has got.
+        self._prefills: dict[tuple[str, str], dict[object, tuple[float, int]]] = defaultdict(dict)
 
     def book(self, model: str, worker_id: str, load: InflightLoad, expected: Sequence[int] = ()) -> None:
         self._change(model, worker_id, load)
@@ -77,6 +79,26 @@ class ReplicaLoad:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""
         entry = self._recent.get((model, block))
         return entry[0] if entry is not None and entry[1] > time.monotonic() else None
+
+    def prefill_started(self, model: str, worker_id: str, booking: object, uncached_tokens: int) -> None:
+        self._prefills[(model, worker_id)][booking] = (time.monotonic(), uncached_tokens)
+
+    def prefill_ended(self, model: str, worker_id: str, booking: object) -> None:
+        prefills = self._prefills.get((model, worker_id))
+        if prefills is not None:
+            prefills.pop(booking, None)
+            if not prefills:
+                del self._prefills[(model, worker_id)]
+
+    def oldest_prefill(self, model: str, worker_id: str) -> tuple[float, int] | None:
+        """(seconds since it was sent, uncached tokens) of this replica's oldest prefill still
+        waiting for its first byte on that worker: the one the engine is computing now, if the
+        engine serves its queue first come, first served, as vLLM does."""
+        prefills = self._prefills.get((model, worker_id))
+        if not prefills:
+            return None
+        started, tokens = next(iter(prefills.values()))
+        return time.monotonic() - started, tokens
 
     def release(self, model: str, worker_id: str, load: InflightLoad) -> None:
         self._change(model, worker_id, -load)
@@ -104,26 +126,12 @@ class ReplicaLoad:
                     log.debug("first lease failed: %s", exc)
                 deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
                 expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
-                self._sending = deltas
                 try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
                     async with asyncio.timeout(self._write_timeout_s):
                         # one round trip; a request booked and released within the window: no delta
                         await self.shared.write_many(deltas, expects, self._expected_ttl_ms)
                 except FAILURES as exc:
                     log.debug("shared load update failed: %s", exc)
-                finally:
-                    self._sending = {}
-
-    def unsent(self, model: str) -> dict[str, InflightLoad]:
-        """This replica's changes that Redis may not show yet (batched, or being written). A
-        decision adds them to what Redis says, so that a burst of requests routed within the
-        same few milliseconds sees its own bookings instead of herding onto one worker."""
-        out: dict[str, InflightLoad] = {}
-        for changes in (self._deltas, self._sending):
-            for (m, worker_id), delta in changes.items():
-                if m == model:
-                    out[worker_id] = out.get(worker_id, InflightLoad()) + delta
-        return out
 
     def idle(self) -> bool:
         """True when every change made so far has been written (or dropped after a failure)."""
@@ -142,12 +150,10 @@ class ReplicaLoad:
         Until a replica's first lease for a model, Redis counts none of its load there."""
         # The snapshot already holds this model's unflushed changes: they are written by it, not
         # queued again (else Redis would count them twice until the next renewal).
-        self._sending = {k: self._deltas.pop(k) for k in [k for k in self._deltas if k[0] == model]}
-        try:
-            await self.shared.renew(model, self._ttl_ms, self.inflight(model))
-            self._leased.add(model)
-        finally:
-            self._sending = {}
+        for key in [k for k in self._deltas if k[0] == model]:
+            del self._deltas[key]
+        await self.shared.renew(model, self._ttl_ms, self.inflight(model))
+        self._leased.add(model)
 
     def start(self, models: Callable[[], list[str]]) -> ReplicaLoad:
         async def loop() -> None:

@@ -3,7 +3,8 @@
 The cost of sending a prompt to a worker is the time to its first token there, predicted:
 
     base + per_token * ( own prefill        uncached tokens of this prompt on that worker, counted
-                                             1 + (requests queued there) times (see :func:`score`)
+                                             1 + (requests it will delay there) times (see
+                                             :func:`requests_behind`)
                        + prefill ahead       uncached tokens queued there before it (booked by every
                                              replica and not yet at their first byte, or what the
                                              engine says it queues, whichever is more), less the part
@@ -33,6 +34,7 @@ from router.ttft import CostModel
 
 NO_LOAD = InflightLoad()
 MAX_CONGESTION = 8.0
+MAX_UTILIZATION = 0.9  # beyond this the queueing estimate explodes; MAX_CONGESTION caps it anyway
 
 
 class Policy(StrEnum):
@@ -72,6 +74,7 @@ class Candidate:
     engine: WorkerLoad | None = None
     pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
     cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
+    ahead_done: int = 0  # of the prefill booked there, the tokens the engine has computed by now
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: Cost
     own_blocks = max(prompt_blocks - candidate.matched_blocks, 0)
     # Prefill queued there delays this prompt, except the part that computes this prompt's own
     # prefix (a burst of one prompt shares that work instead of queueing behind it).
-    booked_ahead = max(candidate.inflight.uncached_tokens - candidate.pending_blocks * block_size, 0)
+    shared = candidate.pending_blocks * block_size
+    booked_ahead = max(candidate.inflight.uncached_tokens - shared - candidate.ahead_done, 0)
     engine = candidate.engine
     engine_ahead = engine.waiting * model.typical_uncached_tokens if engine else 0.0
     evicted_blocks = 0
@@ -130,6 +134,26 @@ def queued_requests(ahead_tokens: float, model: CostModel) -> float:
     return min(ahead_tokens / max(model.typical_uncached_tokens, 1.0), MAX_CONGESTION)
 
 
+def requests_behind(ahead_tokens: float, model: CostModel) -> float:
+    """How many later requests a prefill added behind ``ahead_tokens`` of queued prefill will
+    delay on that worker: about as many as queue there now (the queue's length predicts the
+    next), scaled by the fleet's load. A queue at utilization u drains ``u / (1 - u)`` times as
+    slowly as one at one half, so that many more arrive before it does: at light load a briefly
+    busy worker keeps its conversation; at heavy load every token of prefill a cache hit saves
+    is worth many waits. Capped: beyond that the worker is saturated and its queue decides."""
+    utilization = min(max(model.utilization, 0.0), MAX_UTILIZATION)
+    congestion = utilization / (1 - utilization)
+    return min(congestion * queued_requests(ahead_tokens, model), MAX_CONGESTION)
+
+
+def busy_share(candidates: Sequence[Candidate]) -> float:
+    """The share of ``candidates`` with prefill queued (booked by a router or waiting in the engine)."""
+    if not candidates:
+        return 0.0
+    busy = sum(1 for c in candidates if c.inflight.uncached_tokens > 0 or (c.engine and c.engine.waiting > 0))
+    return busy / len(candidates)
+
+
 def score(
     candidate: Candidate,
     prompt_blocks: int,
@@ -139,19 +163,19 @@ def score(
     marginal: bool = True,
 ) -> Scored:
     """The prefill a request adds on a worker delays the requests that will queue behind it there
-    too, about as many as queue there now: with ``marginal`` its own prefill counts ``1 +`` that
-    many times. On an idle worker only its own wait counts; on a worker with a queue, every
-    token it adds is paid again by those behind it. This is what spreads a hot prefix before its
-    holder's queue eats the prefix's worth (the greedy equilibrium) and what keeps prompts on
-    their caches when every worker is busy (moving one re-prefills its prefix in front of
-    others)."""
+    too (:func:`requests_behind`): with ``marginal`` its own prefill counts ``1 +`` that many
+    times. On a worker with a long queue every token it adds is paid again by those behind it.
+    This is what spreads a hot prefix before its holder's queue eats the prefix's worth (the
+    greedy equilibrium) and what keeps prompts on their caches when every worker is busy
+    (moving one re-prefills its prefix in front of others); at light load, where few requests
+    will wait behind it, a briefly busy worker keeps its conversation."""
     t = terms(candidate, prompt_blocks, block_size, model)
     params = model.params(candidate.worker_id)
     waiting = candidate.engine.waiting if candidate.engine else 0
     extra = weights.active * candidate.inflight.prompt_tokens + weights.queue * waiting * model.typical_uncached_tokens
     reuse = model.reuse if weights.cache_pressure is None else weights.cache_pressure
     ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra)
-    behind = queued_requests(t.ahead, model) if marginal else 0.0
+    behind = requests_behind(t.ahead, model) if marginal else 0.0
     cost = ttft + params.per_token_s * (behind * weights.prefill * t.own + reuse * t.evicted)
     return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft)
 

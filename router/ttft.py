@@ -10,10 +10,18 @@ prior while it has none.
 
 Two more figures are measured rather than configured:
 
+Requests that are not streamed show their first byte only with their last, so their time is the
+whole reply's: it teaches only the rate, and only while no streamed request has been seen (its
+intercept is the decode of the reply, not a wait; a base of 0 releases a booked prefill a little
+early rather than late).
+
 * ``typical_uncached_tokens``: the uncached tokens of a typical request (what one request the
   engine reports as waiting stands for);
 * ``reuse``: the share of prompt tokens the engines report as cached (a block a prefill evicts
-  would have been reused with about this probability: the cost of cache pressure).
+  would have been reused with about this probability: the cost of cache pressure);
+* ``utilization``: the share of workers with prefill queued when a request arrives (Poisson
+  arrivals see time averages, so this is the fleet's prefill utilization): how many later
+  requests a prefill added now will delay (:func:`router.scoring.requests_behind`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms 
 HALF_LIFE = 200.0  # observations after which an old one weighs half
 SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
 MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
+UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
+PRIOR_UTILIZATION = 0.5
+MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class CostModel:
     fleet: TtftParams = field(default_factory=TtftParams)
     typical_uncached_tokens: float = 512.0
     reuse: float = 0.5
+    utilization: float = PRIOR_UTILIZATION
 
     def params(self, worker_id: str) -> TtftParams:
         return self.rates.get(worker_id, self.fleet)
@@ -101,42 +113,63 @@ class TtftLearner:
         self._decay = 1 - 1 / HALF_LIFE
         self._workers: dict[str, _Sums] = {}
         self._fleet = _Sums()
+        self._whole_workers: dict[str, _Sums] = {}  # whole replies of requests not streamed
+        self._whole_fleet = _Sums()
         self._typical = _Average(512.0)
         self._reuse = _Average(0.5)
+        self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
 
-    def observe(self, worker_id: str, prefill_tokens: float, seconds: float) -> None:
-        """A streamed request to ``worker_id`` waited ``seconds`` for its first byte, having been
-        predicted to wait for ``prefill_tokens`` of prefill there."""
+    def observe(self, worker_id: str, prefill_tokens: float, seconds: float, whole_reply: bool = False) -> None:
+        """A request to ``worker_id`` waited ``seconds`` for its first byte, having been predicted
+        to wait for ``prefill_tokens`` of prefill there; ``whole_reply``: it was not streamed, so
+        its first byte came with its last."""
         if seconds < 0 or prefill_tokens < 0:
             return
-        self._workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay)
-        self._fleet.add(prefill_tokens, seconds, self._decay)
+        workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
+        workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay)
+        fleet.add(prefill_tokens, seconds, self._decay)
         self._refit()
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
-        self._model = CostModel(self._model.rates, self._model.fleet, self._typical.value, self._reuse.value)
+        self._model = self._with_averages(self._model.rates, self._model.fleet)
 
     def note_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
         if prompt_tokens > 0:
             self._reuse.add(min(max(cached_tokens / prompt_tokens, 0.0), 1.0))
-            self._model = CostModel(self._model.rates, self._model.fleet, self._typical.value, self._reuse.value)
+            self._model = self._with_averages(self._model.rates, self._model.fleet)
+
+    def note_busy(self, busy_share: float) -> None:
+        """At a decision, ``busy_share`` of the workers had prefill queued."""
+        self._utilization.add(min(max(busy_share, 0.0), 1.0))
+        self._model = self._with_averages(self._model.rates, self._model.fleet)
+
+    def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
+        return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value)
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._whole_workers.pop(worker_id, None)
         self._refit()
 
     def _refit(self) -> None:
-        fleet = _blend(self._fleet.fit(self._prior), self._fleet.n, self._prior)
+        if self._fleet.n < MIN_STREAMED and self._whole_fleet.n > self._fleet.n:
+            self._refit_from(self._whole_workers, self._whole_fleet, with_base=False)
+        else:
+            self._refit_from(self._workers, self._fleet, with_base=True)
+
+    def _refit_from(self, workers: dict[str, _Sums], sums: _Sums, with_base: bool) -> None:
+        fleet = _blend(sums.fit(self._prior), sums.n, self._prior)
+        if not with_base:
+            fleet = TtftParams(self._prior.base_s, fleet.per_token_s)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         rates = {
-            w: TtftParams(fleet.base_s, _blend(sums.fit(fleet), sums.n, fleet).per_token_s)
-            for w, sums in self._workers.items()
+            w: TtftParams(fleet.base_s, _blend(own.fit(fleet), own.n, fleet).per_token_s) for w, own in workers.items()
         }
-        self._model = CostModel(rates, fleet, self._typical.value, self._reuse.value)
+        self._model = self._with_averages(rates, fleet)
 
     @property
     def model(self) -> CostModel:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -14,10 +15,12 @@ from router.scoring import (
     Candidate,
     Policy,
     ScoringWeights,
+    busy_share,
     choose,
     cost,
     predicted_cached_tokens,
     queued_requests,
+    requests_behind,
 )
 from router.shared_load import InflightLoad
 from router.ttft import CostModel, TtftParams
@@ -177,3 +180,51 @@ def test_queued_prefill_of_this_prompts_own_prefix_is_shared_not_waited_for():
     bigger = InflightLoad(requests=2, prompt_tokens=640, uncached_tokens=640)
     bigger_cost = cost(Candidate("a", "u", 20, bigger, pending_blocks=20), 20, 16, weights, MODEL)
     assert bigger_cost == pytest.approx(0.01 + PER_TOKEN * 320)
+
+
+def test_the_requests_a_prefill_delays_grow_with_the_fleets_utilization():
+    light, half, heavy = (replace(MODEL, utilization=u) for u in (0.2, 0.5, 0.8))
+    # 300 queued tokens are 3 typical requests; at utilization 1/2 that many will wait behind it
+    assert requests_behind(300, half) == pytest.approx(3)
+    assert requests_behind(300, light) == pytest.approx(3 * 0.25)  # u / (1 - u)
+    assert requests_behind(300, heavy) == pytest.approx(MAX_CONGESTION)  # 12, capped
+    assert requests_behind(0, heavy) == 0  # an idle worker delays no one now
+    assert requests_behind(300, replace(MODEL, utilization=1.0)) == MAX_CONGESTION
+
+
+def test_at_light_load_a_briefly_busy_worker_keeps_its_conversation_and_at_heavy_load_not():
+    # The conversation's worker holds 1,600 of its 1,760 tokens; one typical request's prefill
+    # (1,500 tokens) is under way there. The other worker is idle and holds nothing of it.
+    one_ahead = InflightLoad(requests=1, prompt_tokens=1500, uncached_tokens=1500)
+    warm, idle = Candidate("warm", "u", 100, one_ahead), Candidate("idle", "u")
+    typical = replace(MODEL, typical_uncached_tokens=1500)
+    light = replace(typical, utilization=0.2)
+    assert choose([warm, idle], 110, 16, W, model=light).chosen.worker_id == "warm"
+    # The same moment in a fleet busy most of the time: the prefill ahead stands for the requests
+    # that keep arriving there, each of which the 160 tokens would delay; the idle worker is
+    # worth re-prefilling the prefix (a queue longer than the prefix moves it at any load).
+    busy = replace(typical, utilization=0.7)
+    assert choose([warm, idle], 110, 16, W, model=busy).chosen.worker_id == "idle"
+
+
+def test_the_busy_share_counts_workers_with_prefill_queued():
+    queued = InflightLoad(requests=1, prompt_tokens=100, uncached_tokens=50)
+    decoding = InflightLoad(requests=1, prompt_tokens=100, uncached_tokens=0)
+    cands = [
+        cand("a", inflight=queued),
+        cand("b", inflight=decoding),
+        cand("c", engine=WorkerLoad(1, 2, 0.5)),
+        cand("d"),
+    ]
+    assert busy_share(cands) == pytest.approx(0.5)
+    assert busy_share([]) == 0
+
+
+def test_the_part_of_the_prefill_ahead_already_computed_does_not_delay_a_prompt():
+    ahead = InflightLoad(requests=1, prompt_tokens=3000, uncached_tokens=3000)
+    fresh = Candidate("a", "u", 0, ahead)
+    half_done = Candidate("a", "u", 0, ahead, ahead_done=1500)
+    assert cost(fresh, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (160 + 3000))
+    assert cost(half_done, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (160 + 1500))
+    done = Candidate("a", "u", 0, ahead, ahead_done=5000)  # the engine was faster than learned
+    assert cost(done, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * 160)

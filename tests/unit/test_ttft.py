@@ -64,3 +64,29 @@ def test_learned_parameters_are_never_negative(observations):
     params = learner.model.params("w")
     assert params.base_s >= 0 and params.per_token_s >= 0
     assert isinstance(params, TtftParams)
+
+
+def test_the_fleets_utilization_is_the_average_busy_share_at_decisions():
+    learner = TtftLearner()
+    assert learner.model.utilization == pytest.approx(0.5)  # the prior: the unmeasured weighting
+    for _ in range(1000):
+        learner.note_busy(0.25)
+    assert learner.model.utilization == pytest.approx(0.25, abs=0.01)
+    for _ in range(1000):
+        learner.note_busy(3.0)  # clamped to a share
+    assert learner.model.utilization == pytest.approx(1.0, abs=0.01)
+
+
+def test_whole_replies_teach_the_rate_until_streamed_requests_are_seen():
+    learner = TtftLearner()
+    rng = random.Random(3)
+    for _ in range(300):  # not streamed: the prefill at 5e-5 s a token, then ~80 ms of decoding
+        tokens = rng.uniform(0, 4000)
+        learner.observe("w", tokens, 0.080 + 5e-5 * tokens * rng.uniform(0.95, 1.05), whole_reply=True)
+    params = learner.model.params("w")
+    assert params.per_token_s == pytest.approx(5e-5, rel=0.25)  # not the prior's 1e-4
+    assert params.base_s == 0  # the decode is not a wait before the first token
+    # Once streamed requests are seen, their first bytes decide, base and rate.
+    _feed(learner, "w", base=0.010, per_token=2e-4, count=300)
+    params = learner.model.params("w")
+    assert params.per_token_s == pytest.approx(2e-4, rel=0.25) and params.base_s == pytest.approx(0.010, abs=0.01)
