@@ -36,6 +36,7 @@ from kvroute.bench.replay_workload import reference_hit_rates
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Stack
 from kvservice.lifecycle import StartupError
+from router.accounting import shares_text
 from router.scoring import Policy
 from sim_engine.engine import TimingModel
 
@@ -145,6 +146,9 @@ def _run_figures(run: Any, results: list[dict[str, Any]], time_scale: float) -> 
         "engine_ttft_mean_ms": round(run.engine_ttft_mean_ms * time_scale, 2),
         "busiest_worker_vs_mean": round(run.busiest_worker_vs_mean, 3),
         "held_turns": sum(1 for r in results if r.get("held_s", 0) > HELD_S),
+        # lost prefix tokens by reason (load / stale / cold) as shares of the cacheable tokens;
+        # None for the SGLang router, which counts none
+        "lost_share": run.lost_share,
     }
 
 
@@ -234,11 +238,15 @@ def render(report: dict[str, Any]) -> str:
                 f"{r['ttft_vs_best']:.2f}",
                 f"{r['p90_vs_best']:.2f}",
                 f"{r['hit_vs_best']:.2f}",
+                shares_text(r.get("lost_share")),
                 r["failed"],
             ]
             for r in cell["runs"]
         ]
-        headers = ["policy", "mean ms", "p90 ms", "hit rate", "of LRU", "ttft/best", "p90/best", "hit/best", "failed"]
+        headers = [
+            *("policy", "mean ms", "p90 ms", "hit rate", "of LRU", "ttft/best", "p90/best", "hit/best"),
+            *("lost load/stale/cold", "failed"),
+        ]
         blocks.append(text_table(headers, rows) + "\n")
     blocks.append(f"summary (within {WITHIN_MEAN:.2f}x of the best mean, {WITHIN_P90:.1f}x of the best p90):")
     for policy, s in report["summary"].items():

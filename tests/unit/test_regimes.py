@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvroute.bench.regimes import relative_to_best, summarize_policies
+from kvroute.bench.regimes import relative_to_best, render, summarize_policies
 from kvroute.bench.regimes_workload import (
     AXES,
     CACHE,
@@ -180,3 +180,27 @@ def test_ratios_to_the_best_in_the_cell_and_the_summary():
 def test_mean_prompt_tokens():
     requests, _, _ = conversations("balanced", 50, 1)
     assert mean_prompt_tokens(requests) == sum(r.input_length for r in requests) / 50
+
+
+def test_the_table_shows_each_runs_lost_tokens_by_reason():
+    runs = [run("kv", 100, 300, 0.6), run("sglang", 120, 320, 0.5)]
+    runs[0] |= {"of_lru": 0.9, "lost_share": {"load_tradeoff": 0.031, "stale_index": 0.002, "cold": 0.5}}
+    runs[1] |= {"of_lru": 0.8, "lost_share": None}  # a peer counts nothing
+    relative_to_best(runs)
+    cell = {
+        "name": "zipf/light",
+        "metric": "ttft",
+        "requests": 2,
+        "arrival_rate_per_s": 1.0,
+        "mean_prompt_tokens": 100,
+        "cache_fraction": 0.25,
+        "distinct_blocks": 10,
+        "engine_kv_tokens": 512,
+        "lru_reference_hit_rate": 0.5,
+        "runs": runs,
+    }
+    text = render({"cells": [cell], "summary": summarize_policies([cell])})
+    assert "lost load/stale/cold" in text
+    kv_row = next(line for line in text.splitlines() if line.startswith("kv "))
+    sglang_row = next(line for line in text.splitlines() if line.startswith("sglang "))
+    assert "3.1/0.2/50.0%" in kv_row and "n/a" in sglang_row
