@@ -74,9 +74,11 @@ async def run_agent(settings: AgentSettings) -> int:
         session = await stack.enter_async_context(aiohttp.ClientSession())
         counters = AgentCounters()
         registry, latency = new_registry()
+        index = RedisIndex(client, KeySchema(settings.redis.prefix))
+        stack.push_async_callback(index.scripts.aclose)  # its pipelined connection, after the last write
         agent = Agent(
             settings,
-            RedisIndex(client, KeySchema(settings.redis.prefix)),
+            index,
             EngineClient(session, settings.engine_url, settings.dp_rank),
             subscriber,
             _replay_client(context, settings),
