@@ -54,8 +54,6 @@ class Booking:
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
-        if uncached:
-            self._load.prefill_started(decision.model, candidate.worker_id, self, uncached)
         if self._learner is not None:
             self._learner.note_request(uncached)
         if not self._streamed and uncached:
@@ -73,7 +71,6 @@ class Booking:
         self._release_prefill(candidate.worker_id)
 
     def _release_prefill(self, worker_id: str) -> None:
-        self._load.prefill_ended(self._decision.model, worker_id, self)
         held = self._held.get(worker_id)
         if held is None or not held.uncached_tokens:
             return
@@ -96,7 +93,6 @@ class Booking:
             self._timer = None
 
     def _release(self, worker_id: str) -> None:
-        self._load.prefill_ended(self._decision.model, worker_id, self)
         held = self._held.pop(worker_id, None)
         if held is not None:
             self._load.release(self._decision.model, worker_id, held)

@@ -246,18 +246,6 @@ class Decider:
                 expected_depth[worker_id] = max(expected_depth[worker_id], depth)
         return IndexView(matches, parse_totals(totals_reply), expected_depth)
 
-    def _prefill_done(self, model: str, worker_id: str) -> int:
-        """Of the prefill booked on ``worker_id``, the tokens computed by now: this replica's
-        oldest prefill there has been computed for as long as it was sent, at the worker's learned
-        rate (at most all of it). Only the oldest: the others may wait behind it, and the other
-        replicas' bookings come without their times."""
-        oldest = self._replica_load.oldest_prefill(model, worker_id)
-        if oldest is None:
-            return 0
-        elapsed_s, tokens = oldest
-        per_token_s = self.learner.model.params(worker_id).per_token_s
-        return int(min(tokens, elapsed_s / per_token_s)) if per_token_s > 0 else tokens
-
     def _candidates(self, model: str, view: IndexView, workers: list[WorkerRecord]) -> list[Candidate]:
         """The workers as Redis sees them (the other replicas' load), plus this replica's own
         load from its local truth. Read here, with no await between it and the booking of this
@@ -277,7 +265,6 @@ class Decider:
                 totals.get(w.worker_id, InflightLoad()),
                 w.load,
                 cached_blocks=w.blocks,
-                ahead_done=self._prefill_done(model, w.worker_id),
             )
             for w in workers
         ]

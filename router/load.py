@@ -57,9 +57,6 @@ class ReplicaLoad:
         self._leased: set[str] = set()  # models this replica holds a lease for
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
-        # (model, worker id) -> booking -> (monotonic start, uncached tokens), oldest first: this
-        # replica's prefills not yet at their first byte, for how far the oldest one has got.
-        self._prefills: dict[tuple[str, str], dict[object, tuple[float, int]]] = defaultdict(dict)
 
     def book(self, model: str, worker_id: str, load: InflightLoad, expected: Sequence[int] = ()) -> None:
         self._change(model, worker_id, load)
@@ -79,26 +76,6 @@ class ReplicaLoad:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""
         entry = self._recent.get((model, block))
         return entry[0] if entry is not None and entry[1] > time.monotonic() else None
-
-    def prefill_started(self, model: str, worker_id: str, booking: object, uncached_tokens: int) -> None:
-        self._prefills[(model, worker_id)][booking] = (time.monotonic(), uncached_tokens)
-
-    def prefill_ended(self, model: str, worker_id: str, booking: object) -> None:
-        prefills = self._prefills.get((model, worker_id))
-        if prefills is not None:
-            prefills.pop(booking, None)
-            if not prefills:
-                del self._prefills[(model, worker_id)]
-
-    def oldest_prefill(self, model: str, worker_id: str) -> tuple[float, int] | None:
-        """(seconds since it was sent, uncached tokens) of this replica's oldest prefill still
-        waiting for its first byte on that worker: the one the engine is computing now, if the
-        engine serves its queue first come, first served, as vLLM does."""
-        prefills = self._prefills.get((model, worker_id))
-        if not prefills:
-            return None
-        started, tokens = next(iter(prefills.values()))
-        return time.monotonic() - started, tokens
 
     def release(self, model: str, worker_id: str, load: InflightLoad) -> None:
         self._change(model, worker_id, -load)

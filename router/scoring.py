@@ -74,7 +74,6 @@ class Candidate:
     engine: WorkerLoad | None = None
     pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
     cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
-    ahead_done: int = 0  # of the prefill booked there, the tokens the engine has computed by now
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,7 @@ def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: Cost
     own_blocks = max(prompt_blocks - candidate.matched_blocks, 0)
     # Prefill queued there delays this prompt, except the part that computes this prompt's own
     # prefix (a burst of one prompt shares that work instead of queueing behind it).
-    shared = candidate.pending_blocks * block_size
-    booked_ahead = max(candidate.inflight.uncached_tokens - shared - candidate.ahead_done, 0)
+    booked_ahead = max(candidate.inflight.uncached_tokens - candidate.pending_blocks * block_size, 0)
     engine = candidate.engine
     engine_ahead = engine.waiting * model.typical_uncached_tokens if engine else 0.0
     evicted_blocks = 0

@@ -110,23 +110,3 @@ async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, uniq
         assert await shared.totals(unique_name) == {"w": InflightLoad(1, 64, 0)}
     finally:
         await load.stop([unique_name])
-
-
-async def test_the_oldest_prefill_still_waiting_on_a_worker_is_known_with_its_age(redis_client, unique_name):
-    """What a decision discounts from the prefill booked ahead: this replica's oldest prefill on
-    that worker, computed for as long as it has been sent."""
-    from router.load import ReplicaLoad
-
-    load = ReplicaLoad(SharedLoad(redis_client, KeySchema(), "r"), lease_ttl_ms=60_000)
-    first, second = object(), object()
-    assert load.oldest_prefill(unique_name, "w") is None
-    load.prefill_started(unique_name, "w", first, 3000)
-    started = time.monotonic()
-    load.prefill_started(unique_name, "w", second, 500)
-    age, tokens = load.oldest_prefill(unique_name, "w")
-    assert tokens == 3000 and 0 <= age <= time.monotonic() - started + 0.1
-    load.prefill_ended(unique_name, "w", first)  # its first byte: the next one is computed now
-    assert load.oldest_prefill(unique_name, "w")[1] == 500
-    load.prefill_ended(unique_name, "w", second)
-    load.prefill_ended(unique_name, "w", second)  # a failed try and the close: ended twice
-    assert load.oldest_prefill(unique_name, "w") is None and load.oldest_prefill(unique_name, "other") is None

@@ -218,13 +218,3 @@ def test_the_busy_share_counts_workers_with_prefill_queued():
     ]
     assert busy_share(cands) == pytest.approx(0.5)
     assert busy_share([]) == 0
-
-
-def test_the_part_of_the_prefill_ahead_already_computed_does_not_delay_a_prompt():
-    ahead = InflightLoad(requests=1, prompt_tokens=3000, uncached_tokens=3000)
-    fresh = Candidate("a", "u", 0, ahead)
-    half_done = Candidate("a", "u", 0, ahead, ahead_done=1500)
-    assert cost(fresh, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (160 + 3000))
-    assert cost(half_done, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (160 + 1500))
-    done = Candidate("a", "u", 0, ahead, ahead_done=5000)  # the engine was faster than learned
-    assert cost(done, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * 160)
