@@ -166,6 +166,10 @@ class PipelinedConnection:
         if kind not in SUPPORTED_CONNECTIONS:
             return None
         options = dict(pool.connection_kwargs)  # type: ignore[union-attr]
+        # The takeover reads redis-py's private stream fields: a redis-py without them (a later
+        # release) falls back to the client's own path rather than failing every call.
+        if not all(hasattr(kind(**options), field) for field in ("_writer", "_reader", "_parser")):
+            return None
         # No socket timeout (the router bounds each decision itself): a pending reply later than
         # the connect timeout still means the server is gone.
         timeout = options.get("socket_timeout") or options.get("socket_connect_timeout")
