@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import inspect
 import itertools
+import math
 import os
 import sys
 from pathlib import Path
@@ -114,6 +115,37 @@ def summarize_policies(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
             if run["p90_vs_best"] > s["worst_p90_ratio"]:
                 s["worst_p90_ratio"], s["worst_p90_cell"] = run["p90_vs_best"], cell["name"]
     return summary
+
+
+def across_seeds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per name from its runs under several seeds: per policy the geometric mean of its
+    ratios to the best (one noisy run decides nothing), the mean of its figures, the sum of its
+    failures. The summary judges these."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for cell in cells:
+        by_name.setdefault(cell["name"], []).append(cell)
+    out = []
+    for group in by_name.values():
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for cell in group:
+            for run in cell["runs"]:
+                runs.setdefault(run["policy"], []).append(run)
+        merged = [_merged_run(policy, seed_runs) for policy, seed_runs in runs.items()]
+        out.append({**{k: v for k, v in group[0].items() if k not in ("runs", "seed")}, "runs": merged})
+        out[-1]["seeds"] = [cell.get("seed") for cell in group]
+    return out
+
+
+def _merged_run(policy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def geomean(key: str) -> float:
+        return round(math.exp(sum(math.log(max(r[key], 1e-9)) for r in runs) / len(runs)), 4)
+
+    def mean(key: str) -> float:
+        return round(sum(r[key] for r in runs) / len(runs), 4)
+
+    ratios = {key: geomean(key) for key in ("ttft_vs_best", "p90_vs_best", "hit_vs_best")}
+    figures = {key: mean(key) for key in ("ttft_mean_ms", "ttft_p90_ms", "hit_rate", "of_lru")}
+    return {"policy": policy, **figures, **ratios, "failed": sum(r["failed"] for r in runs), "runs": len(runs)}
 
 
 # ------------------------------------------------------------------------------------- running
@@ -220,10 +252,12 @@ async def run_grid(cells: list[Cell], policies: list[str], args: argparse.Namesp
 
 def render(report: dict[str, Any]) -> str:
     blocks = []
+    several = "across_seeds" in report
     for cell in report["cells"]:
         what = "TTFT" if cell["metric"] == "ttft" else "latency (not streamed: time to the whole reply)"
+        seed = f" (seed {cell.get('seed')})" if several else ""
         blocks.append(
-            f"{cell['name']}: {cell['requests']} requests at {cell['arrival_rate_per_s']:.2f}/s "
+            f"{cell['name']}{seed}: {cell['requests']} requests at {cell['arrival_rate_per_s']:.2f}/s "
             f"(mean prompt {cell['mean_prompt_tokens']:.0f} tokens), caches {cell['cache_fraction']:.0%} of "
             f"{cell['distinct_blocks']} distinct blocks ({cell['engine_kv_tokens']} tokens per engine), "
             f"shared-LRU reference {cell['lru_reference_hit_rate']:.1%}; {what} in engine ms"
@@ -248,10 +282,32 @@ def render(report: dict[str, Any]) -> str:
             *("lost load/stale/cold", "failed"),
         ]
         blocks.append(text_table(headers, rows) + "\n")
-    blocks.append(f"summary (within {WITHIN_MEAN:.2f}x of the best mean, {WITHIN_P90:.1f}x of the best p90):")
+    if several:
+        blocks.append(render_across(report["across_seeds"]))
+    judged = "each cell's geometric mean over the seeds, " if several else ""
+    blocks.append(f"summary ({judged}within {WITHIN_MEAN:.2f}x of the best mean, {WITHIN_P90:.1f}x of the best p90):")
     for policy, s in report["summary"].items():
         blocks.append(summary_line(policy, s))
     return "\n".join(blocks)
+
+
+def render_across(cells: list[dict[str, Any]]) -> str:
+    """Per cell and policy, the geometric means of the ratios over the seeds and the mean figures."""
+    rows = [
+        [
+            cell["name"],
+            r["policy"],
+            f"{r['ttft_vs_best']:.2f}",
+            f"{r['p90_vs_best']:.2f}",
+            f"{r['ttft_mean_ms']:.1f}",
+            f"{r['of_lru']:.1%}",
+            r["failed"],
+        ]
+        for cell in cells
+        for r in cell["runs"]
+    ]
+    headers = ["cell", "policy", "ttft/best", "p90/best", "mean ms", "of LRU", "failed"]
+    return "across seeds (geometric means of the ratios, mean figures):\n" + text_table(headers, rows) + "\n"
 
 
 def summary_line(policy: str, s: dict[str, Any]) -> str:
@@ -283,10 +339,35 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, tuple[str, ...]], li
     return axes, cells, policies
 
 
+def seeds_from(args: argparse.Namespace) -> list[int]:
+    """``--seeds`` (comma-separated integers) or else ``--seed``."""
+    if not getattr(args, "seeds", None):
+        return [args.seed]
+    try:
+        seeds = list(dict.fromkeys(int(v) for v in args.seeds.split(",") if v.strip()))
+    except ValueError:
+        raise StartupError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise StartupError("--seeds names no seed")
+    return seeds
+
+
+async def run_seeds(cells: list[Cell], policies: list[str], args: argparse.Namespace, seeds: list[int]) -> list[dict]:
+    out = []
+    for seed in seeds:
+        if len(seeds) > 1:
+            print(f"seed {seed}", file=sys.stderr)
+        for report in await run_grid(cells, policies, argparse.Namespace(**{**vars(args), "seed": seed})):
+            out.append({**report, "seed": seed})
+    return out
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     axes, cells, policies = check_args(args)
-    print(f"{len(cells)} cells, policies {', '.join(policies)}", file=sys.stderr)
-    cell_reports = asyncio.run(run_grid(cells, policies, args))
+    seeds = seeds_from(args)
+    print(f"{len(cells)} cells, policies {', '.join(policies)}, seeds {seeds}", file=sys.stderr)
+    cell_reports = asyncio.run(run_seeds(cells, policies, args, seeds))
+    judged = across_seeds(cell_reports) if len(seeds) > 1 else cell_reports
     report = {
         "grid": {name: list(values) for name, values in axes.items()},
         "settings": {
@@ -299,17 +380,20 @@ def run_from_args(args: argparse.Namespace) -> int:
             "max_output": args.max_output,
             "requests_per_cell": args.requests_per_cell,
             "wall_rate": args.wall_rate,
-            "seed": args.seed,
+            "seed": seeds[0],
+            "seeds": seeds,
         },
         "cells": cell_reports,
-        "summary": summarize_policies(cell_reports),
+        "summary": summarize_policies(judged),
     }
+    if len(seeds) > 1:
+        report["across_seeds"] = judged
     print(render(report))
     if args.json:
         write_json(args.json, report, "results")
     if args.chart:
         from kvroute.bench.regimes_chart import chart
 
-        chart(report, Path(args.chart))
+        chart({**report, "cells": judged}, Path(args.chart))
         print(f"chart written to {Path(args.chart).resolve()}")
     return 0

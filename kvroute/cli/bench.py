@@ -152,6 +152,13 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
         help="comma-separated policies (sglang: text cells only, with $KVROUTE_SGLANG_PYTHON)",
     )
     p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    p.add_argument(
+        "--seeds",
+        metavar="S1,S2",
+        help="several workload seeds (overrides --seed): every cell runs once per seed and each policy "
+        "is judged on the geometric mean of its ratios to the best over the seeds (one run of a "
+        "tight cell can be off by 2x)",
+    )
     p.add_argument("--requests-per-cell", type=positive_int, default=160, help="requests per run (default 160)")
     p.add_argument(
         "--wall-rate",
