@@ -77,6 +77,8 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
             "ttft/best",
             "p90/best",
             "hit/best",
+            "lost",
+            "load/stale/cold",
             "failed",
         ]
         assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["kv", "round_robin"]
@@ -100,6 +102,8 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
         assert [r["policy"] for r in cell["runs"]] == ["kv", "round_robin"]
         for run in cell["runs"]:
             assert run.keys() >= RUN_KEYS
+            shares = run["lost_share"]  # the router's own split of the cacheable tokens it lost
+            assert set(shares) == {"load_tradeoff", "stale_index", "cold"} and all(0 <= v <= 1 for v in shares.values())
             assert run["requests"] == 24 and run["failed"] == 0 and run["replicas"] == 1
             assert 0 < run["hit_rate"] <= cell["infinite_cache_hit_rate"] + 0.01
             assert run["of_lru"] == pytest.approx(run["hit_rate"] / cell["lru_reference_hit_rate"], abs=0.01)

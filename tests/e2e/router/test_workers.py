@@ -53,10 +53,15 @@ async def test_two_processes_serve_one_port_and_each_books_its_own_load(fleet, r
     try:
         seen: set[str] = set()
 
-        async def both_answer() -> bool:  # each connection is new: the kernel spreads them
-            try:
-                async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
-                    seen.add((await response.json())["replica"])
+        async def both_answer() -> bool:  # each session's connection is new: the kernel spreads them
+            try:  # ready (it knows the worker) and which replica, asked on one kept-alive connection
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+                    async with session.get(url + "/ready") as ready:
+                        knows_workers = ready.status == 200
+                    async with session.get(url + "/health") as response:
+                        replica = (await response.json())["replica"]
+                if knows_workers:
+                    seen.add(replica)
             except aiohttp.ClientError:
                 pass
             return seen == set(REPLICAS)
