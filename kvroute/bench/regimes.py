@@ -131,8 +131,8 @@ def across_seeds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for run in cell["runs"]:
                 runs.setdefault(run["policy"], []).append(run)
         merged = [_merged_run(policy, seed_runs) for policy, seed_runs in runs.items()]
-        out.append({**{k: v for k, v in group[0].items() if k not in ("runs", "seed")}, "runs": merged})
-        out[-1]["seeds"] = [cell.get("seed") for cell in group]
+        shared = {k: v for k, v in group[0].items() if k not in ("runs", "seed")}
+        out.append({**shared, "runs": merged, "seeds": [cell.get("seed") for cell in group]})
     return out
 
 
@@ -272,14 +272,15 @@ def render(report: dict[str, Any]) -> str:
                 f"{r['ttft_vs_best']:.2f}",
                 f"{r['p90_vs_best']:.2f}",
                 f"{r['hit_vs_best']:.2f}",
-                shares_text(r.get("lost_share")),
                 r["failed"],
+                shares_text(r.get("lost_share")),
             ]
             for r in cell["runs"]
         ]
+        # the new column last: the columns that were there keep their places
         headers = [
             *("policy", "mean ms", "p90 ms", "hit rate", "of LRU", "ttft/best", "p90/best", "hit/best"),
-            *("lost load/stale/cold", "failed"),
+            *("failed", "lost load/stale/cold"),
         ]
         blocks.append(text_table(headers, rows) + "\n")
     if several:

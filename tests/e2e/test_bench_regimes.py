@@ -77,9 +77,9 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
             "ttft/best",
             "p90/best",
             "hit/best",
+            "failed",
             "lost",
             "load/stale/cold",
-            "failed",
         ]
         assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["kv", "round_robin"]
     assert "latency (not streamed: time to the whole reply)" in result.stdout
