@@ -15,12 +15,16 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError
+from kvindex.pipelined import WireWatch, wire_watch
 from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
+from kvindex.scripts import ScriptCall
 from kvindex.types import WorkerRecord
 from router.accounting import Split, split
 from router.fleet import Fleet
@@ -127,6 +131,25 @@ def checkpoints(length: int) -> list[int]:
     return sorted(d for d in depths if d > 0)
 
 
+class _RelayedWatch(WireWatch):
+    """Counts a batch's requests on the wire, and passes each on to the decision's own watch
+    (:mod:`router.lookups` holds its slot until that one is settled)."""
+
+    def __init__(self, outer: WireWatch | None) -> None:
+        super().__init__()
+        self._outer = outer
+
+    def sent(self) -> None:
+        super().sent()
+        if self._outer is not None:
+            self._outer.sent()
+
+    def read(self) -> None:
+        if self._outer is not None:
+            self._outer.read()
+        super().read()
+
+
 class Decider:
     """Decisions for one replica. Pure of side effects on routing state: what a decision books
     (load, expected prefixes) is booked by the request's :class:`~router.booking.Booking`."""
@@ -229,7 +252,7 @@ class Decider:
     async def _lookup(self, model: str, chain: list[int]) -> IndexView:
         """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.lookups`)."""
         depths = checkpoints(len(chain))
-        alive_reply, match_reply, totals_reply, expected_reply = await self._index.scripts.call_many(
+        alive_reply, match_reply, totals_reply, expected_reply = await self._call_carrying(
             [
                 *self._index.match_calls(model, chain),
                 self._shared.totals_call(model, others_only=True),
@@ -245,6 +268,28 @@ class Decider:
             if worker_id is not None:
                 expected_depth[worker_id] = max(expected_depth[worker_id], depth)
         return IndexView(matches, parse_totals(totals_reply), expected_depth)
+
+    async def _call_carrying(self, calls: list[ScriptCall]) -> list[Any]:
+        """``calls``' replies, the batch also carrying this replica's pending load changes (no
+        flush of its own for them) where its replies are read whoever waits: a single server's
+        pipelined connection. The load's replies go to it once read, even past the budget."""
+        scripts = self._index.scripts
+        carried = self._replica_load.carry() if scripts.cancel_safe else []
+        if not carried:
+            return await scripts.call_many(calls)
+        watch = _RelayedWatch(wire_watch.get())
+        token = wire_watch.set(watch)
+        replies: list[Any] | None = None
+        try:
+            replies = await scripts.call_many([*calls, *carried])
+            return replies[: len(calls)]
+        finally:
+            wire_watch.reset(token)
+            done = partial(self._replica_load.carried, replies[len(calls) :] if replies is not None else None)
+            if watch.pending == 0:  # every reply read (or nothing sent: the batch's load is not written)
+                done()
+            else:  # given up while its replies are on the wire: done when they are read
+                watch.on_settled = done
 
     def _candidates(self, model: str, view: IndexView, workers: list[WorkerRecord]) -> list[Candidate]:
         """The workers as Redis sees them (the other replicas' load), plus this replica's own

@@ -17,10 +17,12 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError
+from kvindex.scripts import ScriptCall
 from router.shared_load import InflightLoad, SharedLoad
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,9 @@ FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
 # system calls, ~0.3 ms of CPU on the benchmark's machine): at 2 ms nearly every request paid a
 # flush for its booking and another for its release, on its own latency path. At 10 ms a short
 # request's booking and release mostly cancel out unwritten, and the flush comes after its reply;
-# the other replicas see a booking up to 10 ms later, a small part of any prefill.
+# the other replicas see a booking up to 10 ms later, a small part of any prefill. A decision's
+# own lookup batch usually carries the changes before the window is out (:meth:`ReplicaLoad.carry`),
+# and then no flush is written at all.
 FLUSH_WINDOW_S = 0.010
 
 
@@ -50,9 +54,18 @@ class ReplicaLoad:
         # pipeline per burst instead of several commands per request.
         self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
         self._expects: list[tuple[str, str, list[int]]] = []
-        self._dirty = asyncio.Event()
+        # Armed by the first change not yet written: the flush is due when it fires (cancelled when
+        # a decision's batch carries every pending change before).
+        self._flush_due: asyncio.TimerHandle | None = None
+        self._dirty = asyncio.Event()  # a flush is due now
         # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
         self._writing = asyncio.Lock()
+        # Batches (decisions' lookups) carrying changes, whose replies are not read yet: a lease
+        # snapshot waits for them (it includes their changes), and none starts while it is taken.
+        self._carrying = 0
+        self._none_carried = asyncio.Event()
+        self._none_carried.set()
+        self.flushes = 0  # flush round trips written (a carried change needs none)
         self._flusher: asyncio.Task[None] | None = None
         self._leased: set[str] = set()  # models this replica holds a lease for
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
@@ -87,12 +100,58 @@ class ReplicaLoad:
         if local[worker_id] == InflightLoad():
             del local[worker_id]
         self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + delta
+        self._changed()
+
+    def _changed(self) -> None:
+        """A change is pending: it is written within the flush window (gathering what arrives
+        meanwhile), by a decision's batch that carries it or else by the flush."""
+        if self._flush_due is None:
+            self._flush_due = asyncio.get_running_loop().call_later(FLUSH_WINDOW_S, self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_due = None
         self._dirty.set()
+
+    def _take(self, leased_only: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[tuple[str, str, list[int]]]]:
+        """The pending changes (those of models without a lease yet stay, when ``leased_only``),
+        no longer pending: the caller writes them. No flush is due once none is left."""
+        taken = {k: v for k, v in self._deltas.items() if not leased_only or k[0] in self._leased}
+        for key in taken:
+            del self._deltas[key]
+        expects, self._expects = self._expects, []
+        if not self._deltas and self._flush_due is not None:
+            self._flush_due.cancel()
+            self._flush_due = None
+        return {k: v for k, v in taken.items() if v != InflightLoad()}, expects
+
+    def carry(self) -> list[ScriptCall]:
+        """The pending changes as script calls for a batch about to be written (a decision's
+        lookup on the pipelined connection, whose replies are read even if its caller stops
+        waiting), now being written: the batch's writer calls :meth:`carried` once its replies
+        are read or lost. Nothing while a lease snapshot or flush is being written (they go to
+        the next one), nor for a model with no lease yet (its first snapshot is the flush's)."""
+        if self._writing.locked() or (not self._deltas and not self._expects):
+            return []
+        deltas, expects = self._take(leased_only=True)
+        calls = self.shared.write_calls(deltas, expects, self._expected_ttl_ms)
+        if calls:
+            self._carrying += 1
+            self._none_carried.clear()
+        return calls
+
+    def carried(self, replies: Sequence[Any] | None) -> None:
+        """The batch of a :meth:`carry` is done: its replies (None: lost, or not waited for).
+        Lost changes are healed by the next lease snapshot, as a flush's are."""
+        for reply in replies or ():
+            if isinstance(reply, Exception):
+                log.debug("shared load update failed: %s", reply)
+        self._carrying -= 1
+        if self._carrying == 0:
+            self._none_carried.set()
 
     async def _flush_loop(self) -> None:
         while True:
             await self._dirty.wait()
-            await asyncio.sleep(FLUSH_WINDOW_S)  # gather what arrives meanwhile
             async with self._writing:
                 self._dirty.clear()
                 unleased = sorted({model for model, _ in self._deltas} - self._leased)
@@ -101,18 +160,22 @@ class ReplicaLoad:
                         await self._renew(model)
                 except FAILURES as exc:
                     log.debug("first lease failed: %s", exc)
-                deltas = {k: v for k, v in self._deltas.items() if v != InflightLoad()}
-                expects, self._deltas, self._expects = self._expects, defaultdict(InflightLoad), []
+                # a request booked and released within the window: no delta
+                deltas, expects = self._take(leased_only=False)
+                if not deltas and not expects:
+                    continue
+                self.flushes += 1
                 try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
                     async with asyncio.timeout(self._write_timeout_s):
-                        # one round trip; a request booked and released within the window: no delta
-                        await self.shared.write_many(deltas, expects, self._expected_ttl_ms)
+                        await self.shared.write_many(deltas, expects, self._expected_ttl_ms)  # one round trip
                 except FAILURES as exc:
                     log.debug("shared load update failed: %s", exc)
 
     def idle(self) -> bool:
         """True when every change made so far has been written (or dropped after a failure)."""
-        return not self._dirty.is_set() and not self._writing.locked()
+        return (
+            self._flush_due is None and not self._dirty.is_set() and not self._writing.locked() and self._carrying == 0
+        )
 
     def inflight(self, model: str) -> dict[str, InflightLoad]:
         return dict(self._local.get(model, {}))
@@ -125,6 +188,8 @@ class ReplicaLoad:
     async def _renew(self, model: str) -> None:
         """Renew ``model``'s lease with a snapshot of the local truth (the caller holds the lock).
         Until a replica's first lease for a model, Redis counts none of its load there."""
+        # A batch still carrying changes (all in the snapshot) must land first: not after it.
+        await self._none_carried.wait()
         # The snapshot already holds this model's unflushed changes: they are written by it, not
         # queued again (else Redis would count them twice until the next renewal).
         for key in [k for k in self._deltas if k[0] == model]:
@@ -147,6 +212,9 @@ class ReplicaLoad:
         return self
 
     async def stop(self, models: list[str]) -> None:
+        if self._flush_due is not None:  # leaving takes this replica's load away in any case
+            self._flush_due.cancel()
+            self._flush_due = None
         for task in (self._task, self._flusher):
             if task is not None:
                 task.cancel()

@@ -132,8 +132,21 @@ class SharedLoad:
         expects: Sequence[tuple[str, str, Sequence[int]]],
         ttl_ms: int,
     ) -> None:
+        """Load changes and expected prefixes (:meth:`write_calls`), all in one round trip."""
+        calls = self.write_calls(deltas, expects, ttl_ms)
+        if calls:
+            for result in await self._scripts.call_many(calls):
+                if isinstance(result, Exception):
+                    raise result
+
+    def write_calls(
+        self,
+        deltas: Mapping[tuple[str, str], InflightLoad],
+        expects: Sequence[tuple[str, str, Sequence[int]]],
+        ttl_ms: int,
+    ) -> list[ScriptCall]:
         """Load changes (inflight_add.lua, one call per model) and expected prefixes
-        (expect.lua), all in one round trip."""
+        (expect.lua) as script calls, for one batch."""
         per_model: dict[str, list[str | int]] = defaultdict(list)
         for (model, worker_id), delta in deltas.items():
             for field, value in delta.fields(worker_id).items():
@@ -143,11 +156,7 @@ class SharedLoad:
             ("inflight_add", [self.keys(model).inflight(self.replica_id)], [HASH_EXPIRY_MS, *pairs])
             for model, pairs in per_model.items()
         ]
-        calls += self._expect_calls(expects, ttl_ms)
-        if calls:
-            for result in await self._scripts.call_many(calls):
-                if isinstance(result, Exception):
-                    raise result
+        return calls + self._expect_calls(expects, ttl_ms)
 
     async def leave(self, model: str) -> None:
         """Graceful shutdown: this replica's load stops counting at once."""

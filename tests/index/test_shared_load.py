@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from kvindex.hashing import sequence_hashes
@@ -103,6 +104,7 @@ async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, uniq
 
     try:
         load.book(unique_name, "w", InflightLoad(1, 64, 64))
+        assert load.carry() == []  # no lease yet: the flush's first snapshot writes it
         await wait_until(flushed, 5, interval=0.001)
         assert await shared.totals(unique_name) == {"w": InflightLoad(1, 64, 64)}
         load.release(unique_name, "w", InflightLoad(0, 0, 64))
@@ -110,3 +112,42 @@ async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, uniq
         assert await shared.totals(unique_name) == {"w": InflightLoad(1, 64, 0)}
     finally:
         await load.stop([unique_name])
+
+
+async def test_a_renewal_waits_for_a_batch_carrying_changes_it_includes(redis_client, unique_name):
+    """Changes handed to a decision's batch are in the local truth at once: a lease snapshot
+    written before that batch lands would have Redis count them twice (until the next one)."""
+    from kvindex.scripts import Scripts
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000)
+    await load.renew_all([unique_name])  # leased: its changes may be carried
+    booked = InflightLoad(1, 160, 160)
+    load.book(unique_name, "w", booked, expected=[7])
+    calls = load.carry()  # the batch's writer: a decision, played here by the test
+    assert [name for name, _, _ in calls] == ["inflight_add", "expect"]
+    assert load.carry() == [] and not load.idle()  # handed out once; being written
+    renewal = asyncio.create_task(load.renew_all([unique_name]))
+    done, _ = await asyncio.wait({renewal}, timeout=0.2)
+    assert not done  # it waits for the batch
+    load.carried(await Scripts(redis_client).call_many(calls))
+    await renewal
+    assert load.idle() and load.flushes == 0
+    assert await shared.totals(unique_name) == {"w": booked}
+    assert await shared.expected(unique_name, [7]) == ["w"]
+
+
+async def test_a_failed_carrying_batch_is_healed_by_the_next_renewal(redis_client, unique_name):
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000)
+    await load.renew_all([unique_name])
+    load.book(unique_name, "w", InflightLoad(2, 20, 0))
+    assert load.carry()
+    load.carried(None)  # lost (its decision gave up, or the connection went)
+    assert load.idle()
+    assert await shared.totals(unique_name) == {}
+    await load.renew_all([unique_name])
+    assert await shared.totals(unique_name) == {"w": InflightLoad(2, 20, 0)}

@@ -1,0 +1,102 @@
+"""A router's load changes ride on its decisions' own Redis batches (a single server): the
+separate flush is written only when no decision carried them. A Redis Cluster keeps the flush."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from kvroute.devstack.embedded_cluster import LocalCluster
+from router.main import RunningRouter
+from router.shared_load import InflightLoad
+from tests.e2e.cluster_support import wait_for_workers as wait_for_cluster_workers
+from tests.e2e.router.support import PREFIX, start_router
+from tests.support import SimFleet, wait_until
+
+BOOKED = InflightLoad(1, 160, 160)
+
+
+async def _own_fields(redis_url: str, router: RunningRouter, model: str) -> dict[str, str]:
+    """This router's in-flight HASH for ``model`` as Redis holds it."""
+    load = router.state.load
+    client = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return await client.hgetall(load.shared.keys(model).inflight(load.shared.replica_id))
+    finally:
+        await client.aclose()
+
+
+async def _written(router: RunningRouter) -> None:
+    """Until every load change this router made has been written."""
+    load = router.state.load
+
+    async def idle() -> bool:
+        return load.idle()
+
+    await wait_until(idle, 10, interval=0.001)
+
+
+async def _ready_to_carry(router: RunningRouter, model: str) -> None:
+    """The model leased (a booking there may be carried; the first one of a model is the flush's
+    snapshot) and nothing being written."""
+    await router.state.load.renew_all([model])
+    await _written(router)
+
+
+async def test_a_decisions_batch_carries_the_pending_booking(router: RunningRouter, redis_server):
+    load, decider = router.state.load, router.state.decider
+    assert router.state.index.scripts.cancel_safe  # a single server: the pipelined connection
+    await _ready_to_carry(router, "tiny")
+    flushes = load.flushes
+    load.book("tiny", "carried-w", BOOKED)
+    await decider.decide("tiny", PREFIX)  # its replies are read: its batch wrote the booking
+    assert load.idle()
+    fields = await _own_fields(redis_server.url, router, "tiny")
+    assert (fields.get("r:carried-w"), fields.get("t:carried-w")) == ("1", "160")
+    assert load.flushes == flushes  # no flush of its own
+
+    load.release("tiny", "carried-w", BOOKED)  # no decision follows: the flush writes it
+    await _written(router)
+    assert load.flushes == flushes + 1
+    assert (await _own_fields(redis_server.url, router, "tiny")).get("r:carried-w", "0") == "0"
+
+
+async def test_a_renewal_during_a_carrying_decision_counts_its_booking_once(router: RunningRouter, redis_server):
+    load, decider = router.state.load, router.state.decider
+    await _ready_to_carry(router, "tiny")
+    load.book("tiny", "renewed-w", BOOKED)
+    await asyncio.gather(decider.decide("tiny", PREFIX), load.renew_all(["tiny"]))
+    await _written(router)
+    assert (await load.shared.totals("tiny")).get("renewed-w") == BOOKED
+    fields = await _own_fields(redis_server.url, router, "tiny")
+    assert (fields.get("r:renewed-w"), fields.get("u:renewed-w")) == ("1", "160")
+    load.release("tiny", "renewed-w", BOOKED)
+
+
+@pytest.fixture
+async def cluster_router(redis_cluster: LocalCluster, unique_name: str) -> AsyncIterator[RunningRouter]:
+    fleet = await SimFleet(redis_cluster.url, model=unique_name).start()
+    context, running = await start_router(redis_cluster.url)
+    try:
+        await wait_for_cluster_workers(running, unique_name, fleet.count)
+        yield running
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
+
+
+async def test_on_a_cluster_the_flush_writes_the_booking(cluster_router: RunningRouter, unique_name: str):
+    load, decider = cluster_router.state.load, cluster_router.state.decider
+    assert not cluster_router.state.index.scripts.cancel_safe
+    await _ready_to_carry(cluster_router, unique_name)
+    flushes = load.flushes
+    load.book(unique_name, "cluster-w", BOOKED)
+    await decider.decide(unique_name, PREFIX)
+    assert not load.idle()  # the decision carried nothing: the booking waits for the flush
+    await _written(cluster_router)
+    assert load.flushes == flushes + 1
+    assert (await load.shared.totals(unique_name)).get("cluster-w") == BOOKED
+    load.release(unique_name, "cluster-w", BOOKED)
