@@ -18,7 +18,9 @@ for i = 3, #ARGV do
   redis.call('HSET', expected_key, ARGV[i], worker)
   redis.call('ZADD', deadlines_key, now_ms + ttl_ms, ARGV[i])
 end
-local lapsed = redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', '(' .. now_ms, 'LIMIT', 0, 256)
+-- Lapsed as expected.lua reads it: a deadline at or before now (a sweep in the same millisecond
+-- as a read that found an entry lapsed drops it too).
+local lapsed = redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', now_ms, 'LIMIT', 0, 256)
 for _, field in ipairs(lapsed) do
   redis.call('HDEL', expected_key, field)
   redis.call('ZREM', deadlines_key, field)
