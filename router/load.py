@@ -27,14 +27,16 @@ from router.shared_load import InflightLoad, SharedLoad
 
 log = logging.getLogger(__name__)
 FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
-# Changes are gathered this long before they are written. Each flush is two round trips (four
-# system calls, ~0.3 ms of CPU on the benchmark's machine): at 2 ms nearly every request paid a
-# flush for its booking and another for its release, on its own latency path. At 10 ms a short
-# request's booking and release mostly cancel out unwritten, and the flush comes after its reply;
-# the other replicas see a booking up to 10 ms later, a small part of any prefill. A decision's
-# own lookup batch usually carries the changes before the window is out (:meth:`ReplicaLoad.carry`),
-# and then no flush is written at all.
-FLUSH_WINDOW_S = 0.010
+# Changes are gathered this long before they are written, unless a decision's own lookup batch
+# carries them sooner (:meth:`ReplicaLoad.carry`: then no flush is written at all). The window is
+# how stale the other replicas' view of this replica's load is: a prefill released at its first
+# byte still counts as queued ahead for them until it is written. At 10 ms, with 4 replicas on the
+# regimes grid's Zipf cells, that stale queue moved 1.5-2x as many prompts off their caches as one
+# replica did (up to 7% of the cacheable tokens) and cost 1-4 points of hit rate against 2 ms
+# (docs/benchmarks.md, "Runs of 2026-12-01, fourth session"). The price: about one flush per request
+# at moderate rates (~0.3-0.5 ms of router CPU each on the 2-core benchmark machine); at high rates
+# the decisions' batches carry nearly every change and few flushes remain.
+FLUSH_WINDOW_S = 0.002
 
 
 class ReplicaLoad:
@@ -48,6 +50,7 @@ class ReplicaLoad:
         # costs its connection, so a Redis slower than the renewal period must not make every
         # renewal and flush reconnect (router/lookups.py says the same of decisions).
         self._write_timeout_s = write_timeout_s
+        self.flush_window_s = FLUSH_WINDOW_S
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
@@ -106,9 +109,12 @@ class ReplicaLoad:
         """A change is pending: it is written within the flush window (gathering what arrives
         meanwhile), by a decision's batch that carries it or else by the flush."""
         if self._flush_due is None:
-            self._flush_due = asyncio.get_running_loop().call_later(FLUSH_WINDOW_S, self._flush_now)
+            self._flush_due = asyncio.get_running_loop().call_later(self.flush_window_s, self.flush_now)
 
-    def _flush_now(self) -> None:
+    def flush_now(self) -> None:
+        """Write the pending changes now, without waiting for the window."""
+        if self._flush_due is not None:
+            self._flush_due.cancel()
         self._flush_due = None
         self._dirty.set()
 

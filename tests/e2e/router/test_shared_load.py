@@ -10,6 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from kvroute.devstack.embedded_cluster import LocalCluster
+from router.load import FLUSH_WINDOW_S
 from router.main import RunningRouter
 from router.shared_load import InflightLoad
 from tests.e2e.cluster_support import wait_for_workers as wait_for_cluster_workers
@@ -51,6 +52,7 @@ async def test_a_decisions_batch_carries_the_pending_booking(router: RunningRout
     assert router.state.index.scripts.cancel_safe  # a single server: the pipelined connection
     await _ready_to_carry(router, "tiny")
     flushes = load.flushes
+    load.flush_window_s = 60.0  # no flush due while the decision runs, however slow the machine
     load.book("tiny", "carried-w", BOOKED)
     await decider.decide("tiny", PREFIX)  # its replies are read: its batch wrote the booking
     assert load.idle()
@@ -58,6 +60,7 @@ async def test_a_decisions_batch_carries_the_pending_booking(router: RunningRout
     assert (fields.get("r:carried-w"), fields.get("t:carried-w")) == ("1", "160")
     assert load.flushes == flushes  # no flush of its own
 
+    load.flush_window_s = FLUSH_WINDOW_S
     load.release("tiny", "carried-w", BOOKED)  # no decision follows: the flush writes it
     await _written(router)
     assert load.flushes == flushes + 1
@@ -93,9 +96,11 @@ async def test_on_a_cluster_the_flush_writes_the_booking(cluster_router: Running
     assert not cluster_router.state.index.scripts.cancel_safe
     await _ready_to_carry(cluster_router, unique_name)
     flushes = load.flushes
+    load.flush_window_s = 60.0  # no flush due while the decision runs, however slow the machine
     load.book(unique_name, "cluster-w", BOOKED)
     await decider.decide(unique_name, PREFIX)
     assert not load.idle()  # the decision carried nothing: the booking waits for the flush
+    load.flush_now()
     await _written(cluster_router)
     assert load.flushes == flushes + 1
     assert (await load.shared.totals(unique_name)).get("cluster-w") == BOOKED
