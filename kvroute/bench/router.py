@@ -203,7 +203,7 @@ async def _measure(
 ) -> None:
     """The latency runs of ``kinds`` (SGLang's router takes no token ids; the pass-through no chats),
     then the most requests/s; ``pids``: the router's processes, whose CPU is read."""
-    for kind in kinds:
+    for kind in (k for k in kinds if k in args.kinds):
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         rate = MULTI_TURN_RATE if kind in ("chat", "turns") else args.rate
         warm, bodies = _latency_bodies(kind, args.requests)
@@ -219,8 +219,9 @@ async def _measure(
             "added_p99_ms": round(1000 * (percentile(routed, 0.99) - percentile(plain, 0.99)), 3),
             **({"cpu_us": round(1e6 * cpu / len(bodies))} if pids else {}),
         }
-    for text in (False, True) if "ids8k" in kinds else (True,):
-        await _max_rps(session, name, url, args, results, text)
+    if "max_rps" in args.kinds:
+        for text in (False, True) if "ids8k" in kinds else (True,):
+            await _max_rps(session, name, url, args, results, text)
 
 
 def _latency_bodies(kind: str, count: int) -> tuple[list[bytes], list[bytes]]:
@@ -280,16 +281,18 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     ("kvroute_workers2", partial(_start_router, server.url, 2), "/ready", ()),
                     ("passthrough", partial(_start_passthrough, upstream_ports[0]), "/health", ("ids8k", "text2k")),
                 ):
+                    if "max_rps" not in args.kinds and not set(kinds) & set(args.kinds):
+                        continue  # nothing of this process is asked for
                     process, log, url = start()
                     processes.append(process)
                     logs.append(log)
                     await wait_healthy(session, url + ready, process, log, 30, name=f"the {name} process")
                     if kinds:
                         await _measure(session, name, url, direct, args, results, kinds, [process.pid])
-                    else:  # --workers 2: the most requests/s only
+                    elif "max_rps" in args.kinds:  # --workers 2: the most requests/s only
                         await _max_rps(session, name, url, args, results, text=False)
                     stop_processes([process])  # not competing with the next one for the cores
-                if args.sglang:
+                if args.sglang and ("max_rps" in args.kinds or {"text2k", "chat", "turns"} & set(args.kinds)):
                     async with SglangRouters([f"http://127.0.0.1:{p}" for p in upstream_ports]) as sglang:
                         text_kinds = ("text2k", "chat", "turns")
                         await _measure(session, "sglang", sglang.urls[0], direct, args, results, text_kinds)

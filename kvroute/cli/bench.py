@@ -85,12 +85,32 @@ def _sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=positive_float, default=20.0, help="the engines' --speedup")
 
 
+# kvroute bench router's runs: latency of 8k token ids, 2k-word text, multi-turn chats and
+# transcripts; the most requests/s.
+ROUTER_KINDS = ("ids8k", "text2k", "chat", "turns", "max_rps")
+
+
+def _router_kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(ROUTER_KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"runs must be some of {','.join(ROUTER_KINDS)}, got {text!r}")
+    return tuple(k for k in ROUTER_KINDS if k in kinds)
+
+
 def _router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=positive_float, default=200.0, help="open-loop requests/s for the latency runs")
     p.add_argument("--requests", type=positive_int, default=1000, help="requests per latency run")
     p.add_argument("--seconds", type=positive_float, default=10.0, help="duration of the max-throughput run")
     p.add_argument("--concurrency", type=positive_int, default=64, help="clients in the max-throughput run")
     p.add_argument("--sglang", action="store_true", help="also measure the SGLang router (pip install sglang-router)")
+    p.add_argument(
+        "--kinds",
+        type=_router_kinds,
+        default=ROUTER_KINDS,
+        help=f"comma-separated runs to make, of {','.join(ROUTER_KINDS)} (default: all); max_rps: the most "
+        "requests/s, of one process and of --workers 2",
+    )
 
 
 def _replay_flags(p: argparse.ArgumentParser) -> None:
