@@ -262,6 +262,9 @@ def create_app(state: RouterState) -> web.Application:
         decision = await _decide(state, body, chat="messages" in body, dry_run=True)
         return web.json_response(_explain(decision))
 
+    async def learned(_: web.Request) -> web.Response:
+        return web.json_response(state.decider.learner.snapshot())
+
     async def models(_: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "kvroute"} for m in state.fleet.models_with_workers()]
         return web.json_response({"object": "list", "data": data})
@@ -296,6 +299,7 @@ def create_app(state: RouterState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     if settings.enable_debug:  # it shows worker URLs and what the index holds: opt-in
         app.router.add_post("/debug/route", explain)
+        app.router.add_get("/debug/model", learned)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -175,6 +175,48 @@ SCHEMAS: dict[str, Any] = {
             "reason": {"type": "string", "description": "why not ready"},
         },
     },
+    "LearnedModel": {
+        "type": "object",
+        "required": [
+            "source",
+            "base_ms",
+            "prefill_tokens_per_s",
+            "observations",
+            "whole_reply_observations",
+            "typical_uncached_tokens",
+            "reuse",
+            "utilization",
+            "workers",
+        ],
+        "properties": {
+            "source": {
+                "type": "string",
+                "enum": ["prior", "streamed", "whole_replies"],
+                "description": "what set the fleet's rate: the prior (nothing seen yet), streamed first "
+                "bytes, or whole replies of requests not streamed (their rate only)",
+            },
+            "base_ms": {"type": "number", "description": "the fleet's time to first token with no prefill"},
+            "prefill_tokens_per_s": {"type": "number", "nullable": True},
+            "observations": {"type": "number", "description": "streamed first bytes, decayed (half-life 200)"},
+            "whole_reply_observations": {"type": "number"},
+            "typical_uncached_tokens": {"type": "number"},
+            "reuse": {"type": "number", "description": "share of prompt tokens the engines reported cached"},
+            "utilization": {"type": "number", "description": "share of workers with prefill queued at decisions"},
+            "workers": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "prefill_tokens_per_s", "observations", "whole_reply_observations"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "prefill_tokens_per_s": {"type": "number", "nullable": True},
+                        "observations": {"type": "number"},
+                        "whole_reply_observations": {"type": "number"},
+                    },
+                },
+            },
+        },
+    },
     "RouteExplanation": {
         "type": "object",
         "required": ["model", "prompt_tokens", "prompt_blocks", "block_size", "degraded", "chosen", "workers"],
@@ -303,6 +345,13 @@ def _paths() -> dict[str, Any]:
                 },
             }
         },
+        "/debug/model": _get(
+            "learnedModel",
+            "What this replica has learned of the engines: prefill rates, the base, the averages its "
+            "decisions use (docs/router.md); served only with --enable-debug",
+            {"200": _json_reply("the learned cost model", "LearnedModel"), **_errors(401, 429)},
+            True,
+        ),
         "/v1/models": _get(
             "listModels",
             "Models with alive workers",

@@ -27,6 +27,7 @@ early rather than late).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms matters until learned
 HALF_LIFE = 200.0  # observations after which an old one weighs half
@@ -174,3 +175,39 @@ class TtftLearner:
     @property
     def model(self) -> CostModel:
         return self._model
+
+    def snapshot(self) -> dict[str, Any]:
+        """What was learned, for an operator (``GET /debug/model``): the fleet's and each worker's
+        prefill rate, what set it, and the measured averages."""
+        model = self._model
+        if self._fleet.n < MIN_STREAMED and self._whole_fleet.n > self._fleet.n:
+            source = "whole_replies"  # not streamed: the rate only, from whole replies' times
+        else:
+            source = "streamed" if self._fleet.n > 0 else "prior"
+        workers = [
+            {
+                "id": worker_id,
+                "prefill_tokens_per_s": _rate(model.params(worker_id)),
+                "observations": round(self._workers[worker_id].n, 1) if worker_id in self._workers else 0.0,
+                "whole_reply_observations": round(self._whole_workers[worker_id].n, 1)
+                if worker_id in self._whole_workers
+                else 0.0,
+            }
+            for worker_id in sorted(set(model.rates) | set(self._workers) | set(self._whole_workers))
+        ]
+        return {
+            "source": source,
+            "base_ms": round(model.fleet.base_s * 1000, 3),
+            "prefill_tokens_per_s": _rate(model.fleet),
+            "observations": round(self._fleet.n, 1),
+            "whole_reply_observations": round(self._whole_fleet.n, 1),
+            "typical_uncached_tokens": round(model.typical_uncached_tokens, 1),
+            "reuse": round(model.reuse, 4),
+            "utilization": round(model.utilization, 4),
+            "workers": workers,
+        }
+
+
+def _rate(params: TtftParams) -> float | None:
+    """Prefill tokens per second (None: the fit found no cost per token)."""
+    return round(1 / params.per_token_s, 1) if params.per_token_s > 0 else None

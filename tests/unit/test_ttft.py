@@ -90,3 +90,25 @@ def test_whole_replies_teach_the_rate_until_streamed_requests_are_seen():
     _feed(learner, "w", base=0.010, per_token=2e-4, count=300)
     params = learner.model.params("w")
     assert params.per_token_s == pytest.approx(2e-4, rel=0.25) and params.base_s == pytest.approx(0.010, abs=0.01)
+
+
+def test_the_snapshot_says_what_set_the_rate_and_each_workers_rate():
+    learner = TtftLearner()
+    assert learner.snapshot()["source"] == "prior"
+    assert learner.snapshot()["prefill_tokens_per_s"] == pytest.approx(1 / PRIOR_PER_TOKEN_S)
+    rng = random.Random(3)
+    for _ in range(50):  # whole replies only: they set the rate
+        tokens = rng.uniform(0, 4000)
+        learner.observe("w1", tokens, 0.2 + tokens / 20_000, whole_reply=True)
+    assert learner.snapshot()["source"] == "whole_replies"
+    _feed(learner, "fast", base=0.010, per_token=1e-4, count=300, seed=4)
+    _feed(learner, "slow", base=0.010, per_token=5e-4, count=300, seed=5)
+    snapshot = learner.snapshot()
+    assert snapshot["source"] == "streamed" and snapshot["base_ms"] >= 0
+    rates = {w["id"]: w for w in snapshot["workers"]}
+    assert rates["fast"]["prefill_tokens_per_s"] == pytest.approx(10_000, rel=0.25)
+    assert rates["slow"]["prefill_tokens_per_s"] == pytest.approx(2_000, rel=0.25)
+    assert rates["fast"]["observations"] > 100 and rates["fast"]["whole_reply_observations"] == 0
+    assert rates["w1"]["whole_reply_observations"] > 10 and rates["w1"]["observations"] == 0
+    learner.note_busy(1.0)
+    assert learner.snapshot()["utilization"] > snapshot["utilization"]

@@ -12,6 +12,7 @@ import asyncio
 from collections import Counter
 
 import aiohttp
+import pytest
 
 from tests.e2e.router.support import start_router, wait_for_workers, wait_indexed
 from tests.support import SimFleet, wait_until
@@ -107,6 +108,36 @@ async def test_a_non_streamed_request_stops_queueing_prefill_when_its_prefill_is
             assert not reply.done()  # still decoding its 2,500 tokens
             await reply
         assert load.inflight("tiny") == {}
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
+
+
+async def test_debug_model_shows_the_rate_learned_from_the_engines(redis_server):
+    """GET /debug/model: what the router learned of real (simulated) engines from its streamed
+    requests' first bytes."""
+    fleet = await SimFleet(redis_server.url, count=2, speedup=20).start()
+    context, router = await start_router(redis_server.url)
+    try:
+        await wait_for_workers(router, 2)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(router.url + "/debug/model") as response:
+                before = await response.json()
+            assert response.status == 200 and before["source"] == "prior" and before["workers"] == []
+            for i in range(8):
+                body = {"model": "tiny", "prompt": _tokens(300 + i, 64 * (i + 1)), "max_tokens": 1, "stream": True}
+                async with session.post(router.url + "/v1/completions", json=body) as reply:
+                    assert reply.status == 200
+                    await reply.read()
+            async with session.get(router.url + "/debug/model") as response:
+                learned = await response.json()
+        assert learned["source"] == "streamed" and learned["observations"] == pytest.approx(8, abs=0.5)
+        assert {w["id"] for w in learned["workers"]} <= {fleet.worker_id(i) for i in range(fleet.count)}
+        assert sum(w["observations"] for w in learned["workers"]) == pytest.approx(8, abs=0.5)
+        assert (
+            learned["prefill_tokens_per_s"] > 0
+            and learned["typical_uncached_tokens"] != before["typical_uncached_tokens"]
+        )
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
         await fleet.stop()

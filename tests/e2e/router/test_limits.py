@@ -87,11 +87,19 @@ async def test_debug_route_is_opt_in_and_behind_the_key(redis_server, index):
     async with workers_and_router(redis_server, index, [FakeWorker("w1")], enable_debug=False) as router:
         status, _, body = await post(router.url + "/debug/route", BODY)
         assert status == 404 and body["error"]["type"] == "not_found_error"
+        assert await _get_status(router.url + "/debug/model") == 404
     keyed = {"enable_debug": True, "api_keys": frozenset({"k1"})}
     async with workers_and_router(redis_server, index, [FakeWorker("w2")], **keyed) as router:
         assert (await post(router.url + "/debug/route", BODY))[0] == 401
         status, _, body = await post(router.url + "/debug/route", BODY, {"Authorization": "Bearer k1"})
         assert status == 200 and body["chosen"] in ("w1", "w2")
+        assert await _get_status(router.url + "/debug/model") == 401
+        assert await _get_status(router.url + "/debug/model", {"Authorization": "Bearer k1"}) == 200
+
+
+async def _get_status(url: str, headers: dict[str, str] | None = None) -> int:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
+        return response.status
 
 
 async def test_debug_route_changes_no_routing_state(redis_server, index):
