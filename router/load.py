@@ -1,6 +1,7 @@
 """This replica's in-flight requests per worker: the local truth behind its shared load.
 
-Every booking is also sent to Redis at once (HINCRBY, via :class:`~router.shared_load.SharedLoad`);
+Every booking and release is also sent to Redis (HINCRBY, via :class:`~router.shared_load.SharedLoad`)
+within :data:`FLUSH_WINDOW_S`: carried by this replica's next decision's own batch, or flushed;
 every second the lease is renewed with a full snapshot of this truth, which heals any update that
 was lost while Redis was unreachable. On shutdown the replica leaves, and its load with it.
 

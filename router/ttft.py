@@ -154,8 +154,15 @@ class TtftLearner:
         self._whole_workers.pop(worker_id, None)
         self._refit()
 
-    def _refit(self) -> None:
+    def _rate_source(self) -> str:
+        """What sets the rate: whole replies while streamed first bytes are too few, else those
+        first bytes, else (nothing seen) the prior."""
         if self._fleet.n < MIN_STREAMED and self._whole_fleet.n > self._fleet.n:
+            return "whole_replies"
+        return "streamed" if self._fleet.n > 0 else "prior"
+
+    def _refit(self) -> None:
+        if self._rate_source() == "whole_replies":
             self._refit_from(self._whole_workers, self._whole_fleet, with_base=False)
         else:
             self._refit_from(self._workers, self._fleet, with_base=True)
@@ -180,10 +187,6 @@ class TtftLearner:
         """What was learned, for an operator (``GET /debug/model``): the fleet's and each worker's
         prefill rate, what set it, and the measured averages."""
         model = self._model
-        if self._fleet.n < MIN_STREAMED and self._whole_fleet.n > self._fleet.n:
-            source = "whole_replies"  # not streamed: the rate only, from whole replies' times
-        else:
-            source = "streamed" if self._fleet.n > 0 else "prior"
         workers = [
             {
                 "id": worker_id,
@@ -196,7 +199,7 @@ class TtftLearner:
             for worker_id in sorted(set(model.rates) | set(self._workers) | set(self._whole_workers))
         ]
         return {
-            "source": source,
+            "source": self._rate_source(),
             "base_ms": round(model.fleet.base_s * 1000, 3),
             "prefill_tokens_per_s": _rate(model.fleet),
             "observations": round(self._fleet.n, 1),

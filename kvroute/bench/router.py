@@ -189,6 +189,13 @@ def _bodies(kind: str, count: int, seed: int = 5) -> list[bytes]:
 
 
 LATENCY_KINDS = ("ids8k", "text2k", "chat", "turns")
+SGLANG_KINDS = ("text2k", "chat", "turns")  # its router takes no token ids
+
+
+def _asked_for(kinds: tuple[str, ...], args: argparse.Namespace) -> bool:
+    """Whether ``--kinds`` asks for anything of a process measured on ``kinds`` (every process
+    has a requests/s run)."""
+    return "max_rps" in args.kinds or bool(set(kinds) & set(args.kinds))
 
 
 async def _measure(
@@ -281,8 +288,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     ("kvroute_workers2", partial(_start_router, server.url, 2), "/ready", ()),
                     ("passthrough", partial(_start_passthrough, upstream_ports[0]), "/health", ("ids8k", "text2k")),
                 ):
-                    if "max_rps" not in args.kinds and not set(kinds) & set(args.kinds):
-                        continue  # nothing of this process is asked for
+                    if not _asked_for(kinds, args):
+                        continue
                     process, log, url = start()
                     processes.append(process)
                     logs.append(log)
@@ -292,10 +299,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     elif "max_rps" in args.kinds:  # --workers 2: the most requests/s only
                         await _max_rps(session, name, url, args, results, text=False)
                     stop_processes([process])  # not competing with the next one for the cores
-                if args.sglang and ("max_rps" in args.kinds or {"text2k", "chat", "turns"} & set(args.kinds)):
+                if args.sglang and _asked_for(SGLANG_KINDS, args):
                     async with SglangRouters([f"http://127.0.0.1:{p}" for p in upstream_ports]) as sglang:
-                        text_kinds = ("text2k", "chat", "turns")
-                        await _measure(session, "sglang", sglang.urls[0], direct, args, results, text_kinds)
+                        await _measure(session, "sglang", sglang.urls[0], direct, args, results, SGLANG_KINDS)
     finally:
         stop_processes(processes)
         remove_files(logs)
