@@ -20,7 +20,7 @@ from router.allow import WorkerAllowList
 from router.app import RouterState, create_app
 from router.decide import Decider
 from router.fleet import Fleet
-from router.load import ReplicaLoad
+from router.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.metrics import StateCollector, new_metrics
 from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
@@ -66,7 +66,10 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         fleet.start()
         stack.push_async_callback(fleet.stop)
         shared = SharedLoad(client, schema, settings.replica_id, index.scripts)
-        load = ReplicaLoad(shared, settings.lease_ttl_ms, settings.expected_ttl_ms, settings.redis.socket_timeout_s)
+        window = FLUSH_WINDOW_S if index.scripts.cancel_safe else UNCARRIED_FLUSH_WINDOW_S
+        load = ReplicaLoad(
+            shared, settings.lease_ttl_ms, settings.expected_ttl_ms, settings.redis.socket_timeout_s, window
+        )
         load.start(fleet.models_with_workers)
         stack.push_async_callback(lambda: load.stop(fleet.models_with_workers()))
         waits = UpstreamWaits()
