@@ -8,8 +8,8 @@ The single owner of a request's load lifecycle:
 2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
    uncached tokens no longer queue ahead of other prompts on that worker, and the time it took
    teaches the TTFT model (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
-   its last token, so its prefill is released when it is predicted to be done instead (and its
-   time teaches the model only the rate, while no streamed request has been seen).
+   its last token, so its prefill is released when it is predicted to be done instead; its time
+   teaches the model once :meth:`Booking.replied` says how many tokens the reply decoded.
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
    (the retry books the next worker).
 4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
@@ -40,6 +40,8 @@ class Booking:
         self._held: dict[str, InflightLoad] = {}  # worker id -> what is booked there now
         self._sent_at: dict[str, float] = {}  # worker id -> when the try started
         self._timer: asyncio.TimerHandle | None = None
+        # A whole reply's (prefill tokens waited for, seconds), learned from once its length is known.
+        self._whole: dict[str, tuple[float, float]] = {}
 
     @property
     def held(self) -> dict[str, InflightLoad]:
@@ -67,8 +69,20 @@ class Booking:
         if self._learner is not None and sent_at is not None:
             waited = self._decision.scored(candidate).prefill_tokens
             seconds = time.perf_counter() - sent_at
-            self._learner.observe(candidate.worker_id, waited, seconds, whole_reply=not self._streamed)
+            if self._streamed:
+                self._learner.observe(candidate.worker_id, waited, seconds)
+            else:
+                self._whole[candidate.worker_id] = (waited, seconds)
         self._release_prefill(candidate.worker_id)
+
+    def replied(self, candidate: Candidate, usage: dict | None) -> None:
+        """The reply ended with ``usage`` (None: not reported): a whole reply teaches the TTFT
+        model with its completion tokens, so that their decode is learned apart from the prefill."""
+        whole = self._whole.pop(candidate.worker_id, None)
+        completion = (usage or {}).get("completion_tokens")
+        if self._learner is not None and whole is not None and isinstance(completion, int):
+            waited, seconds = whole
+            self._learner.observe(candidate.worker_id, waited, seconds, whole_reply=True, completion_tokens=completion)
 
     def _release_prefill(self, worker_id: str) -> None:
         held = self._held.get(worker_id)

@@ -193,12 +193,18 @@ SCHEMAS: dict[str, Any] = {
                 "type": "string",
                 "enum": ["prior", "streamed", "whole_replies"],
                 "description": "what set the fleet's rate: the prior (nothing seen yet), streamed first "
-                "bytes, or whole replies of requests not streamed (their rate only)",
+                "bytes, or whole replies of requests not streamed (fitted with their completion tokens)",
             },
             "base_ms": {"type": "number", "description": "the fleet's time to first token with no prefill"},
             "prefill_tokens_per_s": {"type": "number", "nullable": True},
             "observations": {"type": "number", "description": "streamed first bytes, decayed (half-life 200)"},
             "whole_reply_observations": {"type": "number"},
+            "decode_ms_per_token": {
+                "type": "number",
+                "nullable": True,
+                "description": "the decode time per completion token learned from whole replies "
+                "(null: not learned; their prefill rate and base exclude it)",
+            },
             "typical_uncached_tokens": {"type": "number"},
             "reuse": {"type": "number", "description": "share of prompt tokens the engines reported cached"},
             "utilization": {"type": "number", "description": "share of workers with prefill queued at decisions"},

@@ -120,6 +120,7 @@ async def forward(
         try:
             first_byte = functools.partial(booking.prefilled, candidate)
             response, usage = await _relay(request, upstream, reply_headers(candidate), first_byte)
+            booking.replied(candidate, usage)
         finally:
             upstream.close()  # not release(): an unfinished stream must abort the engine's request
         return Forwarded(response, candidate, usage, retried=attempt > 0)

@@ -11,9 +11,11 @@ prior while it has none.
 Two more figures are measured rather than configured:
 
 Requests that are not streamed show their first byte only with their last, so their time is the
-whole reply's: it teaches only the rate, and only while no streamed request has been seen (its
-intercept is the decode of the reply, not a wait; a base of 0 releases a booked prefill a little
-early rather than late).
+whole reply's: prefill wait plus the decode of the reply's tokens. It is fitted on both, the
+prefill tokens and the reply's completion tokens (from its usage), so that the decode's share is
+learned apart (``decode_per_token_s``) and the prefill rate and base exclude it; whole replies set
+the model only while too few streamed requests have been seen (their first bytes measure the
+prefill directly). A whole reply whose usage does not say its completion tokens is not learned from.
 
 * ``typical_uncached_tokens``: the uncached tokens of a typical request (what one request the
   engine reports as waiting stands for);
@@ -33,6 +35,8 @@ PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms 
 HALF_LIFE = 200.0  # observations after which an old one weighs half
 SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
 MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
+MIN_SPREAD_OUTPUT = 1.0  # below this spread of reply lengths the decode rate is not identifiable
+MAX_CORRELATION = 0.98  # prefill and reply sizes this collinear cannot be told apart: prefill only
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
@@ -47,34 +51,63 @@ class TtftParams:
         return self.base_s + self.per_token_s * prefill_tokens
 
 
+@dataclass(frozen=True)
+class _Fit:
+    """A least-squares fit: TTFT parameters, and the decode time per reply token (whole replies)."""
+
+    params: TtftParams
+    decode_per_token_s: float | None = None
+
+
 @dataclass
 class _Sums:
-    """Exponentially weighted sums for a one-variable least-squares fit."""
+    """Exponentially weighted sums for a least-squares fit of ``y`` (seconds) on ``x`` (prefill
+    tokens) and, for whole replies, ``z`` (completion tokens; always 0 for first bytes)."""
 
     n: float = 0.0
     x: float = 0.0
     y: float = 0.0
+    z: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    zz: float = 0.0
+    xz: float = 0.0
+    zy: float = 0.0
 
-    def add(self, x: float, y: float, decay: float) -> None:
+    def add(self, x: float, y: float, decay: float, z: float = 0.0) -> None:
         self.n = self.n * decay + 1
         self.x = self.x * decay + x
         self.y = self.y * decay + y
+        self.z = self.z * decay + z
         self.xx = self.xx * decay + x * x
         self.xy = self.xy * decay + x * y
+        self.zz = self.zz * decay + z * z
+        self.xz = self.xz * decay + x * z
+        self.zy = self.zy * decay + z * y
 
-    def fit(self, prior: TtftParams) -> TtftParams:
-        """Least squares, falling back to the prior's slope when the sizes barely vary."""
+    def fit(self, prior: TtftParams) -> _Fit:
+        """Least squares on the prefill tokens, and on the completion tokens where they vary
+        enough to be told apart; the prior's slope where the prefill sizes barely vary; no
+        coefficient negative (a term the data says nothing about is left out)."""
         if self.n < 1:
-            return prior
-        mean_x, mean_y = self.x / self.n, self.y / self.n
-        variance = self.xx / self.n - mean_x * mean_x
-        slope = prior.per_token_s
-        if variance > MIN_SPREAD_TOKENS**2:
-            slope = max((self.xy / self.n - mean_x * mean_y) / variance, 0.0)
-        base = max(mean_y - slope * mean_x, 0.0)
-        return TtftParams(base, slope)
+            return _Fit(prior)
+        n = self.n
+        mx, my, mz = self.x / n, self.y / n, self.z / n
+        cxx, czz = self.xx / n - mx * mx, self.zz / n - mz * mz
+        cxy, czy, cxz = self.xy / n - mx * my, self.zy / n - mz * my, self.xz / n - mx * mz
+        x_varies, z_varies = cxx > MIN_SPREAD_TOKENS**2, czz > MIN_SPREAD_OUTPUT**2
+        slope, decode = prior.per_token_s, None
+        if x_varies and z_varies and cxz * cxz < MAX_CORRELATION**2 * cxx * czz:
+            det = cxx * czz - cxz * cxz
+            both = ((cxy * czz - czy * cxz) / det, (czy * cxx - cxy * cxz) / det)
+            if min(both) >= 0:
+                slope, decode = both
+        if decode is None and z_varies and not x_varies:
+            decode = max((czy - slope * cxz) / czz, 0.0)
+        elif decode is None and x_varies:
+            slope = max(cxy / cxx, 0.0)
+        base = max(my - slope * mx - (decode or 0.0) * mz, 0.0)
+        return _Fit(TtftParams(base, slope), decode)
 
 
 def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
@@ -121,15 +154,23 @@ class TtftLearner:
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
 
-    def observe(self, worker_id: str, prefill_tokens: float, seconds: float, whole_reply: bool = False) -> None:
+    def observe(
+        self,
+        worker_id: str,
+        prefill_tokens: float,
+        seconds: float,
+        whole_reply: bool = False,
+        completion_tokens: int = 0,
+    ) -> None:
         """A request to ``worker_id`` waited ``seconds`` for its first byte, having been predicted
         to wait for ``prefill_tokens`` of prefill there; ``whole_reply``: it was not streamed, so
-        its first byte came with its last."""
-        if seconds < 0 or prefill_tokens < 0:
+        its first byte came with its last, after decoding its ``completion_tokens``."""
+        if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0:
             return
         workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
-        workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay)
-        fleet.add(prefill_tokens, seconds, self._decay)
+        output = completion_tokens if whole_reply else 0
+        workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay, output)
+        fleet.add(prefill_tokens, seconds, self._decay, output)
         self._refit()
 
     def note_request(self, uncached_tokens: float) -> None:
@@ -163,19 +204,18 @@ class TtftLearner:
 
     def _refit(self) -> None:
         if self._rate_source() == "whole_replies":
-            self._refit_from(self._whole_workers, self._whole_fleet, with_base=False)
+            self._refit_from(self._whole_workers, self._whole_fleet)
         else:
-            self._refit_from(self._workers, self._fleet, with_base=True)
+            self._refit_from(self._workers, self._fleet)
 
-    def _refit_from(self, workers: dict[str, _Sums], sums: _Sums, with_base: bool) -> None:
-        fleet = _blend(sums.fit(self._prior), sums.n, self._prior)
-        if not with_base:
-            fleet = TtftParams(self._prior.base_s, fleet.per_token_s)
+    def _refit_from(self, workers: dict[str, _Sums], sums: _Sums) -> None:
+        fleet = _blend(sums.fit(self._prior).params, sums.n, self._prior)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         rates = {
-            w: TtftParams(fleet.base_s, _blend(own.fit(fleet), own.n, fleet).per_token_s) for w, own in workers.items()
+            w: TtftParams(fleet.base_s, _blend(own.fit(fleet).params, own.n, fleet).per_token_s)
+            for w, own in workers.items()
         }
         self._model = self._with_averages(rates, fleet)
 
@@ -204,11 +244,16 @@ class TtftLearner:
             "prefill_tokens_per_s": _rate(model.fleet),
             "observations": round(self._fleet.n, 1),
             "whole_reply_observations": round(self._whole_fleet.n, 1),
+            "decode_ms_per_token": _ms(self._whole_fleet.fit(self._prior).decode_per_token_s),
             "typical_uncached_tokens": round(model.typical_uncached_tokens, 1),
             "reuse": round(model.reuse, 4),
             "utilization": round(model.utilization, 4),
             "workers": workers,
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1000, 3) if seconds is not None else None
 
 
 def _rate(params: TtftParams) -> float | None:

@@ -77,19 +77,48 @@ def test_the_fleets_utilization_is_the_average_busy_share_at_decisions():
     assert learner.model.utilization == pytest.approx(1.0, abs=0.01)
 
 
-def test_whole_replies_teach_the_rate_until_streamed_requests_are_seen():
+def test_whole_replies_teach_the_prefill_apart_from_the_decode_until_streamed_requests_are_seen():
     learner = TtftLearner()
     rng = random.Random(3)
-    for _ in range(300):  # not streamed: the prefill at 5e-5 s a token, then ~80 ms of decoding
-        tokens = rng.uniform(0, 4000)
-        learner.observe("w", tokens, 0.080 + 5e-5 * tokens * rng.uniform(0.95, 1.05), whole_reply=True)
+    for _ in range(300):  # not streamed: 15 ms, the prefill at 5e-5 s a token, then 10 ms a reply token
+        tokens, completion = rng.uniform(0, 4000), rng.randint(1, 16)
+        seconds = (0.015 + 5e-5 * tokens + 0.010 * completion) * rng.uniform(0.97, 1.03)
+        learner.observe("w", tokens, seconds, whole_reply=True, completion_tokens=completion)
     params = learner.model.params("w")
-    assert params.per_token_s == pytest.approx(5e-5, rel=0.25)  # not the prior's 1e-4
-    assert params.base_s == 0  # the decode is not a wait before the first token
+    assert params.per_token_s == pytest.approx(5e-5, rel=0.2)  # not the prior's 1e-4
+    assert params.base_s == pytest.approx(0.015, abs=0.01)  # not the ~85 ms the decode adds on average
+    assert learner.snapshot()["decode_ms_per_token"] == pytest.approx(10, rel=0.2)
     # Once streamed requests are seen, their first bytes decide, base and rate.
     _feed(learner, "w", base=0.010, per_token=2e-4, count=300)
     params = learner.model.params("w")
     assert params.per_token_s == pytest.approx(2e-4, rel=0.25) and params.base_s == pytest.approx(0.010, abs=0.01)
+
+
+def test_a_decode_that_cannot_be_told_apart_leaves_the_prefill_fit_alone():
+    """Replies of one length: their decode is a constant, in the base; replies as long as their
+    prompts: prefill and decode are collinear and the slope takes both (never a negative term)."""
+    rng = random.Random(4)
+    fixed, collinear = TtftLearner(), TtftLearner()
+    for _ in range(300):
+        tokens = rng.uniform(0, 4000)
+        fixed.observe("w", tokens, 0.080 + 5e-5 * tokens, whole_reply=True, completion_tokens=8)
+        collinear.observe(
+            "w", tokens, 5e-5 * tokens + 0.001 * tokens / 100, whole_reply=True, completion_tokens=int(tokens / 100)
+        )
+    assert fixed.model.params("w").per_token_s == pytest.approx(5e-5, rel=0.05)
+    assert fixed.model.params("w").base_s == pytest.approx(0.080, rel=0.1)  # (shrunk a little to the prior)
+    assert fixed.snapshot()["decode_ms_per_token"] is None
+    assert collinear.model.params("w").per_token_s >= 5e-5 and collinear.model.params("w").base_s >= 0
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e3), st.integers(0, 4096)), max_size=60))
+def test_whole_reply_fits_are_never_negative(observations):
+    learner = TtftLearner()
+    for tokens, seconds, completion in observations:
+        learner.observe("w", tokens, seconds, whole_reply=True, completion_tokens=completion)
+    params = learner.model.params("w")
+    decode = learner.snapshot()["decode_ms_per_token"]
+    assert params.base_s >= 0 and params.per_token_s >= 0 and (decode is None or decode >= 0)
 
 
 def test_the_snapshot_says_what_set_the_rate_and_each_workers_rate():
@@ -99,7 +128,7 @@ def test_the_snapshot_says_what_set_the_rate_and_each_workers_rate():
     rng = random.Random(3)
     for _ in range(50):  # whole replies only: they set the rate
         tokens = rng.uniform(0, 4000)
-        learner.observe("w1", tokens, 0.2 + tokens / 20_000, whole_reply=True)
+        learner.observe("w1", tokens, 0.2 + tokens / 20_000, whole_reply=True, completion_tokens=16)
     assert learner.snapshot()["source"] == "whole_replies"
     _feed(learner, "fast", base=0.010, per_token=1e-4, count=300, seed=4)
     _feed(learner, "slow", base=0.010, per_token=5e-4, count=300, seed=5)

@@ -14,6 +14,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
+from router.ttft import HALF_LIFE
 from tests.e2e.router.support import start_router, wait_for_workers, wait_indexed
 from tests.support import SimFleet, wait_until
 
@@ -138,6 +139,31 @@ async def test_debug_model_shows_the_rate_learned_from_the_engines(redis_server)
             learned["prefill_tokens_per_s"] > 0
             and learned["typical_uncached_tokens"] != before["typical_uncached_tokens"]
         )
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
+
+
+async def test_whole_replies_teach_the_decode_apart_from_the_prefill(redis_server):
+    """Requests not streamed: their time is the whole reply's; fitted with the completion tokens
+    of each reply's usage, the decode's share is learned apart (the simulated engines decode a
+    token per 1 ms of wall time at this speed-up) and the prefill rate and base exclude it."""
+    fleet = await SimFleet(redis_server.url, count=2, num_blocks=1024, speedup=20).start()
+    context, router = await start_router(redis_server.url)
+    try:
+        await wait_for_workers(router, 2)
+        async with aiohttp.ClientSession() as session:
+            for i in range(24):  # one at a time: no queue, so the time is prefill and decode alone
+                await _complete(session, router.url, _tokens(400 + i, 64 * (1 + i % 8)), max_tokens=1 + (i * 7) % 48)
+            async with session.get(router.url + "/debug/model") as response:
+                learned = await response.json()
+        decayed = sum((1 - 1 / HALF_LIFE) ** k for k in range(24))
+        assert learned["source"] == "whole_replies" and learned["whole_reply_observations"] == pytest.approx(
+            decayed, abs=0.2
+        )
+        assert 0.4 < learned["decode_ms_per_token"] < 3.0
+        # The decode of ~24 tokens (~24 ms) on average is not taken for a wait before the first token.
+        assert learned["base_ms"] < 15
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
         await fleet.stop()
