@@ -8,14 +8,14 @@ prefill tokens it was predicted to wait for): ``base`` over the whole fleet, ``p
 worker, shrunk towards the fleet's while a worker has few observations; the fleet's towards a
 prior while it has none.
 
-Two more figures are measured rather than configured:
-
 Requests that are not streamed show their first byte only with their last, so their time is the
 whole reply's: prefill wait plus the decode of the reply's tokens. It is fitted on both, the
 prefill tokens and the reply's completion tokens (from its usage), so that the decode's share is
 learned apart (``decode_per_token_s``) and the prefill rate and base exclude it; whole replies set
 the model only while too few streamed requests have been seen (their first bytes measure the
 prefill directly). A whole reply whose usage does not say its completion tokens is not learned from.
+
+Three more figures are measured rather than configured:
 
 * ``typical_uncached_tokens``: the uncached tokens of a typical request (what one request the
   engine reports as waiting stands for);
