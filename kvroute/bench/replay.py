@@ -33,6 +33,7 @@ import aiohttp
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import cached_tokens, percentile, write_json
 from kvroute.bench.replay_chart import chart
+from kvroute.bench.replay_report import averages, render
 from kvroute.bench.replay_workload import (
     TRACE_BLOCK,
     TextPrompts,
@@ -46,7 +47,7 @@ from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.peers import SglangRouters
 from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
-from router.accounting import REASONS, lost_during, lost_from_exposition, lost_shares, shares_text
+from router.accounting import lost_during, lost_from_exposition, lost_shares
 from router.scoring import Policy
 from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
@@ -71,6 +72,7 @@ class RunResult:
     engine_ttft_mean_ms: float = 0.0  # the engines' own vllm:time_to_first_token_seconds, this run's mean
     # Lost prefix tokens by reason, as shares of the cacheable tokens (docs/dashboard.md); None for a peer.
     lost_share: dict[str, float] | None = None
+    repeat: int = 0  # which of --repeats this run is (from 0)
 
 
 async def router_lost_tokens(urls: list[str]) -> dict[str, float] | None:
@@ -271,6 +273,10 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.router_url and args.peer:
         raise StartupError("--peer needs the self-started stack, not --router-url")
+    if args.router_url and args.repeats > 1:
+        raise StartupError(
+            "--repeats needs the self-started stack (its caches are emptied between runs), not --router-url"
+        )
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
@@ -331,7 +337,7 @@ async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) 
         runs[0].lost_share = lost_shares(lost_during(lost_before, await router_lost_tokens(urls)))
     else:
         runs = await _run_on_stack(requests, prompts, args, per_engine_blocks, max_model_len, lru)
-    return {
+    summary = {
         "requests": len(requests),
         "distinct_trace_blocks": distinct,
         "prompts": "text" if text else "token ids",
@@ -341,6 +347,9 @@ async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) 
         "infinite_cache_hit_rate": infinite,
         "runs": [asdict(r) for r in runs],
     }
+    if args.repeats > 1:
+        summary["averages"] = averages(summary["runs"])
+    return summary
 
 
 async def _run_on_stack(
@@ -362,30 +371,19 @@ async def _run_on_stack(
         redis = RedisSettings(url=server.url)
         sizes = {"num_blocks": per_engine_blocks, "block_size": args.block_size, "max_model_len": max_model_len}
         async with Stack(redis, engines=args.engines, timing=timing, **sizes) as stack:
-            for replicas in (int(r) for r in args.replicas.split(",")):
-                for router in _routers(args):
-                    print(f"replaying {len(requests)} requests: {router}, {replicas} replica(s)", file=sys.stderr)
-                    run, _ = await replay_on_stack(stack, router, replicas, requests, prompts, args, lru)
-                    runs.append(run)
+            # Repeats go round the whole set, so that a machine slowing down meanwhile weighs on all alike.
+            for repeat in range(args.repeats):
+                for replicas in (int(r) for r in args.replicas.split(",")):
+                    for router in _routers(args):
+                        which = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+                        print(
+                            f"replaying {len(requests)} requests: {router}, {replicas} replica(s){which}",
+                            file=sys.stderr,
+                        )
+                        run, _ = await replay_on_stack(stack, router, replicas, requests, prompts, args, lru)
+                        run.repeat = repeat
+                        runs.append(run)
     return runs
-
-
-def render(results: dict[str, Any]) -> str:
-    lines = [
-        f"{results['requests']} requests ({results['prompts']}), {results['engines']} engines, caches = "
-        f"{results['cache_fraction']:.0%} of {results['distinct_trace_blocks']} distinct blocks; references: "
-        f"shared LRU {results['lru_reference_hit_rate']:.1%}, infinite {results['infinite_cache_hit_rate']:.1%}",
-        "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed  "
-        "lost load/stale/cold",
-    ]
-    for r in results["runs"]:
-        lines.append(
-            f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
-            f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
-            f"{r['failed']:<7} {shares_text(r.get('lost_share'))}"
-        )
-    lines.append(f"lost: shares of the cacheable prompt tokens lost to {', '.join(REASONS)} (docs/dashboard.md)")
-    return "\n".join(lines)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

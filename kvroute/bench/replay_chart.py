@@ -16,7 +16,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
     runs = results["runs"]
     fig, (bars, over_time, cdf, lost) = plt.subplots(1, 4, figsize=(21, 4.2))
-    labels = [f"{r['router']}\n{r['replicas']} replica(s)" for r in runs]
+    repeated = bool(results.get("averages"))  # --repeats: several runs of each router
+    labels = [f"{r['router']}\n{r['replicas']} replica(s)" + (f" #{r['repeat'] + 1}" if repeated else "") for r in runs]
     bars.bar(labels, [100 * r["hit_rate"] for r in runs], color="#2a7")
     bars.axhline(100 * results["lru_reference_hit_rate"], color="#555", linestyle="--", label="one shared LRU cache")
     bars.axhline(100 * results["infinite_cache_hit_rate"], color="#c55", linestyle=":", label="infinite cache")

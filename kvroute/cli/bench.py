@@ -132,6 +132,13 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="kv,round_robin", help="comma-separated policies")
     p.add_argument("--replicas", default="1,4", help="comma-separated router replica counts")
     p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="run every router and replica count this many times, in turn, and print each one's mean and "
+        "range (one run of a trace can move by many points between sittings)",
+    )
+    p.add_argument(
         "--peer",
         choices=["sglang"],
         help="also run the SGLang router (cache_aware) on the same engines; "

@@ -41,6 +41,8 @@ def test_bench_replay_runs_a_trace_slice(tmp_path):
             "1.0",
             "--replicas",
             "1",
+            "--repeats",
+            "2",
             "--json",
             str(out),
             "--chart",
@@ -53,7 +55,17 @@ def test_bench_replay_runs_a_trace_slice(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["router"] for r in report["runs"]] == ["kv", "round_robin"]
+    # --repeats 2: the whole set twice, in turn, and each router's mean over its two runs
+    assert [(r["router"], r["repeat"]) for r in report["runs"]] == [
+        ("kv", 0),
+        ("round_robin", 0),
+        ("kv", 1),
+        ("round_robin", 1),
+    ]
+    for row, runs in zip(report["averages"], (report["runs"][0::2], report["runs"][1::2]), strict=True):
+        assert row["router"] == runs[0]["router"] and row["runs"] == 2
+        assert row["hit_rate"]["mean"] == pytest.approx(sum(r["hit_rate"] for r in runs) / 2)
+    assert "over the repeats: mean (min-max)" in result.stdout
     assert all(r["failed"] == 0 and r["requests"] == 24 for r in report["runs"])
     assert 0 < report["lru_reference_hit_rate"] <= report["infinite_cache_hit_rate"]
     for run in report["runs"]:

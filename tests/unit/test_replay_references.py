@@ -78,6 +78,33 @@ def test_summary_ratios_and_hit_rate_over_time():
     assert run.ttft_mean_ms == 15.0
 
 
+def test_repeats_are_averaged_per_router_and_replica_count():
+    from kvroute.bench.replay_report import averages, render
+
+    def run(router: str, replicas: int, share: float, ttft: float, repeat: int) -> dict:
+        figures = {"hit_rate": share / 2, "of_lru_reference": share, "ttft_mean_ms": ttft, "ttft_p99_ms": 3 * ttft}
+        return {"router": router, "replicas": replicas, "repeat": repeat, "busiest_worker_vs_mean": 1.0, **figures}
+
+    runs = [run("kv", 1, 0.9, 100, 0), run("kv", 4, 1.0, 120, 0), run("kv", 1, 1.1, 140, 1), run("kv", 4, 0.8, 80, 1)]
+    rows = averages(runs)
+    assert [(r["router"], r["replicas"], r["runs"]) for r in rows] == [("kv", 1, 2), ("kv", 4, 2)]
+    assert rows[0]["of_lru_reference"] == {"mean": pytest.approx(1.0), "min": 0.9, "max": 1.1}
+    assert rows[1]["ttft_mean_ms"] == {"mean": 100, "min": 80, "max": 120}
+    results = {
+        "requests": 4,
+        "prompts": "token ids",
+        "engines": 2,
+        "cache_fraction": 0.1,
+        "distinct_trace_blocks": 10,
+        "lru_reference_hit_rate": 0.5,
+        "infinite_cache_hit_rate": 0.6,
+        "runs": [{**r, "failed": 0, "lost_share": None} for r in runs],
+        "averages": rows,
+    }
+    text = render(results)
+    assert "kv            1         2     100.0% (90.0%-110.0%) 120.0 (100.0-140.0)" in text
+
+
 def test_a_malformed_trace_row_is_named(tmp_path):
     from kvroute.bench.replay_workload import load_trace
 
