@@ -28,13 +28,13 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             "",
             "over the repeats: mean (min-max)",
-            "router        replicas  runs  of LRU               TTFT mean ms",
+            "router        replicas  runs  of LRU                  TTFT mean ms",
         ]
         for row in results["averages"]:
             share, ttft = row["of_lru_reference"], row["ttft_mean_ms"]
             share_text = f"{share['mean']:.1%} ({share['min']:.1%}-{share['max']:.1%})"
             ttft_text = f"{ttft['mean']:.1f} ({ttft['min']:.1f}-{ttft['max']:.1f})"
-            lines.append(f"{row['router']:<13} {row['replicas']:<9} {row['runs']:<5} {share_text:<20} {ttft_text}")
+            lines.append(f"{row['router']:<13} {row['replicas']:<9} {row['runs']:<5} {share_text:<23} {ttft_text}")
     return "\n".join(lines)
 
 

@@ -102,7 +102,7 @@ def test_repeats_are_averaged_per_router_and_replica_count():
         "averages": rows,
     }
     text = render(results)
-    assert "kv            1         2     100.0% (90.0%-110.0%) 120.0 (100.0-140.0)" in text
+    assert "kv            1         2     100.0% (90.0%-110.0%)   120.0 (100.0-140.0)" in text
 
 
 def test_a_malformed_trace_row_is_named(tmp_path):
