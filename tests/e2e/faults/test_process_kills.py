@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
-from kvindex.replies import time_ms
+from kvindex.replies import decode, time_ms
 from kvroute.devstack.embedded_redis import free_port
 from tests.e2e.faults.measure import MODEL, Scene, open_scene
 from tests.support import ROOT, wait_until
@@ -68,7 +68,7 @@ async def test_a_router_replica_killed(redis_server):
 
             async def doomed_booked() -> bool:  # on whichever workers its decisions chose
                 fields = await scene.client.hgetall(booked)
-                return sum(int(n) for field, n in fields.items() if _text(field).startswith("r:")) == 3
+                return sum(int(n) for field, n in fields.items() if decode(field).startswith("r:")) == 3
 
             await wait_until(doomed_booked, 10)
             doomed.kill()
@@ -88,10 +88,6 @@ async def test_a_router_replica_killed(redis_server):
             await session.close()
         figures = scene.figures("router_replica_kill9", [recovery], shared_load_forgotten_s=round(load_s, 2))
         scene.check(figures, [recovery])
-
-
-def _text(field: bytes | str) -> str:
-    return field.decode() if isinstance(field, bytes) else field
 
 
 async def _not(check) -> bool:
