@@ -88,8 +88,9 @@ class _Sums:
 
     def fit(self, prior: TtftParams) -> _Fit:
         """Least squares on the prefill tokens, and on the completion tokens where they vary
-        enough to be told apart; the prior's slope where the prefill sizes barely vary; no
-        coefficient negative (a term the data says nothing about is left out)."""
+        enough to be told apart; the prior's slope where the prefill sizes barely vary or their
+        effect is below the noise; no coefficient negative (a term the data says nothing about
+        is left out)."""
         if self.n < 1:
             return _Fit(prior)
         n = self.n
@@ -100,9 +101,13 @@ class _Sums:
         slope, decode = prior.per_token_s, None
         if x_varies and z_varies and cxz * cxz < MAX_CORRELATION**2 * cxx * czz:
             det = cxx * czz - cxz * cxz
-            both = ((cxy * czz - czy * cxz) / det, (czy * cxx - cxy * cxz) / det)
-            if min(both) >= 0:
-                slope, decode = both
+            joint_slope, joint_decode = (cxy * czz - czy * cxz) / det, (czy * cxx - cxy * cxz) / det
+            if min(joint_slope, joint_decode) >= 0:
+                slope, decode = joint_slope, joint_decode
+            elif joint_decode > 0:
+                # The prefill's effect is lost in the noise (small prompts on a fast engine):
+                # the decode alone, the prefill at the prior's rate, as when sizes barely vary.
+                x_varies = False
         if decode is None and z_varies and not x_varies:
             decode = max((czy - slope * cxz) / czz, 0.0)
         elif decode is None and x_varies:

@@ -116,6 +116,20 @@ def test_whole_replies_teach_the_prefill_apart_from_the_decode_until_streamed_re
     assert params.per_token_s == pytest.approx(2e-4, rel=0.25) and params.base_s == pytest.approx(0.010, abs=0.01)
 
 
+def test_a_prefill_lost_in_the_noise_still_lets_the_decode_be_learned():
+    """Small prompts on a fast engine: the prefill's share is below the noise and the joint fit's
+    slope comes out negative. The decode is still learned (the prefill at the prior's rate),
+    not dropped into the base."""
+    learner = TtftLearner()
+    rng = random.Random(5)
+    for i in range(40):  # the prefill: 2 us a token (1 ms for 512); noise of +-3 ms; 1 ms a reply token
+        tokens, completion = 64 * (1 + i % 8), 1 + (i * 7) % 48
+        seconds = 0.002 + 2e-6 * tokens + 0.001 * completion + rng.uniform(-0.003, 0.003) - 4e-6 * (tokens - 288)
+        learner.observe("w", tokens, seconds, whole_reply=True, completion_tokens=completion)
+    assert learner.snapshot()["decode_ms_per_token"] == pytest.approx(1.0, rel=0.2)
+    assert learner.model.params("w").per_token_s > 0
+
+
 def test_a_decode_that_cannot_be_told_apart_leaves_the_prefill_fit_alone():
     """Replies of one length: their decode is a constant, in the base; replies as long as their
     prompts: prefill and decode are collinear and the slope takes both (never a negative term)."""
