@@ -40,7 +40,6 @@ MAX_CORRELATION = 0.98  # prefill and reply sizes this collinear cannot be told 
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
-PRIOR_SAMPLES = 4.0  # the measured averages' priors count as this many samples
 
 
 @dataclass(frozen=True)
@@ -126,27 +125,11 @@ def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
 
 @dataclass
 class _Average:
-    """An exponentially weighted mean that starts at ``prior``, which counts as ``PRIOR_SAMPLES``
-    samples and decays like them. A plain moving average started at its prior would keep the
-    prior's weight for a whole half-life of samples: a router replica that sees a quarter of
-    the traffic (or one just started) would steer by the prior four times as long as one that
-    sees it all. Here a dozen samples outweigh it, whatever the replica's share."""
-
-    prior: float
+    value: float
     decay: float = 1 - 1 / HALF_LIFE
-    total: float = 0.0
-    weight: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.total, self.weight = self.prior * PRIOR_SAMPLES, PRIOR_SAMPLES
 
     def add(self, sample: float) -> None:
-        self.total = self.total * self.decay + sample
-        self.weight = self.weight * self.decay + 1
-
-    @property
-    def value(self) -> float:
-        return self.total / self.weight
+        self.value = self.value * self.decay + sample * (1 - self.decay)
 
 
 @dataclass(frozen=True)

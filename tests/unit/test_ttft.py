@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.ttft import PRIOR_PER_TOKEN_S, PRIOR_SAMPLES, UTILIZATION_HALF_LIFE, TtftLearner, TtftParams
+from router.ttft import PRIOR_PER_TOKEN_S, TtftLearner, TtftParams
 
 
 def _feed(learner: TtftLearner, worker: str, base: float, per_token: float, count: int, seed: int = 0) -> None:
@@ -54,28 +54,6 @@ def test_reuse_and_typical_request_are_measured():
         learner.note_request(uncached_tokens=200)
     assert learner.model.reuse == pytest.approx(0.8, abs=0.01)
     assert learner.model.typical_uncached_tokens == pytest.approx(200, rel=0.01)
-
-
-def test_the_measured_averages_leave_their_priors_within_a_few_dozen_samples():
-    """A replica that sees a quarter of the traffic, or one just started, steers by what it
-    measured after ~20 decisions, not by the priors for a half-life of them."""
-    learner = TtftLearner()
-    for _ in range(20):
-        learner.note_busy(0.9)
-        learner.note_usage(prompt_tokens=1000, cached_tokens=900)
-        learner.note_request(uncached_tokens=100)
-    model = learner.model
-    # The priors are 0.5, 0.5 and 512 tokens: each estimate is most of the way to its samples.
-    assert model.utilization == pytest.approx(0.9, abs=0.08)
-    assert model.reuse == pytest.approx(0.9, abs=0.08)
-    assert model.typical_uncached_tokens == pytest.approx(100, abs=0.2 * (512 - 100))
-
-
-def test_a_single_sample_moves_an_average_by_its_share_of_the_prior_weight():
-    learner = TtftLearner()
-    learner.note_busy(1.0)
-    prior_weight = PRIOR_SAMPLES * (1 - 1 / UTILIZATION_HALF_LIFE)
-    assert learner.model.utilization == pytest.approx((0.5 * prior_weight + 1.0) / (prior_weight + 1))
 
 
 @given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e3)), max_size=60))
