@@ -98,6 +98,7 @@ class _Sums:
         cxy, czy, cxz = self.xy / n - mx * my, self.zy / n - mz * my, self.xz / n - mx * mz
         x_varies, z_varies = cxx > MIN_SPREAD_TOKENS**2, czz > MIN_SPREAD_OUTPUT**2
         slope, decode = prior.per_token_s, None
+        slope_seen = x_varies  # else the prior's slope stands
         if x_varies and z_varies and cxz * cxz < MAX_CORRELATION**2 * cxx * czz:
             det = cxx * czz - cxz * cxz
             joint_slope, joint_decode = (cxy * czz - czy * cxz) / det, (czy * cxx - cxy * cxz) / det
@@ -106,10 +107,10 @@ class _Sums:
             elif joint_decode > 0:
                 # The prefill's effect is lost in the noise (small prompts on a fast engine):
                 # the decode alone, the prefill at the prior's rate, as when sizes barely vary.
-                x_varies = False
-        if decode is None and z_varies and not x_varies:
+                slope_seen = False
+        if decode is None and z_varies and not slope_seen:
             decode = max((czy - slope * cxz) / czz, 0.0)
-        elif decode is None and x_varies:
+        elif decode is None and slope_seen:
             slope = max(cxy / cxx, 0.0)
         base = max(my - slope * mx - (decode or 0.0) * mz, 0.0)
         return _Fit(TtftParams(base, slope), decode)

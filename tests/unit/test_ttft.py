@@ -100,7 +100,9 @@ def test_a_prefill_lost_in_the_noise_still_lets_the_decode_be_learned():
     not dropped into the base."""
     learner = TtftLearner()
     rng = random.Random(5)
-    for i in range(40):  # the prefill: 2 us a token (1 ms for 512); noise of +-3 ms; 1 ms a reply token
+    # A prefill of 2 us a token (1 ms for 512) under +-3 ms of noise and a drift that falls with
+    # the prompt's size (-4 us a token), so the fitted slope is negative; 1 ms a reply token.
+    for i in range(40):
         tokens, completion = 64 * (1 + i % 8), 1 + (i * 7) % 48
         seconds = 0.002 + 2e-6 * tokens + 0.001 * completion + rng.uniform(-0.003, 0.003) - 4e-6 * (tokens - 288)
         learner.observe("w", tokens, seconds, whole_reply=True, completion_tokens=completion)
