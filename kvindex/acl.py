@@ -84,7 +84,7 @@ def _globs(keys: ModelKeys, name: str, kinds: Sequence[str]) -> list[str]:
 
 # Key kinds by who writes them (ModelKeys attributes). tests/index/test_acl.py checks that every
 # kind in kvindex/keys.py is listed here, so a new key cannot be forgotten.
-ROUTER_STATE_KINDS = ("replicas", "inflight_prefix", "expected", "expected_deadlines")
+ROUTER_STATE_KINDS = ("replicas", "inflight_prefix", "expected", "expected_deadlines", "learned", "learned_at")
 ROUTER_READ_KINDS = ("meta", "workers", "gids", "alive", "worker_prefix", "bucket.block_prefix")
 AGENT_KINDS = (
     "meta", "workers", "gids", "alive", "retired", "worker_prefix", "gid_buckets_prefix",

@@ -167,6 +167,17 @@ class ModelKeys:
         """ZSET: block hash (hex) -> when its ``expected`` entry lapses (ms)."""
         return self.base + "expected_at"
 
+    @property
+    def learned(self) -> str:
+        """HASH: the cost model the router replicas learn together (router/model_sync.py):
+        decayed sums, fields ``<kind>:<name>[:<worker id>]``; ``@<replica>``: its last batch."""
+        return self.base + "learned"
+
+    @property
+    def learned_at(self) -> str:
+        """ZSET: router replica id -> when it last added to ``learned`` (ms)."""
+        return self.base + "learned_at"
+
 
 @dataclass(frozen=True)
 class BucketKeys:

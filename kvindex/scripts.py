@@ -56,6 +56,7 @@ SCRIPT_NAMES = (
     "inflight",
     "expect",
     "expected",
+    "learn",
 )
 
 # Read-only scripts: flagged `#!lua flags=no-writes` and sent as EVALSHA_RO, so that a user whose

@@ -22,11 +22,13 @@ from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.metrics import RouterMetrics
 from router.middleware import LOG_FIELDS, REQUEST_ID, ApiError, EdgeSettings, edge_middleware
+from router.model_sync import ModelSync
 from router.openapi import document_bytes
 from router.prompts import BadPrompt, PromptTooLong, Tokenization
 from router.proxy import UpstreamFailed, forward
 from router.scoring import Candidate
 from router.settings import RouterSettings
+from router.ttft import TtftLearner
 
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class RouterState:
     tokenization: Tokenization
     session: aiohttp.ClientSession
     metrics: RouterMetrics
+    model_sync: ModelSync
     window: RollingWindow = field(default_factory=RollingWindow)  # the dashboard's last minutes
     prefixes: SharedPrefixes = field(default_factory=SharedPrefixes)  # the dashboard's shared prefixes
 
@@ -96,6 +99,18 @@ async def _decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run:
         state.metrics.degraded.inc()
         state.metrics.degraded_causes.labels(decision.degraded_cause or "error").inc()
     return decision
+
+
+def _learned(state: RouterState, model: str | None) -> dict[str, Any]:
+    """``GET /debug/model``: what was learned of ``model`` (default the first served)."""
+    served = sorted(set(state.fleet.models_with_workers()) | set(state.decider.learners))
+    if model is not None and model not in served:
+        known = ", ".join(served) or "none"
+        raise ApiError(404, f"nothing is learned of model {model!r}: models are {known}", "not_found_error")
+    model = model if model is not None else next(iter(served), None)
+    learner = state.decider.learner_for(model) if model is not None else TtftLearner()
+    shared = state.model_sync.status.of(model) if model is not None else {"enabled": state.model_sync.status.enabled}
+    return {"model": model, "models": served, **learner.snapshot(), "shared": shared}
 
 
 def _no_worker_error(state: RouterState, model: str) -> ApiError:
@@ -186,7 +201,7 @@ def _record_usage(state: RouterState, decision: Decision, candidate: Candidate, 
     if cached is None:
         return
     predicted = decision.predicted_cached_tokens(candidate)
-    state.decider.learner.note_usage(int(usage.get("prompt_tokens") or 0), int(cached))
+    state.decider.learner_for(model).note_usage(int(usage.get("prompt_tokens") or 0), int(cached))
     state.metrics.cached_tokens.labels(model).inc(int(cached))
     state.metrics.predicted_cached_tokens.labels(model).inc(predicted)
     outcome = "exact" if predicted == cached else ("over" if predicted > cached else "under")
@@ -221,7 +236,7 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
     state.metrics.inflight.inc()
     try:
         streamed = body.get("stream") is True
-        with Booking(decision, state.load, state.decider.learner, streamed) as booking:
+        with Booking(decision, state.load, state.decider.learner_for(decision.model), streamed) as booking:
             forwarded = await forward(
                 request, state.session, request.path, raw, decision.candidates, headers, booking, failed
             )
@@ -262,8 +277,8 @@ def create_app(state: RouterState) -> web.Application:
         decision = await _decide(state, body, chat="messages" in body, dry_run=True)
         return web.json_response(_explain(decision))
 
-    async def learned(_: web.Request) -> web.Response:
-        return web.json_response(state.decider.learner.snapshot())
+    async def learned(request: web.Request) -> web.Response:
+        return web.json_response(_learned(state, request.query.get("model")))
 
     async def models(_: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "kvroute"} for m in state.fleet.models_with_workers()]

@@ -179,7 +179,14 @@ class Decider:
         self.degraded = False  # in degraded mode now: the last decision could not use Redis
         self.hash_memo = PrefixHashMemo()
         self.hasher = PromptHasher(self.hash_memo)
-        self.learner = TtftLearner()
+        self.learners: dict[str, TtftLearner] = {}  # per model (router.model_sync shares them)
+
+    def learner_for(self, model: str) -> TtftLearner:
+        """What this replica learned of ``model``'s engines (a new one starts from the priors)."""
+        learner = self.learners.get(model)
+        if learner is None:
+            learner = self.learners[model] = TtftLearner()
+        return learner
 
     async def decide(
         self, model: str, tokens: Sequence[int], cache_salt: str | None = None, dry_run: bool = False
@@ -213,9 +220,10 @@ class Decider:
         if not dry_run:
             self._leave_degraded()
         candidates = self._with_recent(model, chain, self._candidates(model, view, workers))
+        learner = self.learner_for(model)
         if not dry_run:
-            self.learner.note_busy(busy_share(candidates))
-        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, self.learner.model)
+            learner.note_busy(busy_share(candidates))
+        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, learner.model)
         return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started)
 
     def _enter_degraded(self, exc: BaseException) -> None:

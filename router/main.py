@@ -22,6 +22,7 @@ from router.decide import Decider
 from router.fleet import Fleet
 from router.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.metrics import StateCollector, new_metrics
+from router.model_sync import ModelSync
 from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
@@ -29,7 +30,8 @@ from router.upstream import UpstreamWaits, upstream_session
 from router.workers import run_workers
 
 log = logging.getLogger("router")
-# Connections kept from decision lookups: the fleet refresh, the lease renewal and the load writer.
+# Connections kept from decision lookups: the fleet refresh, the lease renewal and the load writer
+# (the model's sync, once a second, waits for one of them: the pool blocks, it does not fail).
 RESERVED_CONNECTIONS = 3
 
 
@@ -87,6 +89,19 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         )
         decider.lookups.cancel_safe = index.scripts.cancel_safe  # no task per lookup when cancelling is free
         stack.push_async_callback(decider.lookups.aclose)
+        model_sync = ModelSync(
+            index.scripts,
+            schema,
+            settings.replica_id,
+            decider.learner_for,
+            lambda model: [w.worker_id for w in fleet.alive(model)],
+            settings.model_sync_ms / 1000,
+            settings.redis.socket_timeout_s,
+        )
+        if model_sync.status.enabled:  # start from what the other replicas learned, not the priors
+            await model_sync.try_sync_all(fleet.models_with_workers())
+        model_sync.start(fleet.models_with_workers)
+        stack.push_async_callback(lambda: model_sync.stop(fleet.models_with_workers()))
         tokenization = Tokenization(settings.tokenizer_dirs, session, settings.max_prompt_tokens)
         state = RouterState(
             settings,
@@ -97,6 +112,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             tokenization,
             session,
             new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache, waits)),
+            model_sync,
         )
         # keepalive_timeout closes a connection whose next request's headers have not all come in
         # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.

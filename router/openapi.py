@@ -208,6 +208,22 @@ SCHEMAS: dict[str, Any] = {
             "typical_uncached_tokens": {"type": "number"},
             "reuse": {"type": "number", "description": "share of prompt tokens the engines reported cached"},
             "utilization": {"type": "number", "description": "share of workers with prefill queued at decisions"},
+            "model": {
+                "type": "string",
+                "nullable": True,
+                "description": "the model this is of (?model=, default the first served; null: none served)",
+            },
+            "models": {"type": "array", "items": {"type": "string"}, "description": "models served or learned"},
+            "shared": {
+                "type": "object",
+                "description": "the model is learned with the other replicas through Redis (--model-sync-ms)",
+                "properties": {
+                    "enabled": {"type": "boolean"},
+                    "last_sync_ms_ago": {"type": "number", "nullable": True},
+                    "syncs": {"type": "integer"},
+                    "failures": {"type": "integer"},
+                },
+            },
             "workers": {
                 "type": "array",
                 "items": {
@@ -318,6 +334,19 @@ def _get(operation_id: str, summary: str, responses: dict[str, Any], secured: bo
     return {"get": operation}
 
 
+def _with_model_query(path: dict[str, Any]) -> dict[str, Any]:
+    path["get"]["parameters"] = [
+        {
+            "name": "model",
+            "in": "query",
+            "required": False,
+            "description": "the model (default: the first served)",
+            "schema": {"type": "string"},
+        }
+    ]
+    return path
+
+
 def _json_reply(description: str, schema: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
 
@@ -351,12 +380,15 @@ def _paths() -> dict[str, Any]:
                 },
             }
         },
-        "/debug/model": _get(
-            "learnedModel",
-            "What this replica has learned of the engines: prefill rates, the base, the averages its "
-            "decisions use (docs/router.md); served only with --enable-debug",
-            {"200": _json_reply("the learned cost model", "LearnedModel"), **_errors(401, 429)},
-            True,
+        "/debug/model": _with_model_query(
+            _get(
+                "learnedModel",
+                "What this replica has learned of a model's engines, with the other replicas: prefill "
+                "rates, the base, the averages its decisions use (docs/router.md); served only with "
+                "--enable-debug",
+                {"200": _json_reply("the learned cost model", "LearnedModel"), **_errors(401, 404, 429)},
+                True,
+            )
         ),
         "/v1/models": _get(
             "listModels",

@@ -22,6 +22,7 @@ ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "max_prompt_tokens": ("KVROUTE_MAX_PROMPT_TOKENS", int),
     "redis_pool_size": ("KVROUTE_REDIS_POOL_SIZE", int),
     "worker_retain_s": ("KVROUTE_WORKER_RETAIN_S", float),
+    "model_sync_ms": ("KVROUTE_MODEL_SYNC_MS", int),
     "header_timeout_s": ("KVROUTE_HEADER_TIMEOUT_S", float),
     "body_timeout_s": ("KVROUTE_BODY_TIMEOUT_S", float),
     "max_inflight": ("KVROUTE_MAX_INFLIGHT", int),
@@ -47,6 +48,7 @@ class RouterSettings:
     expected_ttl_ms: int = 2_000
     workers_refresh_s: float = 1.0
     worker_retain_s: float = 30.0  # last known workers kept while Redis lists none (lost data)
+    model_sync_ms: int = 1_000  # the learned cost model shared with the other replicas this often; 0: not
     redis_pool_size: int = 32  # Redis connections of this replica, at most (decisions + background)
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
@@ -71,6 +73,8 @@ class RouterSettings:
             raise ValueError(f"--max-prompt-tokens must be at least 1, got {self.max_prompt_tokens}")
         if self.redis_timeout_s <= 0 or self.lease_ttl_ms < 1000:
             raise ValueError("the Redis timeout must be positive and the lease TTL at least 1000 ms")
+        if self.model_sync_ms < 0:
+            raise ValueError(f"--model-sync-ms must be 0 (off) or more, got {self.model_sync_ms}")
         if self.worker_retain_s < 0:
             raise ValueError(f"--worker-retain-s must be 0 or more, got {self.worker_retain_s}")
         if self.redis_pool_size < MIN_POOL_SIZE:
@@ -187,6 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds the last known workers of a model keep serving while Redis lists none alive (it "
         f"lost its data; env KVROUTE_WORKER_RETAIN_S; default {d.worker_retain_s:g})",
+    )
+    parser.add_argument(
+        "--model-sync-ms",
+        type=int,
+        help="how often the learned cost model is shared with the other replicas through Redis, in ms "
+        f"(0: each replica learns alone; env KVROUTE_MODEL_SYNC_MS; default {d.model_sync_ms})",
     )
     _add_hardening_arguments(parser, d)
     add_log_arguments(parser)

@@ -28,6 +28,7 @@ Three more figures are measured rather than configured:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ MAX_CORRELATION = 0.98  # prefill and reply sizes this collinear cannot be told 
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
+SUM_FIELDS = ("n", "x", "y", "z", "xx", "xy", "zz", "xz", "zy")
+AVERAGES = ("typical", "reuse", "utilization")
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ class _Sums:
     zz: float = 0.0
     xz: float = 0.0
     zy: float = 0.0
+    since_sync: int = 0  # observations added since the model was last shared (router.model_sync)
 
     def add(self, x: float, y: float, decay: float, z: float = 0.0) -> None:
+        self.since_sync += 1
         self.n = self.n * decay + 1
         self.x = self.x * decay + x
         self.y = self.y * decay + y
@@ -84,6 +89,13 @@ class _Sums:
         self.zz = self.zz * decay + z * z
         self.xz = self.xz * decay + x * z
         self.zy = self.zy * decay + z * y
+
+    def vector(self) -> tuple[float, ...]:
+        return tuple(getattr(self, name) for name in SUM_FIELDS)
+
+    def set_vector(self, values: tuple[float, ...]) -> None:
+        for name, value in zip(SUM_FIELDS, values, strict=True):
+            setattr(self, name, value)
 
     def fit(self, prior: TtftParams) -> _Fit:
         """Least squares on the prefill tokens, and on the completion tokens where they vary
@@ -128,9 +140,34 @@ def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
 class _Average:
     value: float
     decay: float = 1 - 1 / HALF_LIFE
+    since_sync: int = 0
 
     def add(self, sample: float) -> None:
+        self.since_sync += 1
         self.value = self.value * self.decay + sample * (1 - self.decay)
+
+    def vector(self) -> tuple[float, ...]:
+        return (self.value,)
+
+    def set_vector(self, values: tuple[float, ...]) -> None:
+        (self.value,) = values
+
+
+GroupKey = tuple[str, str]  # (kind, name): ("a", average), ("S"|"W", "") fleet, ("s"|"w", worker id)
+
+
+@dataclass(frozen=True)
+class GroupChange:
+    """What one group of learned figures gained since it was last shared, as a decayed batch:
+    the shared value becomes ``shared * factor + delta``; where the shared value is missing (a
+    new worker, a lost hash), ``base``: what this replica last saw of it."""
+
+    key: GroupKey
+    factor: float
+    delta: tuple[float, ...]
+    base: tuple[float, ...]
+    count: int  # the observations it holds
+    vector: tuple[float, ...]  # the group's value when it was taken
 
 
 @dataclass(frozen=True)
@@ -159,6 +196,12 @@ class TtftLearner:
         self._reuse = _Average(0.5)
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
+        # Each group's value as last shared (router.model_sync); the averages start at their priors.
+        self._synced: dict[GroupKey, tuple[float, ...]] = {
+            key: group.vector() for key, group in self._groups().items() if key[0] == "a"
+        }
+        self._shared_keys: set[GroupKey] = set()  # the groups the shared model held at the last sync
+        self._lost: set[GroupKey] = set()  # groups it held before and lost since: seeded again
 
     def observe(
         self,
@@ -199,7 +242,15 @@ class TtftLearner:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
         self._whole_workers.pop(worker_id, None)
+        for key in (("s", worker_id), ("w", worker_id)):
+            self._synced.pop(key, None)
+            self._shared_keys.discard(key)
+            self._lost.discard(key)
         self._refit()
+
+    def worker_ids(self) -> set[str]:
+        """The workers something was learned about."""
+        return set(self._workers) | set(self._whole_workers)
 
     def _rate_source(self) -> str:
         """What sets the rate: whole replies while streamed first bytes are too few, else those
@@ -228,6 +279,68 @@ class TtftLearner:
     @property
     def model(self) -> CostModel:
         return self._model
+
+    # --- one model for every replica (router.model_sync shares it through Redis) ------------
+
+    def _groups(self) -> dict[GroupKey, _Sums | _Average]:
+        groups: dict[GroupKey, _Sums | _Average] = {
+            ("a", "typical"): self._typical,
+            ("a", "reuse"): self._reuse,
+            ("a", "utilization"): self._utilization,
+            ("S", ""): self._fleet,
+            ("W", ""): self._whole_fleet,
+        }
+        groups.update({("s", worker): sums for worker, sums in self._workers.items()})
+        groups.update({("w", worker): sums for worker, sums in self._whole_workers.items()})
+        return groups
+
+    def _group(self, key: GroupKey) -> _Sums | _Average | None:
+        kind, name = key
+        if kind in ("s", "w") and name:
+            return (self._workers if kind == "s" else self._whole_workers).setdefault(name, _Sums())
+        return self._groups().get(key)
+
+    def _decay_of(self, group: _Sums | _Average) -> float:
+        return group.decay if isinstance(group, _Average) else self._decay
+
+    def changes(self) -> list[GroupChange]:
+        """What was learned since the model was last shared (:meth:`adopt`), per group; and the
+        groups the shared model lost (its Redis lost the hash), to be seeded again."""
+        out = []
+        for key, group in self._groups().items():
+            if group.since_sync or key in self._lost:
+                vector = group.vector()
+                base = self._synced.get(key, (0.0,) * len(vector))
+                factor = self._decay_of(group) ** group.since_sync
+                delta = tuple(v - b * factor for v, b in zip(vector, base, strict=True))
+                out.append(GroupChange(key, factor, delta, base, group.since_sync, vector))
+        return out
+
+    def adopt(self, sent: Sequence[GroupChange], shared: Mapping[GroupKey, tuple[float, ...]]) -> None:
+        """Take the shared model (``shared``: every group's value, ``sent`` folded in) as this
+        replica's, with what was learned here since ``sent`` was taken laid on top: each group
+        decayed forward past those observations, as if they had come after the shared ones."""
+        taken = {change.key: change for change in sent}
+        for key, values in shared.items():
+            group = self._group(key)
+            if group is None or len(values) != len(group.vector()):
+                continue
+            change = taken.get(key)
+            before = change.vector if change else self._synced.get(key, (0.0,) * len(values))
+            since = group.since_sync - (change.count if change else 0)
+            factor = self._decay_of(group) ** since
+            now = group.vector()
+            group.set_vector(tuple(v + factor * (s - b) for v, s, b in zip(now, values, before, strict=True)))
+            group.since_sync = since
+            self._synced[key] = values
+        for key, change in taken.items():
+            if key not in shared and (group := self._group(key)) is not None:
+                # Sent and applied, but not read back (a model too large to return): sent is sent.
+                group.since_sync -= change.count
+                self._synced[key] = change.vector
+        self._lost = (self._lost | self._shared_keys) - set(shared) - set(taken)
+        self._shared_keys = set(shared) | set(taken)
+        self._refit()
 
     def snapshot(self) -> dict[str, Any]:
         """What was learned, for an operator (``GET /debug/model``): the fleet's and each worker's
