@@ -122,6 +122,14 @@ async def test_agents_and_router_as_least_privilege_users_route_by_the_cache(dep
                 assert (await index_credits(session, url, model, prompt)).get(worker) == PROMPT_BLOCKS
                 assert await routed_to(session, url, model, [*prompt, 42]) == worker
             assert {users["agent"][0], router_user} <= logged_in_users(deployment)
+
+            async def model_shared() -> bool:  # learn.lua runs as the router user
+                async with session.get(url + "/debug/model", params={"model": model}) as response:
+                    shared = (await response.json())["shared"]
+                assert shared["failures"] == 0, shared
+                return shared["syncs"] > 0
+
+            await wait_until(model_shared, 10)
     finally:
         process.terminate()
         assert process.wait(15) == 0

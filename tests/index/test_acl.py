@@ -234,7 +234,14 @@ def test_every_key_kind_of_the_schema_is_given_to_a_role():
 def test_patterns_and_the_printed_line():
     router = key_patterns("router", "kvr")
     assert "kvr:{*#*}:b:*" in router.read and "kvr:{*}:w:*" in router.read
-    assert set(router.write) == {"kvr:{*}:replicas", "kvr:{*}:inflight:*", "kvr:{*}:expected", "kvr:{*}:expected_at"}
+    assert set(router.write) == {
+        "kvr:{*}:replicas",
+        "kvr:{*}:inflight:*",
+        "kvr:{*}:expected",
+        "kvr:{*}:expected_at",
+        "kvr:{*}:learned",
+        "kvr:{*}:learned_at",
+    }
     assert key_patterns("agent", "a*b", ["m?"]).write[0] == "a\\*b:{m\\?}:meta"
     (line,) = acl_commands("router", "router", "router-pw")
     assert line.startswith("ACL SETUSER router reset on #") and "router-pw" not in line
