@@ -286,15 +286,16 @@ class Stack:
             lambda workers: len(workers) == self.engines and all(w.blocks <= tiny_blocks for w in workers),
             "the agents did not apply the cache resets",
         )
-        await self._forget_expected_prefixes()
+        await self._forget_routing_state()
 
-    async def _forget_expected_prefixes(self) -> None:
+    async def _forget_routing_state(self) -> None:
         """The routers' "expected" prefixes of the run before (kept a few seconds) would steer the
-        next run's first requests to where the previous run sent them: a run starts from nothing."""
+        next run's first requests to where the previous run sent them, and the cost model they
+        learned would start the next run's routers warm: a run starts from nothing."""
         keys = KeySchema(self.redis.prefix).for_model(MODEL)
         client = self.redis.client()
         try:
-            await client.delete(keys.expected, keys.expected_deadlines)
+            await client.delete(keys.expected, keys.expected_deadlines, keys.learned, keys.learned_at)
         finally:
             await client.aclose()
 
