@@ -282,23 +282,26 @@ class TtftLearner:
 
     # --- one model for every replica (router.model_sync shares it through Redis) ------------
 
-    def _groups(self) -> dict[GroupKey, _Sums | _Average]:
-        groups: dict[GroupKey, _Sums | _Average] = {
+    def _fixed_groups(self) -> dict[GroupKey, _Sums | _Average]:
+        return {
             ("a", "typical"): self._typical,
             ("a", "reuse"): self._reuse,
             ("a", "utilization"): self._utilization,
             ("S", ""): self._fleet,
             ("W", ""): self._whole_fleet,
         }
+
+    def _groups(self) -> dict[GroupKey, _Sums | _Average]:
+        groups = self._fixed_groups()
         groups.update({("s", worker): sums for worker, sums in self._workers.items()})
         groups.update({("w", worker): sums for worker, sums in self._whole_workers.items()})
         return groups
 
-    def _group(self, key: GroupKey) -> _Sums | _Average | None:
+    def _group(self, key: GroupKey, fixed: dict[GroupKey, _Sums | _Average]) -> _Sums | _Average | None:
         kind, name = key
         if kind in ("s", "w") and name:
             return (self._workers if kind == "s" else self._whole_workers).setdefault(name, _Sums())
-        return self._groups().get(key)
+        return fixed.get(key)
 
     def _decay_of(self, group: _Sums | _Average) -> float:
         return group.decay if isinstance(group, _Average) else self._decay
@@ -321,8 +324,9 @@ class TtftLearner:
         replica's, with what was learned here since ``sent`` was taken laid on top: each group
         decayed forward past those observations, as if they had come after the shared ones."""
         taken = {change.key: change for change in sent}
+        fixed = self._fixed_groups()
         for key, values in shared.items():
-            group = self._group(key)
+            group = self._group(key, fixed)
             if group is None or len(values) != len(group.vector()):
                 continue
             change = taken.get(key)
@@ -334,7 +338,7 @@ class TtftLearner:
             group.since_sync = since
             self._synced[key] = values
         for key, change in taken.items():
-            if key not in shared and (group := self._group(key)) is not None:
+            if key not in shared and (group := self._group(key, fixed)) is not None:
                 # Sent and applied, but not read back (a model too large to return): sent is sent.
                 group.since_sync -= change.count
                 self._synced[key] = change.vector
