@@ -111,7 +111,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             load,
             tokenization,
             session,
-            new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache, waits)),
+            new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache, waits, model_sync.status)),
             model_sync,
         )
         # keepalive_timeout closes a connection whose next request's headers have not all come in

@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from router.accounting import REASONS
 from router.lookups import Lookups
+from router.model_sync import SyncStatus
 from router.prompt_hashing import PromptHasher
 from router.token_cache import TokenCache
 from router.upstream import UpstreamWaits
@@ -129,10 +130,16 @@ class StateCollector(Collector):
     """The decision lookups', the prompt hasher's and the tokenize cache's state, read at scrape time."""
 
     def __init__(
-        self, lookups: Lookups, hasher: PromptHasher, cache: TokenCache, waits: UpstreamWaits | None = None
+        self,
+        lookups: Lookups,
+        hasher: PromptHasher,
+        cache: TokenCache,
+        waits: UpstreamWaits | None = None,
+        model_sync: SyncStatus | None = None,
     ) -> None:
         self._lookups, self._hasher, self._cache = lookups, hasher, cache
         self._waits = waits or UpstreamWaits()
+        self._model_sync = model_sync or SyncStatus(enabled=False)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         yield GaugeMetricFamily(
@@ -158,6 +165,16 @@ class StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             PREFIX + "redis_lookup_slots", "Decision lookups that may wait for Redis at once", value=self._lookups.slots
+        )
+        yield CounterMetricFamily(
+            PREFIX + "model_syncs",
+            "Learned cost models shared with the other replicas through Redis (--model-sync-ms)",
+            value=self._model_sync.syncs,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "model_sync_failures",
+            "Rounds of sharing the learned cost model that Redis did not take (each replica learned alone meanwhile)",
+            value=self._model_sync.failures,
         )
 
 

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
 FORGET_REPLICA_MS = 24 * 3600 * 1000  # a replica silent a day: its last batch id is dropped
 MODEL_EXPIRY_MS = 7 * 24 * 3600 * 1000  # a model no replica added to for a week expires
+STOP_SYNC_S = 0.5  # the last sync at shutdown waits this long at most
 FORGET_WORKER_S = 600.0  # a worker gone this long loses its learned rate (a restart keeps it)
 
 
@@ -143,6 +144,7 @@ class ModelSync:
         self._unanswered: dict[str, _Batch] = {}  # model -> a batch sent without a reply: resent as is
         self._gone_since: dict[str, dict[str, float]] = defaultdict(dict)  # model -> worker -> when
         self._task: asyncio.Task[None] | None = None
+        self._bug_logged = False
         self.status = SyncStatus(enabled=period_s > 0)
 
     async def sync(self, model: str) -> None:
@@ -206,7 +208,13 @@ class ModelSync:
             async def loop() -> None:
                 while True:
                     await asyncio.sleep(self._period_s)
-                    await self.try_sync_all(models())
+                    try:
+                        await self.try_sync_all(models())
+                    except Exception:  # a bug must not end the sharing for good: said once, retried
+                        self.status.failures += 1
+                        if not self._bug_logged:
+                            log.exception("sharing the learned cost model failed")
+                            self._bug_logged = True
 
             self._task = asyncio.create_task(loop())
         return self
@@ -220,7 +228,9 @@ class ModelSync:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
-        await self.try_sync_all(models)
+        with contextlib.suppress(TimeoutError):  # a Redis that is away must not hold the shutdown up
+            async with asyncio.timeout(STOP_SYNC_S):
+                await self.try_sync_all(models)
 
 
 def _worker_fields(worker: str) -> list[str]:
