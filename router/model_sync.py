@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError
 from kvindex.keys import KeySchema
+from kvindex.replies import decode
 from kvindex.scripts import Scripts
 from router.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
 
@@ -62,19 +63,15 @@ def batch_args(changes: Sequence[GroupChange], deleted_fields: Sequence[str]) ->
     return args
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def parse_model(reply: Sequence[Any]) -> tuple[bool, dict[GroupKey, tuple[float, ...]]]:
     """learn.lua's reply -> (the batch was applied now, every complete group's values). Fields
     kvroute did not write, or not numbers, are skipped."""
     applied, *flat = reply
     values: dict[GroupKey, dict[str, float]] = defaultdict(dict)
     for i in range(0, len(flat) - 1, 2):
-        kind, _, rest = _text(flat[i]).partition(":")
+        kind, _, rest = decode(flat[i]).partition(":")
         try:
-            value = float(_text(flat[i + 1]))
+            value = float(decode(flat[i + 1]))
         except ValueError:
             continue
         if not math.isfinite(value):

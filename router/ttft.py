@@ -42,7 +42,6 @@ UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few sec
 PRIOR_UTILIZATION = 0.5
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
 SUM_FIELDS = ("n", "x", "y", "z", "xx", "xy", "zz", "xz", "zy")
-AVERAGES = ("typical", "reuse", "utilization")
 
 
 @dataclass(frozen=True)
