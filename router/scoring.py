@@ -3,8 +3,9 @@
 The cost of sending a prompt to a worker is the time to its first token there, predicted:
 
     base + per_token * ( own prefill        uncached tokens of this prompt on that worker, counted
-                                             1 + (requests it will delay there) times (see
-                                             :func:`requests_behind`)
+                                             1 + (requests it will delay there: those queued
+                                             there, and those arriving while it is computed)
+                                             times (see :func:`requests_behind`)
                        + prefill ahead       uncached tokens queued there before it (booked by every
                                              replica and not yet at their first byte, or what the
                                              engine says it queues, whichever is more), less the part
@@ -35,6 +36,7 @@ from router.ttft import CostModel
 NO_LOAD = InflightLoad()
 MAX_CONGESTION = 8.0
 MAX_UTILIZATION = 0.9  # beyond this the queueing estimate explodes; MAX_CONGESTION caps it anyway
+MAX_OWN_DELAYED = 1.0  # arrivals a prefill delays while it is computed (requests_behind)
 
 
 class Policy(StrEnum):
@@ -132,16 +134,29 @@ def queued_requests(ahead_tokens: float, model: CostModel) -> float:
     return min(ahead_tokens / max(model.typical_uncached_tokens, 1.0), MAX_CONGESTION)
 
 
-def requests_behind(ahead_tokens: float, model: CostModel) -> float:
-    """How many later requests a prefill added behind ``ahead_tokens`` of queued prefill will
-    delay on that worker: about as many as queue there now (the queue's length predicts the
-    next), scaled by the fleet's load. A queue at utilization u drains ``u / (1 - u)`` times as
-    slowly as one at one half, so that many more arrive before it does: at light load a briefly
-    busy worker keeps its conversation; at heavy load every token of prefill a cache hit saves
-    is worth many waits. Capped: beyond that the worker is saturated and its queue decides."""
+def requests_behind(ahead_tokens: float, model: CostModel, own_tokens: float = 0.0) -> float:
+    """How many later requests a prefill of ``own_tokens`` added behind ``ahead_tokens`` of queued
+    prefill will delay on that worker.
+
+    Those that arrive while the queue ahead drains: about as many as queue there now (the queue's
+    length predicts the next), scaled by the fleet's load. A queue at utilization u drains
+    ``u / (1 - u)`` times as slowly as one at one half, so that many more arrive before it does:
+    at light load a briefly busy worker keeps its conversation; at heavy load every token of
+    prefill a cache hit saves is worth many waits. Capped: beyond that the worker is saturated
+    and its queue decides.
+
+    And those that arrive while the prefill itself is computed, half of it ahead of each on
+    average (the busy period a queue's arithmetic adds for it): this is what makes a long miss on
+    an idle worker cost more than its own length in a busy fleet, where such a worker does not
+    stay idle. At most one request: the routers see the booked prefill and send later arrivals
+    elsewhere when that is cheaper, and a long hot prefix copied to a second worker serves hits
+    there afterwards (counted in full, it would be herded onto its holder until the holder's
+    queue was nine times the prefix)."""
     utilization = min(max(model.utilization, 0.0), MAX_UTILIZATION)
     congestion = utilization / (1 - utilization)
-    return min(congestion * queued_requests(ahead_tokens, model), MAX_CONGESTION)
+    queued = min(congestion * queued_requests(ahead_tokens, model), MAX_CONGESTION)
+    while_computed = congestion * own_tokens / 2 / max(model.typical_uncached_tokens, 1.0)
+    return queued + min(while_computed, MAX_OWN_DELAYED)
 
 
 def busy_share(candidates: Sequence[Candidate]) -> float:
@@ -173,7 +188,7 @@ def score(
     extra = weights.active * candidate.inflight.prompt_tokens + weights.queue * waiting * model.typical_uncached_tokens
     reuse = model.reuse if weights.cache_pressure is None else weights.cache_pressure
     ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra)
-    behind = requests_behind(t.ahead, model) if marginal else 0.0
+    behind = requests_behind(t.ahead, model, t.own) if marginal else 0.0
     cost = ttft + params.per_token_s * (behind * weights.prefill * t.own + reuse * t.evicted)
     return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft)
 

@@ -93,8 +93,10 @@ def test_the_cost_is_a_predicted_ttft_over_own_and_queued_prefill():
     overrides = ScoringWeights(prefill=1, queued=0.5, active=0.5, queue=4)
     expected = 0.01 + PER_TOKEN * (7 * 16 + 0.5 * 32 + 0.5 * 160 + 4 * 0 * 100)
     assert cost(c, 10, 16, overrides, MODEL, marginal=False) == pytest.approx(expected)
-    # The marginal cost adds the own prefill once per request queued there (32 tokens: 0.32 of one)
-    marginal = expected + PER_TOKEN * 0.32 * 7 * 16
+    # The marginal cost adds the own prefill once per request it will delay there: those arriving
+    # while the 32 tokens queued ahead and half its own 112 are computed (0.32 + 0.56 of a typical
+    # request's 100 tokens, at utilization 1/2)
+    marginal = expected + PER_TOKEN * (0.32 + 0.56) * 7 * 16
     assert cost(c, 10, 16, overrides, MODEL) == pytest.approx(marginal)
 
 
@@ -102,7 +104,8 @@ def test_the_engine_queue_stands_for_typical_requests_when_routers_booked_less()
     waiting = cand("a", 0, InflightLoad(requests=1, prompt_tokens=50, uncached_tokens=50), WorkerLoad(1, 3, 0.5))
     # 3 waiting requests x 100 typical uncached tokens > the 50 booked by routers
     assert cost(waiting, 1, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (16 + 300))
-    assert cost(waiting, 1, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (16 + 300 + 3 * 16))
+    # Its own 16 tokens delay the 3 queued there and 0.08 of a request that arrives meanwhile
+    assert cost(waiting, 1, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (16 + 300 + 3.08 * 16))
 
 
 def test_a_full_cache_charges_what_a_prefill_would_evict_at_the_measured_reuse():
@@ -110,8 +113,8 @@ def test_a_full_cache_charges_what_a_prefill_would_evict_at_the_measured_reuse()
     full = Candidate(full.worker_id, full.url, 0, NO_LOAD, full.engine, cached_blocks=98)
     roomy = Candidate("b", "u", 0, NO_LOAD, WorkerLoad(0, 0, 0.1, capacity_blocks=100), cached_blocks=10)
     # 10 new blocks: 2 fit in the full cache, 8 evict others' blocks (8 x 16 tokens, reuse 0.5)
-    assert cost(full, 10, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * (160 + 0.5 * 8 * 16))
-    assert cost(roomy, 10, 16, W, MODEL) == pytest.approx(0.01 + PER_TOKEN * 160)
+    assert cost(full, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * (160 + 0.5 * 8 * 16))
+    assert cost(roomy, 10, 16, W, MODEL, marginal=False) == pytest.approx(0.01 + PER_TOKEN * 160)
     assert choose([full, roomy], 10, 16, W, model=MODEL).chosen.worker_id == "b"
     no_pressure = ScoringWeights(cache_pressure=0)
     assert cost(full, 10, 16, no_pressure, MODEL) == pytest.approx(cost(roomy, 10, 16, W, MODEL))
@@ -188,23 +191,51 @@ def test_the_requests_a_prefill_delays_grow_with_the_fleets_utilization():
     assert requests_behind(300, half) == pytest.approx(3)
     assert requests_behind(300, light) == pytest.approx(3 * 0.25)  # u / (1 - u)
     assert requests_behind(300, heavy) == pytest.approx(MAX_CONGESTION)  # 12, capped
-    assert requests_behind(0, heavy) == 0  # an idle worker delays no one now
+    assert requests_behind(0, heavy) == 0  # an idle worker and no prefill delay no one
     assert requests_behind(300, replace(MODEL, utilization=1.0)) == MAX_CONGESTION
 
 
-def test_at_light_load_a_briefly_busy_worker_keeps_its_conversation_and_at_heavy_load_not():
-    # The conversation's worker holds 1,600 of its 1,760 tokens; one typical request's prefill
-    # (1,500 tokens) is under way there. The other worker is idle and holds nothing of it.
-    one_ahead = InflightLoad(requests=1, prompt_tokens=1500, uncached_tokens=1500)
-    warm, idle = Candidate("warm", "u", 100, one_ahead), Candidate("idle", "u")
+def test_a_prefill_delays_those_who_arrive_while_it_is_computed_too():
+    half = replace(MODEL, utilization=0.5)
+    # On an idle worker, 100 tokens of own prefill (one typical request) are under way for a while:
+    # on average half of them stand ahead of each arrival meanwhile (the busy period it adds)
+    assert requests_behind(0, half, own_tokens=100) == pytest.approx(0.5)
+    assert requests_behind(300, half, own_tokens=100) == pytest.approx(3.5)
+    assert requests_behind(0, replace(MODEL, utilization=0.2), own_tokens=100) == pytest.approx(0.125)
+    # At most one arrival's worth: the routers see the booked prefill and send later ones elsewhere
+    assert requests_behind(0, half, own_tokens=10_000) == 1
+    assert requests_behind(10_000, half, own_tokens=10_000) == MAX_CONGESTION + 1
+
+
+def test_a_long_hot_prefix_is_spread_before_its_holders_queue_is_twice_the_prefix():
+    # An agent's 10,000-token context with 96-token questions: a typical request's uncached part
+    # is one question. At utilization 0.9 a copy of the context on an idle worker costs at most
+    # twice its prefill; queued 2x the context, the holder spreads it (no herding).
+    busy = replace(MODEL, utilization=0.9, typical_uncached_tokens=96)
+    context_blocks, prompt_blocks = 625, 631  # blocks of 16 tokens
+    queued = InflightLoad(requests=208, prompt_tokens=20_000 * 32, uncached_tokens=20_000)
+    holder, idle = Candidate("holder", "u", context_blocks, queued), Candidate("idle", "u")
+    assert choose([holder, idle], prompt_blocks, 16, W, model=busy).chosen.worker_id == "idle"
+    half_as_much = InflightLoad(requests=104, prompt_tokens=10_000 * 32, uncached_tokens=10_000)
+    holder = Candidate("holder", "u", context_blocks, half_as_much)
+    assert choose([holder, idle], prompt_blocks, 16, W, model=busy).chosen.worker_id == "holder"
+
+
+def test_a_conversation_leaves_a_busy_worker_sooner_at_light_load_than_at_heavy_load():
+    # The conversation's worker holds 1,600 of its 1,760 tokens; the other worker is idle and
+    # holds nothing of it. A typical request's uncached part is 1,500 tokens.
+    warm_behind = {n: Candidate("warm", "u", 100, InflightLoad(1, n, n)) for n in (1500, 2250)}
+    idle = Candidate("idle", "u")
     typical = replace(MODEL, typical_uncached_tokens=1500)
-    light = replace(typical, utilization=0.2)
-    assert choose([warm, idle], 110, 16, W, model=light).chosen.worker_id == "warm"
-    # The same moment in a fleet busy most of the time: the prefill ahead stands for the requests
-    # that keep arriving there, each of which the 160 tokens would delay; the idle worker is
-    # worth re-prefilling the prefix (a queue longer than the prefix moves it at any load).
-    busy = replace(typical, utilization=0.7)
-    assert choose([warm, idle], 110, 16, W, model=busy).chosen.worker_id == "idle"
+    light, busy = replace(typical, utilization=0.2), replace(typical, utilization=0.7)
+    # One request's prefill ahead: shorter than re-prefilling the conversation; it stays at any load.
+    for model in (light, busy):
+        assert choose([warm_behind[1500], idle], 110, 16, W, model=model).chosen.worker_id == "warm"
+    # 1.5 requests ahead: at light load it moves (its own wait is longer than the re-prefill); in a
+    # fleet busy most of the time it stays: the 160 new tokens delay the few queued at the warm
+    # worker less than 1,760 on the idle one delay the requests that arrive there meanwhile.
+    assert choose([warm_behind[2250], idle], 110, 16, W, model=light).chosen.worker_id == "idle"
+    assert choose([warm_behind[2250], idle], 110, 16, W, model=busy).chosen.worker_id == "warm"
 
 
 def test_the_busy_share_counts_workers_with_prefill_queued():
