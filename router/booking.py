@@ -4,14 +4,17 @@ The single owner of a request's load lifecycle:
 
 1. :meth:`Booking.attempt` before each try on a worker: its in-flight load (one request, its
    prompt tokens, its uncached tokens) is booked on that worker, and the prompt's checkpoint
-   blocks are marked "expected" there (this replica sees them at once, the others through Redis).
+   blocks are marked "expected" there: this replica sees them at once, until the first byte (or
+   the failure) and the index's lag after it; the others see them through Redis, for twice the
+   predicted TTFT plus that lag (what the index needs to get them).
 2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
-   uncached tokens no longer queue ahead of other prompts on that worker, and the time it took
-   teaches the TTFT model (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
+   uncached tokens no longer queue ahead of other prompts on that worker, this replica's
+   expectation ends after the index's lag, and the time it took teaches the TTFT model
+   (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
    its last token, so its prefill is released when it is predicted to be done instead; its time
    teaches the model once :meth:`Booking.replied` says how many tokens the reply decoded.
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
-   (the retry books the next worker).
+   and its expectation ended (the retry books the next worker).
 4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
    released. Used as a context manager, so no path can forget it.
 """
@@ -27,6 +30,15 @@ from router.load import ReplicaLoad
 from router.scoring import Candidate
 from router.shared_load import InflightLoad
 from router.ttft import TtftLearner
+
+# An expectation stands in for blocks a prefill is computing, until the engine's KV events put
+# them in the index: past that it is a promise of blocks the worker's full cache may have evicted
+# since (kept a fixed 2 s, on a tight cache, it made most of the prefix tokens the index promised
+# and the engines did not have: docs/router.md). The replica that booked it ends it once the first
+# byte is seen, after the index's lag; the others cannot see that byte and keep it for twice the
+# predicted TTFT (a queue longer than predicted) plus the lag.
+EXPECTED_FOR_TTFTS = 2.0
+INDEX_LAG_S = 0.2  # engine step -> KV event -> agent -> Redis: milliseconds; generous for a busy agent
 
 
 class Booking:
@@ -53,15 +65,17 @@ class Booking:
         uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
         load = InflightLoad(1, decision.prompt_tokens, uncached)
         self._release(candidate.worker_id)  # a second try on the same worker books once
-        self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
+        predicted_ttft_s = decision.scored(candidate).ttft_s
+        shared_for_s = EXPECTED_FOR_TTFTS * predicted_ttft_s + INDEX_LAG_S
+        self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks(), shared_for_s)
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
         if self._learner is not None:
             self._learner.note_request(uncached)
         if not self._streamed and uncached:
             self._cancel_timer()
-            delay = decision.scored(candidate).ttft_s
-            self._timer = asyncio.get_running_loop().call_later(delay, self._release_prefill, candidate.worker_id)
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(predicted_ttft_s, self._release_prefill, candidate.worker_id)
 
     def prefilled(self, candidate: Candidate) -> None:
         """The reply's first byte arrived."""
@@ -73,6 +87,7 @@ class Booking:
                 self._learner.observe(candidate.worker_id, waited, seconds)
             else:
                 self._whole[candidate.worker_id] = (waited, seconds)
+        self._settle(candidate.worker_id, INDEX_LAG_S)
         self._release_prefill(candidate.worker_id)
 
     def replied(self, candidate: Candidate, usage: dict | None) -> None:
@@ -94,7 +109,12 @@ class Booking:
 
     def failed(self, candidate: Candidate) -> None:
         self._cancel_timer()
+        self._settle(candidate.worker_id, 0.0)
         self._release(candidate.worker_id)
+
+    def _settle(self, worker_id: str, within_s: float) -> None:
+        decision = self._decision
+        self._load.settle_expected(decision.model, worker_id, decision.expected_blocks(), within_s)
 
     def close(self) -> None:
         self._cancel_timer()

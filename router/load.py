@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 
 from kvindex.errors import KVIndexError
 from kvindex.scripts import ScriptCall
-from router.shared_load import InflightLoad, SharedLoad
+from router.shared_load import Expectation, InflightLoad, SharedLoad
 
 log = logging.getLogger(__name__)
 FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
@@ -67,7 +68,7 @@ class ReplicaLoad:
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
         # pipeline per burst instead of several commands per request.
         self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
-        self._expects: list[tuple[str, str, list[int]]] = []
+        self._expects: list[Expectation] = []
         # Armed by the first change not yet written: the flush is due when it fires (cancelled when
         # a decision's batch carries every pending change before).
         self._flush_due: asyncio.TimerHandle | None = None
@@ -85,19 +86,43 @@ class ReplicaLoad:
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
-    def book(self, model: str, worker_id: str, load: InflightLoad, expected: Sequence[int] = ()) -> None:
+    def book(
+        self,
+        model: str,
+        worker_id: str,
+        load: InflightLoad,
+        expected: Sequence[int] = (),
+        shared_for_s: float | None = None,
+    ) -> None:
+        """Book ``load`` on ``worker_id``, and mark ``expected`` blocks there: for this replica
+        until :meth:`settle_expected`, for the others (through Redis) for ``shared_for_s``; both
+        at most the configured expected TTL (the default)."""
         self._change(model, worker_id, load)
         if expected:
-            self._expects.append((model, worker_id, list(expected)))
-            self._remember(model, worker_id, expected)
+            ttl_ms = self._expected_ttl_ms
+            shared_ms = ttl_ms if shared_for_s is None else min(max(math.ceil(shared_for_s * 1000), 1), ttl_ms)
+            self._expects.append(Expectation(model, worker_id, list(expected), shared_ms))
+            self._remember(model, worker_id, expected, ttl_ms / 1000)
 
-    def _remember(self, model: str, worker_id: str, blocks: Sequence[int]) -> None:
+    def _remember(self, model: str, worker_id: str, blocks: Sequence[int], for_s: float) -> None:
         now = time.monotonic()
-        deadline = now + self._expected_ttl_ms / 1000
+        deadline = now + for_s
         for block in blocks:
             self._recent[(model, block)] = (worker_id, deadline)
         if len(self._recent) > 100_000:  # bounded: expired entries go first
             self._recent = {k: v for k, v in self._recent.items() if v[1] > now}
+
+    def settle_expected(self, model: str, worker_id: str, blocks: Sequence[int], within_s: float) -> None:
+        """The request that was to put ``blocks`` on ``worker_id`` is past its prefill (or failed):
+        this replica's expectation of them there ends within ``within_s``, the time the engine's
+        KV events take to reach the index. After that the index alone says whether the worker
+        holds them; an expectation outliving it would promise blocks that the worker's full cache
+        may have evicted since."""
+        deadline = time.monotonic() + within_s
+        for block in blocks:
+            entry = self._recent.get((model, block))
+            if entry is not None and entry[0] == worker_id and entry[1] > deadline:
+                self._recent[(model, block)] = (worker_id, deadline)
 
     def expected_worker(self, model: str, block: int) -> str | None:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""
@@ -129,7 +154,7 @@ class ReplicaLoad:
         self._flush_due = None
         self._dirty.set()
 
-    def _take(self, leased_only: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[tuple[str, str, list[int]]]]:
+    def _take(self, leased_only: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[Expectation]]:
         """The pending changes (those of models without a lease yet stay, when ``leased_only``),
         no longer pending: the caller writes them. No flush is due once none is left."""
         taken = {k: v for k, v in self._deltas.items() if not leased_only or k[0] in self._leased}
@@ -150,7 +175,7 @@ class ReplicaLoad:
         if self._writing.locked() or (not self._deltas and not self._expects):
             return []
         deltas, expects = self._take(leased_only=True)
-        calls = self.shared.write_calls(deltas, expects, self._expected_ttl_ms)
+        calls = self.shared.write_calls(deltas, expects)
         if calls:
             self._carrying += 1
             self._none_carried.clear()
@@ -184,7 +209,7 @@ class ReplicaLoad:
                 self.flushes += 1
                 try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
                     async with asyncio.timeout(self._write_timeout_s):
-                        await self.shared.write_many(deltas, expects, self._expected_ttl_ms)  # one round trip
+                        await self.shared.write_many(deltas, expects)  # one round trip
                 except FAILURES as exc:
                     log.debug("shared load update failed: %s", exc)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvindex.cluster import RedisClient
 from kvindex.keys import KeySchema, ModelKeys, block_hex
@@ -51,6 +52,16 @@ class InflightLoad:
             "t:" + worker_id: self.prompt_tokens,
             "u:" + worker_id: self.uncached_tokens,
         }
+
+
+class Expectation(NamedTuple):
+    """A decision's prompt blocks that ``worker_id`` is expected to hold once its prefill is done,
+    until ``ttl_ms`` from now (expect.lua)."""
+
+    model: str
+    worker_id: str
+    blocks: Sequence[int]
+    ttl_ms: int
 
 
 def parse_totals(reply: Sequence[bytes | str]) -> dict[str, InflightLoad]:
@@ -124,26 +135,18 @@ class SharedLoad:
 
     async def add_many(self, deltas: Mapping[tuple[str, str], InflightLoad]) -> None:
         """Several (model, worker) load changes in one round trip."""
-        await self.write_many(deltas, [], 0)
+        await self.write_many(deltas, [])
 
-    async def write_many(
-        self,
-        deltas: Mapping[tuple[str, str], InflightLoad],
-        expects: Sequence[tuple[str, str, Sequence[int]]],
-        ttl_ms: int,
-    ) -> None:
+    async def write_many(self, deltas: Mapping[tuple[str, str], InflightLoad], expects: Sequence[Expectation]) -> None:
         """Load changes and expected prefixes (:meth:`write_calls`), all in one round trip."""
-        calls = self.write_calls(deltas, expects, ttl_ms)
+        calls = self.write_calls(deltas, expects)
         if calls:
             for result in await self._scripts.call_many(calls):
                 if isinstance(result, Exception):
                     raise result
 
     def write_calls(
-        self,
-        deltas: Mapping[tuple[str, str], InflightLoad],
-        expects: Sequence[tuple[str, str, Sequence[int]]],
-        ttl_ms: int,
+        self, deltas: Mapping[tuple[str, str], InflightLoad], expects: Sequence[Expectation]
     ) -> list[ScriptCall]:
         """Load changes (inflight_add.lua, one call per model) and expected prefixes
         (expect.lua) as script calls, for one batch."""
@@ -156,7 +159,7 @@ class SharedLoad:
             ("inflight_add", [self.keys(model).inflight(self.replica_id)], [HASH_EXPIRY_MS, *pairs])
             for model, pairs in per_model.items()
         ]
-        return calls + self._expect_calls(expects, ttl_ms)
+        return calls + self._expect_calls(expects)
 
     async def leave(self, model: str) -> None:
         """Graceful shutdown: this replica's load stops counting at once."""
@@ -168,15 +171,15 @@ class SharedLoad:
 
     async def expect(self, model: str, worker_id: str, blocks: Sequence[int], ttl_ms: int) -> None:
         if blocks:
-            await self.expect_many([(model, worker_id, blocks)], ttl_ms)
+            await self.expect_many([Expectation(model, worker_id, blocks, ttl_ms)])
 
-    async def expect_many(self, entries: Sequence[tuple[str, str, Sequence[int]]], ttl_ms: int) -> None:
-        """Remember several (model, worker, blocks) decisions in one round trip."""
-        await self.write_many({}, entries, ttl_ms)
+    async def expect_many(self, entries: Sequence[Expectation]) -> None:
+        """Remember several decisions' expected prefixes in one round trip."""
+        await self.write_many({}, entries)
 
-    def _expect_calls(self, entries: Sequence[tuple[str, str, Sequence[int]]], ttl_ms: int) -> list[ScriptCall]:
+    def _expect_calls(self, entries: Sequence[Expectation]) -> list[ScriptCall]:
         calls: list[ScriptCall] = []
-        for model, worker_id, blocks in entries:
+        for model, worker_id, blocks, ttl_ms in entries:
             if blocks:
                 keys = self.keys(model)
                 args: list[str | int] = [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]

@@ -151,3 +151,36 @@ async def test_a_failed_carrying_batch_is_healed_by_the_next_renewal(redis_clien
     assert await shared.totals(unique_name) == {}
     await load.renew_all([unique_name])
     assert await shared.totals(unique_name) == {"w": InflightLoad(2, 20, 0)}
+
+
+async def test_a_booking_shares_its_expectation_for_as_long_as_asked_and_keeps_its_own_until_settled(
+    redis_client, unique_name
+):
+    """The other replicas see a booked expectation for the time the booking gives (capped by the
+    expected TTL); the replica that booked it keeps it until it settles it, for that worker only."""
+    from kvindex.scripts import Scripts
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
+    await load.renew_all([unique_name])
+    load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7], shared_for_s=0.3)
+    load.book(unique_name, "w2", InflightLoad(1, 160, 160), expected=[9], shared_for_s=3_600)
+    calls = load.carry()
+    assert [(name, args[1]) for name, _, args in calls if name == "expect"] == [("expect", 300), ("expect", 60_000)]
+    booked_at = time.monotonic()
+    load.carried(await Scripts(redis_client).call_many(calls))
+    assert await shared.expected(unique_name, [7, 9]) == ["w", "w2"]
+
+    async def shared_one_lapsed() -> bool:
+        return await shared.expected(unique_name, [7, 9]) == [None, "w2"]
+
+    await wait_until(shared_one_lapsed, 5, interval=0.02)
+    assert time.monotonic() - booked_at > 0.25  # after the 300 ms it was shared for, not before
+    assert load.expected_worker(unique_name, 7) == "w"  # this replica's own: until settled
+    load.settle_expected(unique_name, "w-other", [7], 0.0)  # another worker's prefill
+    assert load.expected_worker(unique_name, 7) == "w"
+    load.settle_expected(unique_name, "w", [7], 0.0)
+    assert load.expected_worker(unique_name, 7) is None
+    load.settle_expected(unique_name, "w2", [9], 30.0)  # within 30 s: not yet
+    assert load.expected_worker(unique_name, 9) == "w2"
