@@ -102,11 +102,11 @@ class ReplicaLoad:
             ttl_ms = self._expected_ttl_ms
             shared_ms = ttl_ms if shared_for_s is None else min(max(math.ceil(shared_for_s * 1000), 1), ttl_ms)
             self._expects.append(Expectation(model, worker_id, list(expected), shared_ms))
-            self._remember(model, worker_id, expected, ttl_ms / 1000)
+            self._remember(model, worker_id, expected)
 
-    def _remember(self, model: str, worker_id: str, blocks: Sequence[int], for_s: float) -> None:
+    def _remember(self, model: str, worker_id: str, blocks: Sequence[int]) -> None:
         now = time.monotonic()
-        deadline = now + for_s
+        deadline = now + self._expected_ttl_ms / 1000
         for block in blocks:
             self._recent[(model, block)] = (worker_id, deadline)
         if len(self._recent) > 100_000:  # bounded: expired entries go first
