@@ -55,6 +55,7 @@ SCRIPT_NAMES = (
     "inflight_add",
     "inflight",
     "expect",
+    "settle",
     "expected",
     "learn",
 )

@@ -35,9 +35,9 @@ from router.ttft import TtftLearner
 # them in the index: past that it is a promise of blocks the worker's full cache may have evicted
 # since (kept a fixed 2 s, on a tight cache, it made most of the prefix tokens the index promised
 # and the engines did not have: docs/router.md). The replica that booked it ends it once the first
-# byte is seen, after the index's lag; the others cannot see that byte and keep it for twice the
-# predicted TTFT (a queue longer than predicted) plus the lag.
-EXPECTED_FOR_TTFTS = 2.0
+# byte is seen, after the index's lag, for every replica (settle.lua): the others cannot see that
+# byte, and a deadline guessed for them (twice the predicted TTFT, tried) ended it early wherever
+# a queue grew longer than predicted, so that four replicas duplicated prefixes one did not.
 INDEX_LAG_S = 0.2  # engine step -> KV event -> agent -> Redis: milliseconds; generous for a busy agent
 
 
@@ -66,8 +66,7 @@ class Booking:
         load = InflightLoad(1, decision.prompt_tokens, uncached)
         self._release(candidate.worker_id)  # a second try on the same worker books once
         predicted_ttft_s = decision.scored(candidate).ttft_s
-        shared_for_s = EXPECTED_FOR_TTFTS * predicted_ttft_s + INDEX_LAG_S
-        self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks(), shared_for_s)
+        self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
         if self._learner is not None:
@@ -75,7 +74,9 @@ class Booking:
         if not self._streamed and uncached:
             self._cancel_timer()
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(predicted_ttft_s, self._release_prefill, candidate.worker_id)
+            self._timer = loop.call_later(
+                predicted_ttft_s, self._predicted_prefilled, candidate.worker_id, predicted_ttft_s
+            )
 
     def prefilled(self, candidate: Candidate) -> None:
         """The reply's first byte arrived."""
@@ -98,6 +99,12 @@ class Booking:
         if self._learner is not None and whole is not None and isinstance(completion, int):
             waited, seconds = whole
             self._learner.observe(candidate.worker_id, waited, seconds, whole_reply=True, completion_tokens=completion)
+
+    def _predicted_prefilled(self, worker_id: str, predicted_ttft_s: float) -> None:
+        """A whole reply's prefill is predicted done: its booked prefill is released, and its
+        expectation ends after as long again (a queue longer than predicted) and the index's lag."""
+        self._settle(worker_id, predicted_ttft_s + INDEX_LAG_S)
+        self._release_prefill(worker_id)
 
     def _release_prefill(self, worker_id: str) -> None:
         held = self._held.get(worker_id)

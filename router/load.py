@@ -86,22 +86,13 @@ class ReplicaLoad:
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
 
-    def book(
-        self,
-        model: str,
-        worker_id: str,
-        load: InflightLoad,
-        expected: Sequence[int] = (),
-        shared_for_s: float | None = None,
-    ) -> None:
-        """Book ``load`` on ``worker_id``, and mark ``expected`` blocks there: for this replica
-        until :meth:`settle_expected`, for the others (through Redis) for ``shared_for_s``; both
-        at most the configured expected TTL (the default)."""
+    def book(self, model: str, worker_id: str, load: InflightLoad, expected: Sequence[int] = ()) -> None:
+        """Book ``load`` on ``worker_id``, and mark ``expected`` blocks there until
+        :meth:`settle_expected` (for every replica: the others through Redis), at most the
+        configured expected TTL."""
         self._change(model, worker_id, load)
         if expected:
-            ttl_ms = self._expected_ttl_ms
-            shared_ms = ttl_ms if shared_for_s is None else min(max(math.ceil(shared_for_s * 1000), 1), ttl_ms)
-            self._expects.append(Expectation(model, worker_id, list(expected), shared_ms))
+            self._expects.append(Expectation(model, worker_id, list(expected), self._expected_ttl_ms))
             self._remember(model, worker_id, expected)
 
     def _remember(self, model: str, worker_id: str, blocks: Sequence[int]) -> None:
@@ -117,12 +108,16 @@ class ReplicaLoad:
         this replica's expectation of them there ends within ``within_s``, the time the engine's
         KV events take to reach the index. After that the index alone says whether the worker
         holds them; an expectation outliving it would promise blocks that the worker's full cache
-        may have evicted since."""
+        may have evicted since. The other replicas' copy in Redis ends with it (settle.lua, in
+        the next batch), so that every replica stops expecting them when this one does."""
         deadline = time.monotonic() + within_s
         for block in blocks:
             entry = self._recent.get((model, block))
             if entry is not None and entry[0] == worker_id and entry[1] > deadline:
                 self._recent[(model, block)] = (worker_id, deadline)
+        if blocks:
+            self._expects.append(Expectation(model, worker_id, list(blocks), math.ceil(within_s * 1000), settled=True))
+            self._changed()
 
     def expected_worker(self, model: str, block: int) -> str | None:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""

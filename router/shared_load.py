@@ -56,12 +56,14 @@ class InflightLoad:
 
 class Expectation(NamedTuple):
     """A decision's prompt blocks that ``worker_id`` is expected to hold once its prefill is done,
-    until ``ttl_ms`` from now (expect.lua)."""
+    until ``ttl_ms`` from now (expect.lua); with ``settled``, its prefill is over: where they are
+    still expected there, at most ``ttl_ms`` more (settle.lua)."""
 
     model: str
     worker_id: str
     blocks: Sequence[int]
     ttl_ms: int
+    settled: bool = False
 
 
 def parse_totals(reply: Sequence[bytes | str]) -> dict[str, InflightLoad]:
@@ -179,11 +181,11 @@ class SharedLoad:
 
     def _expect_calls(self, entries: Sequence[Expectation]) -> list[ScriptCall]:
         calls: list[ScriptCall] = []
-        for model, worker_id, blocks, ttl_ms in entries:
+        for model, worker_id, blocks, ttl_ms, settled in entries:
             if blocks:
                 keys = self.keys(model)
                 args: list[str | int] = [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]
-                calls.append(("expect", [keys.expected, keys.expected_deadlines], args))
+                calls.append(("settle" if settled else "expect", [keys.expected, keys.expected_deadlines], args))
         return calls
 
     async def expected(self, model: str, blocks: Sequence[int]) -> list[str | None]:

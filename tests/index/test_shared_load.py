@@ -7,7 +7,7 @@ import time
 
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
-from router.shared_load import InflightLoad, SharedLoad
+from router.shared_load import Expectation, InflightLoad, SharedLoad
 from tests.support import wait_until
 
 
@@ -153,34 +153,70 @@ async def test_a_failed_carrying_batch_is_healed_by_the_next_renewal(redis_clien
     assert await shared.totals(unique_name) == {"w": InflightLoad(2, 20, 0)}
 
 
-async def test_a_booking_shares_its_expectation_for_as_long_as_asked_and_keeps_its_own_until_settled(
-    redis_client, unique_name
-):
-    """The other replicas see a booked expectation for the time the booking gives (capped by the
-    expected TTL); the replica that booked it keeps it until it settles it, for that worker only."""
+async def test_a_booking_keeps_its_expectation_until_settled_for_that_worker_only(redis_client, unique_name):
+    """A booked expectation lasts the expected TTL, for this replica and (through Redis) the
+    others, until the booking settles it: for the worker it names only, and never for longer."""
     from kvindex.scripts import Scripts
     from router.load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
     await load.renew_all([unique_name])
-    load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7], shared_for_s=0.3)
-    load.book(unique_name, "w2", InflightLoad(1, 160, 160), expected=[9], shared_for_s=3_600)
+    load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7])
+    load.book(unique_name, "w2", InflightLoad(1, 160, 160), expected=[9])
     calls = load.carry()
-    assert [(name, args[1]) for name, _, args in calls if name == "expect"] == [("expect", 300), ("expect", 60_000)]
-    booked_at = time.monotonic()
+    assert [(name, args[1]) for name, _, args in calls if name == "expect"] == [("expect", 60_000)] * 2
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 9]) == ["w", "w2"]
-
-    async def shared_one_lapsed() -> bool:
-        return await shared.expected(unique_name, [7, 9]) == [None, "w2"]
-
-    await wait_until(shared_one_lapsed, 5, interval=0.02)
-    assert time.monotonic() - booked_at > 0.25  # after the 300 ms it was shared for, not before
-    assert load.expected_worker(unique_name, 7) == "w"  # this replica's own: until settled
     load.settle_expected(unique_name, "w-other", [7], 0.0)  # another worker's prefill
     assert load.expected_worker(unique_name, 7) == "w"
-    load.settle_expected(unique_name, "w", [7], 0.0)
-    assert load.expected_worker(unique_name, 7) is None
     load.settle_expected(unique_name, "w2", [9], 30.0)  # within 30 s: not yet
     assert load.expected_worker(unique_name, 9) == "w2"
+    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    assert await shared.expected(unique_name, [7, 9]) == ["w", "w2"]
+    load.settle_expected(unique_name, "w", [7], 0.0)
+    assert load.expected_worker(unique_name, 7) is None
+    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    assert await shared.expected(unique_name, [7, 9]) == [None, "w2"]
+
+
+async def test_settling_ends_only_that_workers_expectation_and_never_extends_one(redis_client, unique_name):
+    """settle.lua: blocks still expected on the settling worker lapse within its ttl; a block a
+    later decision expects on another worker stays, and a settle asking for longer than an entry
+    has left changes nothing (a replayed batch is harmless)."""
+    from kvindex.scripts import Scripts
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    scripts = Scripts(redis_client)
+    await shared.expect(unique_name, "w", [1, 2, 3], 60_000)
+    await shared.expect(unique_name, "w2", [3], 60_000)  # a later decision moved block 3
+    await shared.expect(unique_name, "w", [4], 200)
+    settle = Expectation(unique_name, "w", [1, 2, 3], 0, settled=True)
+    longer = Expectation(unique_name, "w", [4], 60_000, settled=True)
+    calls = shared.write_calls({}, [settle, longer])
+    assert [name for name, _, _ in calls] == ["settle", "settle"]
+    assert await scripts.call_many(calls) == [2, 0]
+    assert await shared.expected(unique_name, [1, 2, 3, 4]) == [None, None, "w2", "w"]
+    assert await scripts.call_many(calls) == [0, 0]  # idempotent
+
+    async def lapsed_as_first_set() -> bool:
+        return await shared.expected(unique_name, [4]) == [None]
+
+    await wait_until(lapsed_as_first_set, 5, interval=0.02)
+
+
+async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, unique_name):
+    from kvindex.scripts import Scripts
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
+    await load.renew_all([unique_name])
+    load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7, 8])
+    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    assert await shared.expected(unique_name, [7, 8]) == ["w", "w"]
+    load.settle_expected(unique_name, "w", [7, 8], 0.0)
+    calls = load.carry()
+    assert [(name, args[1]) for name, _, args in calls] == [("settle", 0)]
+    load.carried(await Scripts(redis_client).call_many(calls))
+    assert await shared.expected(unique_name, [7, 8]) == [None, None]

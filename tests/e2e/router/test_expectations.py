@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.e2e.router.fake_worker import MODEL, FakeWorker, post, workers_and_router
+from tests.e2e.router.support import start_router
 from tests.support import wait_until
 
 PROMPT = {"model": MODEL, "prompt": list(range(1, 65)), "max_tokens": 1}  # 4 full blocks of 16
@@ -40,3 +41,29 @@ async def test_a_prompt_is_expected_on_its_worker_while_in_flight_and_forgotten_
         await wait_until(forgotten, 10)
         status, headers, _ = await post(router.url + "/v1/completions", PROMPT)  # the index has none
         assert status == 200 and headers["x-kvroute-cached-tokens"] == "0"
+
+
+async def test_another_replica_stops_expecting_a_prompt_when_the_booking_one_sees_its_first_byte(redis_server, index):
+    """Two replicas on one Redis: the one that did not route the prompt sees it expected on its
+    worker while it is prefilled there, and stops when the routing replica sees the reply start
+    (settle.lua), however long the expected TTL: the replicas decide alike."""
+    worker = FakeWorker("w1", mode="hold")
+    async with workers_and_router(redis_server, index, [worker], expected_ttl_ms=600_000) as router:
+        context, other = await start_router(redis_server.url, expected_ttl_ms=600_000)
+        try:
+            held = asyncio.create_task(post(router.url + "/v1/completions", PROMPT))
+
+            async def seen_by_the_other() -> bool:
+                return worker.active == 1 and await _matched_blocks(other.url) == 4
+
+            await wait_until(seen_by_the_other, 10)
+            worker.release()
+            status, _, _ = await held
+            assert status == 200
+
+            async def forgotten_by_the_other() -> bool:
+                return await _matched_blocks(other.url) == 0
+
+            await wait_until(forgotten_by_the_other, 10)
+        finally:
+            await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
