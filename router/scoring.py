@@ -37,6 +37,12 @@ NO_LOAD = InflightLoad()
 MAX_CONGESTION = 8.0
 MAX_UTILIZATION = 0.9  # beyond this the queueing estimate explodes; MAX_CONGESTION caps it anyway
 MAX_OWN_DELAYED = 1.0  # arrivals a prefill delays while it is computed (requests_behind)
+# Costs within this share of the best are ties, broken at random. The learned per-worker rates of
+# a fleet of equal engines differ by their noise; taken at face value they send every replica's
+# cold prompt in a burst to the same "fastest" idle worker (each replica sees the others' bookings
+# only after its decision), where a random pick spreads them. Real differences (a slower GPU,
+# a queue, a cached prefix) are larger.
+TIE_WITHIN = 0.05
 
 
 class Policy(StrEnum):
@@ -255,9 +261,19 @@ def choose(
             )
         )
     ranked = sorted(scored, key=lambda s: (s.busy and some_free, s.cost, tiebreak[s.candidate.worker_id]))
+    ranked = _near_ties_at_random(ranked, tiebreak)
     if weights.temperature > 0:
         ranked = _sample_first(ranked, weights.temperature, rng)
     return Choice(ranked)
+
+
+def _near_ties_at_random(ranked: list[Scored], tiebreak: dict[str, float]) -> list[Scored]:
+    """Move the candidate with the lowest random tiebreak among those whose cost is within
+    ``TIE_WITHIN`` of the best (and as busy) to the front."""
+    best = ranked[0]
+    ties = [s for s in ranked if s.busy == best.busy and s.cost <= best.cost * (1 + TIE_WITHIN)]
+    pick = min(ties, key=lambda s: tiebreak[s.candidate.worker_id])
+    return ranked if pick is best else [pick, *(s for s in ranked if s is not pick)]
 
 
 def _sample_first(ranked: list[Scored], temperature: float, rng: random.Random) -> list[Scored]:
