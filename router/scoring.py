@@ -18,7 +18,8 @@ The cost of sending a prompt to a worker is the time to its first token there, p
 (:mod:`router.ttft`); ``reuse`` is the measured share of prompt tokens served from cache. The
 weights (all 1 but the legacy ``active`` and ``queue`` terms, 0) stay as advanced overrides. A
 worker whose KV cache is nearly full or whose queue is long is "busy" and is only chosen when all
-are busy. Ties are broken at random; with a temperature > 0 the choice is sampled from a softmax.
+are busy. Costs within 5% of the best are ties (``TIE_WITHIN``), broken at random; with a
+temperature > 0 the choice is sampled from a softmax.
 """
 
 from __future__ import annotations
