@@ -65,7 +65,6 @@ class Booking:
         uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
         load = InflightLoad(1, decision.prompt_tokens, uncached)
         self._release(candidate.worker_id)  # a second try on the same worker books once
-        predicted_ttft_s = decision.scored(candidate).ttft_s
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
@@ -73,6 +72,7 @@ class Booking:
             self._learner.note_request(uncached)
         if not self._streamed and uncached:
             self._cancel_timer()
+            predicted_ttft_s = decision.scored(candidate).ttft_s
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(
                 predicted_ttft_s, self._predicted_prefilled, candidate.worker_id, predicted_ttft_s
