@@ -105,6 +105,7 @@ class Scripts:
         # A single server's batches go over one pipelined connection beside the client's pool.
         self._pipelined = None if self._cluster else PipelinedConnection.for_client(client)
         self.reloads = 0
+        self._loading: asyncio.Future[None] | None = None  # the load of every script under way
 
     @property
     def cancel_safe(self) -> bool:
@@ -119,13 +120,35 @@ class Scripts:
             await self._pipelined.aclose()
 
     async def load_all(self) -> None:
-        """Load every script (a single server; a cluster's shards learn them on first use)."""
+        """Load every script, in one round trip (a single server; a cluster's shards learn them
+        on first use). Callers at once share one load, and it goes on when they stop waiting: a
+        burst of decisions that meets an empty script cache (a restart, a failover) sends the
+        scripts once. (Loaded one by one in each caller, a busy router's decisions, cancelled at
+        their budget, restarted the loads faster than any finished: the last scripts were never
+        loaded and the router stayed degraded.)"""
         if self._cluster:
             return
-        for script in self._scripts.values():
-            sha = await self._client.script_load(script.source)
-            if sha != script.sha:  # pragma: no cover - would mean a broken Redis
-                raise RuntimeError(f"Redis hashed {script.name}.lua as {sha}, expected {script.sha}")
+        loading = self._loading
+        if loading is None or loading.done() or loading.get_loop() is not asyncio.get_running_loop():
+            loading = self._loading = asyncio.ensure_future(self._load_every_script())
+            loading.add_done_callback(_retrieved)
+        await asyncio.shield(loading)
+
+    async def _load_every_script(self) -> None:
+        scripts = list(self._scripts.values())
+        if self._pipelined is not None:
+            commands = [chunk for s in scripts for chunk in self._pipelined.pack_command("SCRIPT", "LOAD", s.source)]
+            shas = await self._pipelined.execute(commands, len(scripts))
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            for script in scripts:
+                pipe.script_load(script.source)
+            shas = list(await pipe.execute(raise_on_error=False))
+        for script, sha in zip(scripts, shas, strict=True):
+            if isinstance(sha, Exception):
+                raise sha
+            if (sha.decode() if isinstance(sha, bytes) else sha) != script.sha:  # pragma: no cover - a broken Redis
+                raise RuntimeError(f"Redis hashed {script.name}.lua as {sha!r}, expected {script.sha}")
 
     async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Several script calls in one round trip (a pipeline, not a transaction). Errors come
@@ -248,6 +271,12 @@ class Scripts:
             return await self.call(name, keys, args)
         except ResponseError as exc:
             raise_script_error(exc)
+
+
+def _retrieved(loading: asyncio.Future[None]) -> None:
+    """A load whose callers all stopped waiting: its failure is no one's to raise any more."""
+    if not loading.cancelled():
+        loading.exception()
 
 
 def _script_answer(error: Exception) -> bool:

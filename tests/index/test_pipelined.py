@@ -19,11 +19,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvindex.keys import KeySchema
 from kvindex.pipelined import PipelinedConnection, WireWatch, wire_watch
 from kvindex.redis_index import RedisIndex
-from kvindex.scripts import Scripts
+from kvindex.scripts import SCRIPT_NAMES, Scripts, load_scripts
 from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo
 from kvroute.devstack.embedded_redis import RedisServer
 from tests.index.tls_support import Certificates, TlsRedis, make_certificates
+from tests.support import wait_until
 
 
 def pipelined_for(client: Redis) -> PipelinedConnection:
@@ -111,6 +112,68 @@ async def test_a_flushed_script_cache_is_reloaded_through_call_many(redis_server
         assert not isinstance(alive, Exception) and scripts.reloads == 1
     finally:
         await scripts.aclose()
+        await client.aclose()
+
+
+def scripts_over(client: Redis, path: str) -> Scripts:
+    """Scripts on ``client``: its batches on the pipelined connection, or on the client's pool
+    (the path where the pipelined connection cannot take a connection kind over)."""
+    scripts = Scripts(client)
+    assert scripts.cancel_safe
+    if path == "pool":
+        scripts._pipelined = None
+    return scripts
+
+
+async def script_loads(observer: Redis) -> int:
+    stats = await observer.info("commandstats")
+    return int(stats.get("cmdstat_script|load", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("path", ["pipelined", "pool"])
+async def test_a_burst_that_meets_a_flushed_script_cache_loads_the_scripts_once(
+    redis_server, observer, unique_name, path
+):
+    client = Redis.from_url(redis_server.url)
+    scripts = scripts_over(client, path)
+    try:
+        await scripts.load_all()
+        await observer.script_flush()
+        await observer.config_resetstat()
+        replies = await asyncio.gather(
+            *(scripts.call_many([("alive", [f"{unique_name}:alive"], [])]) for _ in range(50))
+        )
+        assert not any(isinstance(r, Exception) for (r,) in replies), replies
+        assert await script_loads(observer) == len(SCRIPT_NAMES)  # one load for the 50 callers
+    finally:
+        if path == "pipelined":
+            await scripts.aclose()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("path", ["pipelined", "pool"])
+async def test_a_reload_that_every_caller_stops_waiting_for_still_loads_every_script(redis_server, observer, path):
+    """A busy router's decisions are cancelled at their budget, maybe while the scripts are
+    being loaded again: the load must finish all the same, or the next decisions meet NOSCRIPT,
+    start it over, give up again, and the router never leaves degraded mode."""
+    client = Redis.from_url(redis_server.url)
+    scripts = scripts_over(client, path)
+    try:
+        await observer.script_flush()
+        caller = asyncio.create_task(scripts.load_all())
+        await asyncio.sleep(0)  # it starts the load...
+        caller.cancel()  # ...and gives up at once
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        shas = [script.sha for script in load_scripts().values()]
+
+        async def every_script_loaded() -> bool:
+            return all(await observer.script_exists(*shas))
+
+        await wait_until(every_script_loaded, 10)
+    finally:
+        if path == "pipelined":
+            await scripts.aclose()
         await client.aclose()
 
 
