@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from router.scoring import predicted_cached_tokens
 
 REASONS = ("load_tradeoff", "stale_index", "cold")
+DEGRADED = "degraded_decisions"  # decisions made without Redis (round robin)
 BUCKET_S = 10.0  # the rolling window's resolution
 WINDOW_BUCKETS = 30  # 5 minutes: "the last minutes" on the dashboard
 PREFIX_TABLE_LIMIT = 1024  # prefixes remembered for the dashboard's "most shared" table
@@ -244,8 +245,9 @@ class SharedPrefixes:
 
 def lost_from_exposition(text: str) -> dict[str, float] | None:
     """From a router's /metrics page: its lost prefix tokens by reason and its cacheable tokens
-    (``{reason: tokens, "cacheable": tokens}``); None when it exports no accounting (a peer, or
-    a kvroute router from before it). Benchmarks read it before and after a run."""
+    (``{reason: tokens, "cacheable": tokens}``), with its decisions and how many of them were
+    degraded (made without Redis: their tokens are in no reason); None when it exports no
+    accounting (a peer, or a kvroute router from before it). Benchmarks read it before and after a run."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, float] = {}
@@ -255,9 +257,13 @@ def lost_from_exposition(text: str) -> dict[str, float] | None:
                 found[sample.labels["reason"]] = found.get(sample.labels["reason"], 0.0) + sample.value
             elif sample.name == "kvroute_router_cacheable_prompt_tokens_total":
                 found["cacheable"] = found.get("cacheable", 0.0) + sample.value
-    if not found:
+            elif sample.name == "kvroute_router_decisions_total":
+                found["decisions"] = found.get("decisions", 0.0) + sample.value
+                if sample.labels.get("policy") == "degraded":
+                    found[DEGRADED] = found.get(DEGRADED, 0.0) + sample.value
+    if not any(key in found for key in (*REASONS, "cacheable")):
         return None
-    return {key: found.get(key, 0.0) for key in (*REASONS, "cacheable")}
+    return {key: found.get(key, 0.0) for key in (*REASONS, "cacheable", "decisions", DEGRADED)}
 
 
 def lost_during(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -274,8 +280,17 @@ def lost_shares(lost: dict[str, float] | None) -> dict[str, float] | None:
     return {reason: round(lost[reason] / lost["cacheable"], 4) for reason in REASONS}
 
 
-def shares_text(shares: dict[str, float] | None) -> str:
-    """``load/stale/cold`` in percent, as the benchmark tables print it ('n/a' when unknown)."""
+def degraded_share(lost: dict[str, float] | None) -> float | None:
+    """The degraded decisions' share of all decisions (None: no decision known)."""
+    if lost is None or lost.get("decisions", 0) <= 0:
+        return None
+    return round(lost.get(DEGRADED, 0.0) / lost["decisions"], 4)
+
+
+def shares_text(shares: dict[str, float] | None, degraded: float | None = None) -> str:
+    """``load/stale/cold`` in percent, as the benchmark tables print it ('n/a' when unknown), and
+    the degraded decisions' share where there were any (``, 1.2% degraded``)."""
     if shares is None:
         return "n/a"
-    return "/".join(f"{100 * shares[reason]:.1f}" for reason in REASONS) + "%"
+    text = "/".join(f"{100 * shares[reason]:.1f}" for reason in REASONS) + "%"
+    return f"{text}, {100 * degraded:.1f}% degraded" if degraded else text

@@ -181,6 +181,7 @@ def _run_figures(run: Any, results: list[dict[str, Any]], time_scale: float) -> 
         # lost prefix tokens by reason (load / stale / cold) as shares of the cacheable tokens;
         # None for the SGLang router, which counts none
         "lost_share": run.lost_share,
+        "degraded_share": run.degraded_share,  # decisions made without Redis, of all (None: a peer)
     }
 
 
@@ -273,7 +274,7 @@ def render(report: dict[str, Any]) -> str:
                 f"{r['p90_vs_best']:.2f}",
                 f"{r['hit_vs_best']:.2f}",
                 r["failed"],
-                shares_text(r.get("lost_share")),
+                shares_text(r.get("lost_share"), r.get("degraded_share")),
             ]
             for r in cell["runs"]
         ]

@@ -47,7 +47,7 @@ from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.peers import SglangRouters
 from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
-from router.accounting import lost_during, lost_from_exposition, lost_shares
+from router.accounting import degraded_share, lost_during, lost_from_exposition, lost_shares
 from router.scoring import Policy
 from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
@@ -72,6 +72,8 @@ class RunResult:
     engine_ttft_mean_ms: float = 0.0  # the engines' own vllm:time_to_first_token_seconds, this run's mean
     # Lost prefix tokens by reason, as shares of the cacheable tokens (docs/dashboard.md); None for a peer.
     lost_share: dict[str, float] | None = None
+    # Decisions its routers made without Redis (round robin past their budget), of all; None for a peer.
+    degraded_share: float | None = None
     repeat: int = 0  # which of --repeats this run is (from 0)
 
 
@@ -215,7 +217,7 @@ async def replay_on_stack(
     ttft_done = await _engine_ttft(stack)
     per_worker = [b - a for a, b in zip(before, done, strict=True)]
     run = summarize(router, replicas, results, per_worker, lru)
-    run.lost_share = lost_shares(lost)
+    run.lost_share, run.degraded_share = lost_shares(lost), degraded_share(lost)
     seconds, count = (b - a for a, b in zip(ttft_before, ttft_done, strict=True))
     run.engine_ttft_mean_ms = 1000 * seconds / max(count, 1)
     return run, results
@@ -334,7 +336,8 @@ async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) 
         per_worker = Counter(r["worker"] for r in results if not r["failed"])
         engines = len(per_worker)  # the workers seen answering (x-kvroute-worker)
         runs = [summarize("external", len(urls), results, list(per_worker.values()), lru)]
-        runs[0].lost_share = lost_shares(lost_during(lost_before, await router_lost_tokens(urls)))
+        lost = lost_during(lost_before, await router_lost_tokens(urls))
+        runs[0].lost_share, runs[0].degraded_share = lost_shares(lost), degraded_share(lost)
     else:
         runs = await _run_on_stack(requests, prompts, args, per_engine_blocks, max_model_len, lru)
     summary = {

@@ -21,7 +21,7 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
             f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
-            f"{r['failed']:<7} {shares_text(r.get('lost_share'))}"
+            f"{r['failed']:<7} {shares_text(r.get('lost_share'), r.get('degraded_share'))}"
         )
     lines.append(f"lost: shares of the cacheable prompt tokens lost to {', '.join(REASONS)} (docs/dashboard.md)")
     if results.get("averages"):

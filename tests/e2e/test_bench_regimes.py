@@ -104,6 +104,7 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
             assert run.keys() >= RUN_KEYS
             shares = run["lost_share"]  # the router's own split of the cacheable tokens it lost
             assert set(shares) == {"load_tradeoff", "stale_index", "cold"} and all(0 <= v <= 1 for v in shares.values())
+            assert 0 <= run["degraded_share"] <= 1  # decisions made without Redis, counted by the routers
             assert run["requests"] == 24 and run["failed"] == 0 and run["replicas"] == 1
             assert 0 < run["hit_rate"] <= cell["infinite_cache_hit_rate"] + 0.01
             assert run["of_lru"] == pytest.approx(run["hit_rate"] / cell["lru_reference_hit_rate"], abs=0.01)

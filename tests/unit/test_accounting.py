@@ -10,6 +10,7 @@ from router.accounting import (
     Bucket,
     RollingWindow,
     SharedPrefixes,
+    degraded_share,
     lost_from_exposition,
     lost_shares,
     shares_text,
@@ -119,7 +120,28 @@ def test_a_routers_metrics_page_gives_its_split_and_a_peers_none():
         'kvroute_router_cacheable_prompt_tokens_total{model="b"} 100.0\n'
     )
     lost = lost_from_exposition(page)
-    assert lost == {"load_tradeoff": 30.0, "stale_index": 0.0, "cold": 50.0, "cacheable": 200.0}
+    assert lost == {
+        "load_tradeoff": 30.0,
+        "stale_index": 0.0,
+        "cold": 50.0,
+        "cacheable": 200.0,
+        "decisions": 0.0,
+        "degraded_decisions": 0.0,
+    }
     assert lost_shares(lost) == {"load_tradeoff": 0.15, "stale_index": 0.0, "cold": 0.25}
+    assert degraded_share(lost) is None  # no decision on the page
     assert shares_text(lost_shares(lost)) == "15.0/0.0/25.0%"
     assert lost_from_exposition("sglang_requests_total 3.0\n") is None and shares_text(None) == "n/a"
+
+
+def test_a_routers_degraded_decisions_are_a_share_of_all_its_decisions():
+    page = (
+        'kvroute_router_cacheable_prompt_tokens_total{model="a"} 100.0\n'
+        'kvroute_router_decisions_total{model="a",worker="w0",policy="kv"} 150.0\n'
+        'kvroute_router_decisions_total{model="a",worker="w1",policy="kv"} 40.0\n'
+        'kvroute_router_decisions_total{model="a",worker="w1",policy="degraded"} 10.0\n'
+    )
+    lost = lost_from_exposition(page)
+    assert degraded_share(lost) == 0.05
+    assert shares_text(lost_shares(lost), degraded_share(lost)) == "0.0/0.0/0.0%, 5.0% degraded"
+    assert shares_text(lost_shares(lost), 0.0) == "0.0/0.0/0.0%"
