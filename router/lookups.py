@@ -57,6 +57,7 @@ class Lookups:
         self._held: set[_HeldSlot] = set()  # slots of abandoned lookups whose replies are still due
         self.in_flight = 0  # lookups holding a slot now
         self.late_replies = 0  # lookups that finished after their decision had moved on
+        self.stall_graces = 0  # deadlines moved on because the router itself was busy past them
 
     async def run(self, lookup: Callable[[], Awaitable[T]]) -> T:
         """``lookup()``'s result if it comes within the budget, else :class:`BudgetExpired`;
@@ -75,10 +76,14 @@ class Lookups:
         acquired = gave_up = False
         try:
             async with budget:
-                await self._slots.acquire()
-                acquired = True
-                self.in_flight += 1
-                return await lookup()
+                guard = _StallGuard(budget, self)
+                try:
+                    await self._slots.acquire()
+                    acquired = True
+                    self.in_flight += 1
+                    return await lookup()
+                finally:
+                    guard.cancel()
         except TimeoutError:
             if not budget.expired():
                 raise  # the lookup's own
@@ -158,6 +163,48 @@ class Lookups:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+class _StallGuard:
+    """Keeps a budget from expiring on the router's own stall rather than on Redis.
+
+    The event loop runs due timers before it reads its sockets. When it has been busy past a
+    decision's deadline (a burst of long prompts to tokenize and hash, a slow callback), the
+    budget's timer fires first and the decision routes without Redis, though Redis answered in
+    time and its reply waits unread in the socket: a busy router then degrades exactly when the
+    index matters most. A check ``CHECK_AHEAD_S`` before the deadline sees such a stall (it runs
+    at or past the deadline) and moves the deadline ``GRACE_S`` on, so that the loop reads its
+    sockets first; at most ``MAX_GRACES`` times, so that a Redis that is slow while the router
+    is saturated still meets a bound."""
+
+    CHECK_AHEAD_S = 0.002  # more than the event loop's timer resolution (uvloop: 1 ms)
+    GRACE_S = 0.005
+    MAX_GRACES = 3
+
+    def __init__(self, budget: asyncio.Timeout, lookups: Lookups) -> None:
+        self._budget = budget
+        self._lookups = lookups
+        self._loop = asyncio.get_running_loop()
+        self._graces = 0
+        deadline = budget.when()
+        self._handle = None if deadline is None else self._arm(deadline)
+
+    def _arm(self, deadline: float) -> asyncio.TimerHandle:
+        self._due = deadline - self.CHECK_AHEAD_S
+        return self._loop.call_at(self._due, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if now - self._due < self.CHECK_AHEAD_S or self._graces >= self.MAX_GRACES:
+            return  # on time: the loop was free before the deadline, the budget holds
+        self._graces += 1
+        self._lookups.stall_graces += 1
+        self._budget.reschedule(now + self.GRACE_S)
+        self._handle = self._arm(now + self.GRACE_S)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 class _HeldSlot:
