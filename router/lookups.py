@@ -168,14 +168,14 @@ class Lookups:
 class _StallGuard:
     """Keeps a budget from expiring on the router's own stall rather than on Redis.
 
-    The event loop runs due timers before it reads its sockets. When it has been busy past a
-    decision's deadline (a burst of long prompts to tokenize and hash, a slow callback), the
-    budget's timer fires first and the decision routes without Redis, though Redis answered in
-    time and its reply waits unread in the socket: a busy router then degrades exactly when the
-    index matters most. A check ``CHECK_AHEAD_S`` before the deadline sees such a stall (it runs
-    at or past the deadline) and moves the deadline ``GRACE_S`` on, so that the loop reads its
-    sockets first; at most ``MAX_GRACES`` times, so that a Redis that is slow while the router
-    is saturated still meets a bound."""
+    When the event loop has been busy past a decision's deadline (a burst of long prompts to
+    tokenize and hash, a slow callback), it runs the budget's due timer before the decision's
+    task, whose reply came in time and waits in the socket or has just woken it: the decision
+    routes without Redis, and a busy router degrades exactly when the index matters most. A check
+    ``CHECK_AHEAD_S`` before the deadline sees such a stall (it runs at or past the deadline) and
+    moves the deadline ``GRACE_S`` on, so that the loop reads its sockets and runs the woken task
+    first; at most ``MAX_GRACES`` times, so that a Redis that is slow while the router is
+    saturated still meets a bound."""
 
     CHECK_AHEAD_S = 0.002  # more than the event loop's timer resolution (uvloop: 1 ms)
     GRACE_S = 0.005
@@ -195,7 +195,7 @@ class _StallGuard:
 
     def _check(self) -> None:
         now = self._loop.time()
-        if now - self._due < self.CHECK_AHEAD_S or self._graces >= self.MAX_GRACES:
+        if now - self._due < self.CHECK_AHEAD_S or self._graces >= self.MAX_GRACES or self._budget.expired():
             return  # on time: the loop was free before the deadline, the budget holds
         self._graces += 1
         self._lookups.stall_graces += 1
