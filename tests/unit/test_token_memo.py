@@ -10,7 +10,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from router.prompts import Tokenization
+from router.prompts import OFF_LOOP_CHARS, Tokenization
 from router.token_memo import TokenMemo
 from router.tokenizer import ModelPrompts
 from sim_engine.settings import TINY_MODEL_DIR
@@ -133,3 +133,29 @@ def test_new_text_of_known_words_needs_no_tokenizer(prompts):
             text
         )
     assert len(new_words) <= 2  # at most a piece's first word, cut differently (no space before it)
+
+
+def test_much_new_text_is_put_together_in_slices_and_remembered(prompts):
+    """Past OFF_LOOP_CHARS of new text, the router puts the new pieces together a slice at a
+    time, the event loop free between slices: the same ids, and every piece remembered."""
+
+    async def scenario() -> None:
+        tokenization = Tokenization({"tiny": TINY_MODEL_DIR}, session=None)  # type: ignore[arg-type]
+        memo = tokenization.memos["tiny"]
+        assert memo is not None
+        rng = random.Random(11)
+        words = ["cache", "block's", "router,", "prefix", "  token", "\nengine", "日本", "worker."]
+        known = " ".join(rng.choice(words) for _ in range(200))
+        await tokenization.completion("tiny", {"prompt": known}, "")  # every word known from here on
+        text = " ".join(rng.choice(words) for _ in range(3000))  # new pieces, of known words
+        assert len(text) > OFF_LOOP_CHARS
+        tokenizing = asyncio.create_task(tokenization.completion("tiny", {"prompt": text}, ""))
+
+        async def another_request() -> bool:  # runs at the first slice's end
+            return tokenizing.done()
+
+        assert await asyncio.create_task(another_request()) is False  # it did not wait for the whole text
+        assert list(await tokenizing) == prompts.encode(text)
+        assert memo.new_pieces(memo.pieces(text)) == []  # the pieces themselves are remembered
+
+    asyncio.run(scenario())
