@@ -252,12 +252,35 @@ class Scripts:
             # A shard that went away mid-pipeline (a failover): each call on its own, with the
             # cluster client's retries (it refreshes the slot map and follows MOVED and ASK).
             results = [RedisError()] * len(calls)
+        unknown = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if unknown:
+            await self._evaluate_on_their_shards(calls, unknown, results)
         redo = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
         if redo:
             again = await asyncio.gather(*(self._call_or_error(*calls[i]) for i in redo))
             for i, result in zip(redo, again, strict=True):
                 results[i] = result
         return results
+
+    async def _evaluate_on_their_shards(
+        self, calls: Sequence[ScriptCall], unknown: list[int], results: list[Any]
+    ) -> None:
+        """The calls a shard had no script for, sent again with their source (EVAL caches it
+        there) as one more pipeline: one connection per shard, as the first try took. Sent one by
+        one instead, a fresh cluster's first burst of decisions (no shard has the scripts yet)
+        took a connection per call and emptied the node's pool under a slow shard."""
+        self.reloads += 1
+        pipe = self._client.pipeline(transaction=False)
+        for i in unknown:
+            name, keys, args = calls[i]
+            evaluate = "EVAL_RO" if name in READ_ONLY_SCRIPTS else "EVAL"
+            pipe.execute_command(evaluate, self._scripts[name].source, len(keys), *keys, *args)
+        try:
+            again: list[Any] = list(await pipe.execute(raise_on_error=False))
+        except RedisError:
+            return  # left as NOSCRIPT: sent again one by one, with the cluster client's retries
+        for i, result in zip(unknown, again, strict=True):
+            results[i] = result
 
     async def _call_or_error(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         try:
