@@ -15,6 +15,7 @@ the client name no worker address; the log has them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,10 +140,16 @@ async def _relay(
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     length = upstream.content_length
     if not streamed and length is not None and length <= MAX_JSON_SNIFF:
-        # A whole reply of known size: one write instead of a chunked stream.
+        # A whole reply of known size: one write instead of a chunked stream, sent before the
+        # bookkeeping that follows it (usage, the TTFT model, metrics, the access log's fields),
+        # which the client need not wait for.
         body = await upstream.read()
         on_first_byte()
-        return web.Response(status=upstream.status, body=body, headers=headers), usage_from_json(body)
+        response = web.Response(status=upstream.status, body=body, headers=headers)
+        with contextlib.suppress(ConnectionError):  # the client went away: its request is still accounted
+            await response.prepare(request)
+            await response.write_eof()
+        return response, usage_from_json(body)
     response = web.StreamResponse(status=upstream.status, headers=headers)
     await response.prepare(request)
     sse = SseUsage()

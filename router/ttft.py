@@ -195,6 +195,9 @@ class TtftLearner:
         self._reuse = _Average(0.5)
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
+        # What changed since the model was last built: it is built again when read (once per
+        # decision), not at each observation (several per request).
+        self._rates_stale = self._averages_stale = False
         # Each group's value as last shared (router.model_sync); the averages start at their priors.
         self._synced: dict[GroupKey, tuple[float, ...]] = {
             key: group.vector() for key, group in self._groups().items() if key[0] == "a"
@@ -219,21 +222,21 @@ class TtftLearner:
         output = completion_tokens if whole_reply else 0
         workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay, output)
         fleet.add(prefill_tokens, seconds, self._decay, output)
-        self._refit()
+        self._rates_stale = True
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
-        self._model = self._with_averages(self._model.rates, self._model.fleet)
+        self._averages_stale = True
 
     def note_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
         if prompt_tokens > 0:
             self._reuse.add(min(max(cached_tokens / prompt_tokens, 0.0), 1.0))
-            self._model = self._with_averages(self._model.rates, self._model.fleet)
+            self._averages_stale = True
 
     def note_busy(self, busy_share: float) -> None:
         """At a decision, ``busy_share`` of the workers had prefill queued."""
         self._utilization.add(min(max(busy_share, 0.0), 1.0))
-        self._model = self._with_averages(self._model.rates, self._model.fleet)
+        self._averages_stale = True
 
     def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
         return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value)
@@ -245,7 +248,7 @@ class TtftLearner:
             self._synced.pop(key, None)
             self._shared_keys.discard(key)
             self._lost.discard(key)
-        self._refit()
+        self._rates_stale = True
 
     def worker_ids(self) -> set[str]:
         """The workers something was learned about."""
@@ -259,6 +262,7 @@ class TtftLearner:
         return "streamed" if self._fleet.n > 0 else "prior"
 
     def _refit(self) -> None:
+        self._rates_stale = self._averages_stale = False
         if self._rate_source() == "whole_replies":
             self._refit_from(self._whole_workers, self._whole_fleet)
         else:
@@ -277,6 +281,11 @@ class TtftLearner:
 
     @property
     def model(self) -> CostModel:
+        if self._rates_stale:
+            self._refit()
+        elif self._averages_stale:
+            self._averages_stale = False
+            self._model = self._with_averages(self._model.rates, self._model.fleet)
         return self._model
 
     # --- one model for every replica (router.model_sync shares it through Redis) ------------
@@ -343,12 +352,12 @@ class TtftLearner:
                 self._synced[key] = change.vector
         self._lost = (self._lost | self._shared_keys) - set(shared) - set(taken)
         self._shared_keys = set(shared) | set(taken)
-        self._refit()
+        self._rates_stale = True
 
     def snapshot(self) -> dict[str, Any]:
         """What was learned, for an operator (``GET /debug/model``): the fleet's and each worker's
         prefill rate, what set it, and the measured averages."""
-        model = self._model
+        model = self.model
         workers = [
             {
                 "id": worker_id,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.ttft import PRIOR_PER_TOKEN_S, TtftLearner, TtftParams
+from router.ttft import PRIOR_PER_TOKEN_S, CostModel, TtftLearner, TtftParams
 
 
 def _feed(learner: TtftLearner, worker: str, base: float, per_token: float, count: int, seed: int = 0) -> None:
@@ -157,3 +158,46 @@ def test_the_snapshot_says_what_set_the_rate_and_each_workers_rate():
     assert rates["w1"]["whole_reply_observations"] > 10 and rates["w1"]["observations"] == 0
     learner.note_busy(1.0)
     assert learner.snapshot()["utilization"] > snapshot["utilization"]
+
+
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("observe"), st.sampled_from(["w1", "w2"]), st.floats(0, 4000), st.floats(0, 2), st.booleans()
+        ),
+        st.tuples(st.just("request"), st.floats(0, 4000)),
+        st.tuples(st.just("usage"), st.integers(1, 4000), st.integers(0, 4000)),
+        st.tuples(st.just("busy"), st.floats(0, 1)),
+        st.tuples(st.just("forget"), st.sampled_from(["w1", "w2"])),
+    ),
+    max_size=40,
+)
+
+
+@given(STEPS, st.lists(st.booleans(), min_size=40, max_size=40))
+def test_the_model_read_at_any_time_is_the_one_fitted_from_everything_seen(steps, reads):
+    """The cost model is rebuilt when read, not at each observation: whenever it is read, it is
+    what a fit of everything seen so far gives."""
+    learner = TtftLearner()
+    for step, read in zip(steps, reads, strict=False):
+        kind, *args = step
+        if kind == "observe":
+            worker, tokens, seconds, whole = args
+            learner.observe(worker, tokens, seconds, whole_reply=whole, completion_tokens=8 if whole else 0)
+        elif kind == "request":
+            learner.note_request(*args)
+        elif kind == "usage":
+            learner.note_usage(args[0], min(args[1], args[0]))
+        elif kind == "busy":
+            learner.note_busy(*args)
+        else:
+            learner.forget(*args)
+        if read:
+            assert learner.model == _fitted_afresh(learner)
+    assert learner.model == _fitted_afresh(learner)
+
+
+def _fitted_afresh(learner: TtftLearner) -> CostModel:
+    twin = copy.deepcopy(learner)
+    twin._refit()  # every figure fitted again from its sums
+    return twin._model
