@@ -115,14 +115,23 @@ class Lookups:
     async def _run_in_task(self, lookup: Callable[[], Awaitable[T]]) -> T:
         on_wire = asyncio.Event()
         task = asyncio.create_task(self._in_slot(lookup, on_wire))
+        budget = asyncio.timeout(self._budget_s)
         try:
-            done, _ = await asyncio.wait({task}, timeout=self._budget_s)
+            async with budget:
+                guard = _StallGuard(budget, self)
+                try:
+                    return await asyncio.shield(task)  # at the budget the decision stops waiting, not the lookup
+                finally:
+                    guard.cancel()
+        except TimeoutError:
+            if not budget.expired():
+                raise  # the lookup's own
         except asyncio.CancelledError:
             # The decision was cancelled (its client went, or the router is stopping): the
             # lookup finishes alone like a late one, and aclose() still cancels it.
             self._leave_in_background(task)
             raise
-        if task in done:
+        if task.done():  # it finished as the budget ran out
             return task.result()
         if not on_wire.is_set():  # still waiting for a slot: nothing sent, safe to cancel
             task.cancel()

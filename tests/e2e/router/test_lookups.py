@@ -14,6 +14,7 @@ import uvloop
 from redis.asyncio import Redis
 
 from kvindex.scripts import Scripts
+from kvindex.settings import RedisSettings
 from router.lookups import Lookups
 from tests.e2e.router.support import PREFIX, complete, start_router, wait_for_workers
 from tests.support import wait_until
@@ -94,18 +95,21 @@ def _spin(seconds: float) -> None:
 
 @pytest.mark.parametrize("loop_factory", [uvloop.new_event_loop, asyncio.new_event_loop], ids=["uvloop", "asyncio"])
 @pytest.mark.parametrize("stall_s", [0.0, 0.12])
-def test_a_router_busy_past_the_budget_still_uses_the_reply_redis_sent_in_time(redis_server, stall_s, loop_factory):
+@pytest.mark.parametrize("server", ["single", "cluster"])
+def test_a_router_busy_past_the_budget_still_uses_the_reply_redis_sent_in_time(request, server, stall_s, loop_factory):
     """A router busy past a decision's deadline must not take its own stall for a slow Redis
     (and route by round robin): after the stall, a loop can run the budget's due timer before
-    the task that the reply woke up, on uvloop (the router's loop) as on asyncio's own."""
+    the task that the reply woke up, on uvloop (the router's loop) as on asyncio's own; on a
+    single server (the lookup in the decision's task) as on a cluster (in a task of its own)."""
+    url = request.getfixturevalue("redis_cluster" if server == "cluster" else "redis_server").url
 
     async def lookup_through_a_stall() -> int:
-        client = Redis.from_url(redis_server.url)
+        client = RedisSettings(url=url).client(command_timeouts=False)
         scripts = Scripts(client)
         lookups = Lookups(4, budget_s=0.05, backstop_s=2.0, cancel_safe=scripts.cancel_safe)
         call = [("alive", ["kvr:{stall}:alive"], [])]
         try:
-            assert scripts.cancel_safe
+            assert scripts.cancel_safe == (server == "single")
             await scripts.call_many(call)  # connected, scripts loaded: the next call is one write and one read
             asyncio.get_running_loop().call_soon(_spin, stall_s)  # runs once the lookup is on the wire
             (alive,) = await lookups.run(lambda: scripts.call_many(call))
