@@ -145,11 +145,11 @@ async def _relay(
         # which the client need not wait for.
         body = await upstream.read()
         on_first_byte()
-        response = web.Response(status=upstream.status, body=body, headers=headers)
+        whole = web.Response(status=upstream.status, body=body, headers=headers)
         with contextlib.suppress(ConnectionError):  # the client went away: its request is still accounted
-            await response.prepare(request)
-            await response.write_eof()
-        return response, usage_from_json(body)
+            await whole.prepare(request)
+            await whole.write_eof()
+        return whole, usage_from_json(body)
     response = web.StreamResponse(status=upstream.status, headers=headers)
     await response.prepare(request)
     sse = SseUsage()
