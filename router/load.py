@@ -44,11 +44,6 @@ FLUSH_WINDOW_S = 0.002
 # connections under a paused shard to push decisions into degraded mode (1 in 7 runs of
 # test_a_briefly_paused_control_shard_degrades_no_decision under CPU load, 0 in 10 at 10 ms).
 UNCARRIED_FLUSH_WINDOW_S = 0.010
-# A replica whose last lease listed no other (one router, or the others gone): its load and its
-# expectations in Redis are read by no decision (its own read them locally), only by a replica
-# that joins, which it learns of at its next lease renewal. Written this much later, a request's
-# booking, prefill release and end go out in one flush instead of one to three.
-ALONE_FLUSH_WINDOW_S = 0.020
 
 
 class ReplicaLoad:
@@ -59,7 +54,6 @@ class ReplicaLoad:
         expected_ttl_ms: int = 2_000,
         write_timeout_s: float = 2.0,
         flush_window_s: float = FLUSH_WINDOW_S,
-        alone_flush_window_s: float = ALONE_FLUSH_WINDOW_S,
     ) -> None:
         self.shared = shared
         self._ttl_ms = lease_ttl_ms
@@ -69,7 +63,6 @@ class ReplicaLoad:
         # renewal and flush reconnect (router/lookups.py says the same of decisions).
         self._write_timeout_s = write_timeout_s
         self.flush_window_s = flush_window_s
-        self.alone_flush_window_s = max(alone_flush_window_s, flush_window_s)
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
@@ -147,8 +140,7 @@ class ReplicaLoad:
         """A change is pending: it is written within the flush window (gathering what arrives
         meanwhile), by a decision's batch that carries it or else by the flush."""
         if self._flush_due is None:
-            window = self.alone_flush_window_s if self.shared.alone() else self.flush_window_s
-            self._flush_due = asyncio.get_running_loop().call_later(window, self.flush_now)
+            self._flush_due = asyncio.get_running_loop().call_later(self.flush_window_s, self.flush_now)
 
     def flush_now(self) -> None:
         """Write the pending changes now, without waiting for the window."""

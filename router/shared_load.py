@@ -109,11 +109,6 @@ class SharedLoad:
         self._live[model] = [r.decode() if isinstance(r, bytes) else str(r) for r in live]
         return int(removed)
 
-    def alone(self) -> bool:
-        """Whether this replica's last lease of every model listed no other live replica: then
-        no one reads its load or its expectations from Redis (it reads its own locally)."""
-        return bool(self._live) and all(r == self.replica_id for live in self._live.values() for r in live)
-
     async def add(self, model: str, worker_id: str, delta: InflightLoad) -> None:
         await self.add_many({(model, worker_id): delta})
 

@@ -220,37 +220,3 @@ async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, un
     assert [(name, args[1]) for name, _, args in calls] == [("settle", 0)]
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 8]) == [None, None]
-
-
-async def test_a_replica_alone_writes_its_changes_later_and_soon_once_another_is_live(redis_client, unique_name):
-    """No decision reads a lone replica's load from Redis (its own read it locally): its changes
-    are written within the long window; once its lease lists another replica, within the short."""
-    from router.load import ReplicaLoad
-
-    shared = SharedLoad(redis_client, KeySchema(), "r1")
-    load = ReplicaLoad(shared, lease_ttl_ms=60_000, flush_window_s=0.002, alone_flush_window_s=1.0)
-    await load.renew_all([unique_name])  # its lease lists itself only
-    load.start(lambda: [unique_name])
-    try:
-        seconds = await _seconds_until_written(load, shared, unique_name, InflightLoad(1, 64, 64))
-        assert seconds >= 0.9  # held for the long window
-        await SharedLoad(redis_client, KeySchema(), "r2").renew(unique_name, 60_000, {})  # another replica
-        await load.renew_all([unique_name])  # which this one's next lease lists
-        assert not shared.alone()
-        seconds = await _seconds_until_written(load, shared, unique_name, InflightLoad(1, 64, 64))
-        assert seconds < 0.5
-    finally:
-        await load.stop([unique_name])
-
-
-async def _seconds_until_written(load, shared: SharedLoad, model: str, booked: InflightLoad) -> float:
-    """Books ``booked`` on worker w and waits for Redis to count it (in every replica's sum)."""
-    before = (await shared.totals(model)).get("w", InflightLoad())
-    started = time.monotonic()
-    load.book(model, "w", booked)
-
-    async def written() -> bool:
-        return (await shared.totals(model)).get("w") == before + booked
-
-    await wait_until(written, 10, interval=0.005)
-    return time.monotonic() - started
