@@ -28,6 +28,7 @@ Three more figures are measured rather than configured:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,12 @@ from typing import Any
 PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms matters until learned
 HALF_LIFE = 200.0  # observations after which an old one weighs half
 SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
+# A worker's learned rate within this share of the fleet's is taken for the fleet's. Equal engines
+# measure different rates by the traffic they get (a busier one batches more prefill and looks
+# faster), and a cold prompt then goes to the "fastest" every time: on the conversation trace four
+# replicas spread 22.4-26.8k tokens/s over equal engines, and the "fastest" took 1.6-1.8x the mean
+# requests (1.08x with the fleet's rate for all; docs/benchmarks.md). A slower GPU is further off.
+SAME_RATE_WITHIN = 0.25
 MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
 MIN_SPREAD_OUTPUT = 1.0  # below this spread of reply lengths the decode rate is not identifiable
 MAX_CORRELATION = 0.98  # prefill and reply sizes this collinear cannot be told apart: prefill only
@@ -125,6 +132,15 @@ class _Sums:
             slope = max(cxy / cxx, 0.0)
         base = max(my - slope * mx - (decode or 0.0) * mz, 0.0)
         return _Fit(TtftParams(base, slope), decode)
+
+
+def _distinct_rate(per_token_s: float, rates: dict[str, float], fleet: TtftParams) -> float:
+    """A worker's rate, or the fleet's where it is within ``SAME_RATE_WITHIN`` of the typical
+    worker's (the median: the fleet's own fit is pulled toward its slowest engines)."""
+    typical = statistics.median(rates.values())
+    if abs(per_token_s - typical) <= SAME_RATE_WITHIN * typical:
+        return fleet.per_token_s
+    return per_token_s
 
 
 def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
@@ -273,10 +289,8 @@ class TtftLearner:
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
-        rates = {
-            w: TtftParams(fleet.base_s, _blend(own.fit(fleet).params, own.n, fleet).per_token_s)
-            for w, own in workers.items()
-        }
+        own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet).per_token_s for w, own in workers.items()}
+        rates = {w: TtftParams(fleet.base_s, _distinct_rate(rate, own_rates, fleet)) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
     @property
