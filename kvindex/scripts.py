@@ -236,8 +236,7 @@ class Scripts:
             self.reloads += 1
             # EVAL caches the script on whichever server the call lands on (a cluster's shard or
             # replica), so the next EVALSHA there finds it.
-            evaluate = "EVAL_RO" if name in READ_ONLY_SCRIPTS else "EVAL"
-            return await self._client.execute_command(evaluate, script.source, len(keys), *keys, *args)
+            return await self._client.execute_command(_evaluation(name), script.source, len(keys), *keys, *args)
 
     async def _cluster_round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """The calls as one cluster pipeline: one connection and one round trip per shard that
@@ -273,8 +272,7 @@ class Scripts:
         pipe = self._client.pipeline(transaction=False)
         for i in unknown:
             name, keys, args = calls[i]
-            evaluate = "EVAL_RO" if name in READ_ONLY_SCRIPTS else "EVAL"
-            pipe.execute_command(evaluate, self._scripts[name].source, len(keys), *keys, *args)
+            pipe.execute_command(_evaluation(name), self._scripts[name].source, len(keys), *keys, *args)
         try:
             again: list[Any] = list(await pipe.execute(raise_on_error=False))
         except RedisError:
@@ -320,6 +318,11 @@ def _bulk(value: KeyOrArg) -> bytes:
     elif not isinstance(value, bytes):
         raise TypeError(f"not packed here: {type(value).__name__}")
     return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def _evaluation(name: str) -> str:
+    """The command that sends ``name`` with its source (and caches it on that server)."""
+    return "EVAL_RO" if name in READ_ONLY_SCRIPTS else "EVAL"
 
 
 def _command(name: str) -> str:

@@ -36,11 +36,12 @@ from typing import Any
 PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms matters until learned
 HALF_LIFE = 200.0  # observations after which an old one weighs half
 SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
-# A worker's learned rate within this share of the fleet's is taken for the fleet's. Equal engines
-# measure different rates by the traffic they get (a busier one batches more prefill and looks
-# faster), and a cold prompt then goes to the "fastest" every time: on the conversation trace four
-# replicas spread 22.4-26.8k tokens/s over equal engines, and the "fastest" took 1.6-1.8x the mean
-# requests (1.08x with the fleet's rate for all; docs/benchmarks.md). A slower GPU is further off.
+# A worker's learned rate within this share of the typical (median) worker's is taken for the
+# fleet's. Equal engines measure different rates by the traffic they get (a busier one batches
+# more prefill and looks faster), and a cold prompt then goes to the "fastest" every time: on the
+# conversation trace four replicas spread 22.4-26.8k tokens/s over equal engines, and the
+# "fastest" took 1.6-1.8x the mean requests (1.08x with the fleet's rate for all;
+# docs/benchmarks.md). A slower GPU is further off.
 SAME_RATE_WITHIN = 0.25
 MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
 MIN_SPREAD_OUTPUT = 1.0  # below this spread of reply lengths the decode rate is not identifiable
@@ -134,10 +135,8 @@ class _Sums:
         return _Fit(TtftParams(base, slope), decode)
 
 
-def _distinct_rate(per_token_s: float, rates: dict[str, float], fleet: TtftParams) -> float:
-    """A worker's rate, or the fleet's where it is within ``SAME_RATE_WITHIN`` of the typical
-    worker's (the median: the fleet's own fit is pulled toward its slowest engines)."""
-    typical = statistics.median(rates.values())
+def _distinct_rate(per_token_s: float, typical: float, fleet: TtftParams) -> float:
+    """A worker's rate, or the fleet's where it is within ``SAME_RATE_WITHIN`` of ``typical``."""
     if abs(per_token_s - typical) <= SAME_RATE_WITHIN * typical:
         return fleet.per_token_s
     return per_token_s
@@ -290,7 +289,9 @@ class TtftLearner:
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet).per_token_s for w, own in workers.items()}
-        rates = {w: TtftParams(fleet.base_s, _distinct_rate(rate, own_rates, fleet)) for w, rate in own_rates.items()}
+        # The median, not the fleet's own fit, which is pulled toward its slowest engines.
+        typical = statistics.median(own_rates.values()) if own_rates else fleet.per_token_s
+        rates = {w: TtftParams(fleet.base_s, _distinct_rate(rate, typical, fleet)) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
     @property
