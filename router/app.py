@@ -29,6 +29,7 @@ from router.proxy import UpstreamFailed, forward
 from router.scoring import Candidate
 from router.settings import RouterSettings
 from router.ttft import TtftLearner
+from router.upstream import UpstreamPool
 
 APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class RouterState:
     decider: Decider
     load: ReplicaLoad
     tokenization: Tokenization
-    session: aiohttp.ClientSession
+    upstream: UpstreamPool
     metrics: RouterMetrics
     model_sync: ModelSync
     window: RollingWindow = field(default_factory=RollingWindow)  # the dashboard's last minutes
@@ -238,7 +239,7 @@ async def _proxy(request: web.Request, chat: bool) -> web.StreamResponse:
         streamed = body.get("stream") is True
         with Booking(decision, state.load, state.decider.learner_for(decision.model), streamed) as booking:
             forwarded = await forward(
-                request, state.session, request.path, raw, decision.candidates, headers, booking, failed
+                request, state.upstream, request.path, raw, decision.candidates, headers, booking, failed
             )
     except UpstreamFailed as exc:
         raise ApiError(502, str(exc), "upstream_error") from None

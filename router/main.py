@@ -26,7 +26,7 @@ from router.model_sync import ModelSync
 from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
-from router.upstream import UpstreamWaits, upstream_session
+from router.upstream import UpstreamPool, tokenize_session
 from router.workers import run_workers
 
 log = logging.getLogger("router")
@@ -74,8 +74,9 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         )
         load.start(fleet.models_with_workers)
         stack.push_async_callback(lambda: load.stop(fleet.models_with_workers()))
-        waits = UpstreamWaits()
-        session = upstream_session(settings, waits)
+        upstream = UpstreamPool.from_settings(settings)
+        stack.push_async_callback(upstream.close)
+        session = tokenize_session(settings)
         stack.push_async_callback(session.close)
         decider = Decider(
             index,
@@ -110,8 +111,10 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             decider,
             load,
             tokenization,
-            session,
-            new_metrics(StateCollector(decider.lookups, decider.hasher, tokenization.cache, waits, model_sync.status)),
+            upstream,
+            new_metrics(
+                StateCollector(decider.lookups, decider.hasher, tokenization.cache, upstream, model_sync.status)
+            ),
             model_sync,
         )
         # keepalive_timeout closes a connection whose next request's headers have not all come in

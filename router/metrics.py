@@ -15,7 +15,7 @@ from router.lookups import Lookups
 from router.model_sync import SyncStatus
 from router.prompt_hashing import PromptHasher
 from router.token_cache import TokenCache
-from router.upstream import UpstreamWaits
+from router.upstream import UpstreamPool
 
 PREFIX = "kvroute_router_"
 
@@ -134,11 +134,11 @@ class StateCollector(Collector):
         lookups: Lookups,
         hasher: PromptHasher,
         cache: TokenCache,
-        waits: UpstreamWaits | None = None,
+        upstream: UpstreamPool | None = None,
         model_sync: SyncStatus | None = None,
     ) -> None:
         self._lookups, self._hasher, self._cache = lookups, hasher, cache
-        self._waits = waits or UpstreamWaits()
+        self._upstream = upstream
         self._model_sync = model_sync or SyncStatus(enabled=False)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -161,7 +161,7 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "upstream_queued",
             "Requests waiting for a connection to a worker (--upstream-connections[-per-worker] reached)",
-            value=self._waits.queued,
+            value=self._upstream.queued if self._upstream is not None else 0,
         )
         yield GaugeMetricFamily(
             PREFIX + "redis_lookup_slots", "Decision lookups that may wait for Redis at once", value=self._lookups.slots

@@ -9,8 +9,9 @@ connection is closed, which makes the engine abort the request.
 Headers follow RFC 9110 section 7.6.1: the hop-by-hop ones, and every header the ``Connection``
 header names, stay on their hop, both ways. Redirects are never followed (a worker's redirect
 could point the prompt anywhere). The reply's ``Content-Encoding`` goes with its body, which is
-relayed as sent. ``X-Request-Id`` goes upstream once, the value the router logs. Errors told to
-the client name no worker address; the log has them.
+relayed as sent. ``X-Request-Id`` goes upstream once, the value the router logs; ``Expect``
+stays on the client's hop (the router has read the whole body). Errors told to the client name
+no worker address; the log has them. The connections to the workers: :mod:`router.upstream`.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.booking import Booking
+from router.http1 import Reply, UpstreamBroken
 from router.metrics import SseUsage, usage_from_json
 from router.middleware import REQUEST_ID
 from router.scoring import Candidate
+from router.upstream import UpstreamPool
 
 HOP_BY_HOP = frozenset(
     {
@@ -42,8 +44,9 @@ HOP_BY_HOP = frozenset(
         "proxy-authenticate",
     }
 )
-SET_BY_THE_HOP = frozenset({"host", "content-length"})  # aiohttp writes these for each hop
-NOT_FORWARDED = frozenset({"authorization", "x-request-id"})  # the router's key; its own id is sent
+SET_BY_THE_HOP = frozenset({"host", "content-length"})  # written for each hop
+# The router's key; its own id is sent; the body is sent whole (no 100-continue upstream).
+NOT_FORWARDED = frozenset({"authorization", "x-request-id", "expect"})
 MAX_TRIES = 2  # the chosen worker, then the next best if the first fails before replying
 MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this is not read
 
@@ -76,19 +79,21 @@ def _request_headers(request: web.Request) -> CIMultiDict[str]:
 
 
 def _failure(why: BaseException | int) -> str:
-    """What went wrong, without the address (aiohttp's messages name host and port)."""
+    """What went wrong, without the address (system errors name host and port)."""
     if isinstance(why, int):
         return f"it answered {why}" if why >= 400 else f"it answered with a redirect ({why}, not followed)"
-    if isinstance(why, TimeoutError | aiohttp.ServerTimeoutError):
+    if isinstance(why, TimeoutError):
         return "it timed out"
-    if isinstance(why, aiohttp.ClientConnectorError | ConnectionError):
+    if isinstance(why, UpstreamBroken):
+        return "the worker closed the connection before replying"
+    if isinstance(why, ConnectionError):
         return "the connection failed"
     return f"the exchange failed ({type(why).__name__})"
 
 
 async def forward(
     request: web.Request,
-    session: aiohttp.ClientSession,
+    pool: UpstreamPool,
     path: str,
     body: bytes,
     candidates: list[Candidate],
@@ -105,8 +110,8 @@ async def forward(
     for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
         booking.attempt(candidate)
         try:
-            upstream = await session.post(candidate.url + path, data=body, headers=headers, allow_redirects=False)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            upstream = await pool.post(candidate.url + path, body, headers.items())
+        except (TimeoutError, OSError) as exc:
             last = exc
             booking.failed(candidate)
             on_failure(candidate, exc)
@@ -114,7 +119,7 @@ async def forward(
         redirect = 300 <= upstream.status < 400
         if redirect or (upstream.status >= 500 and attempt + 1 < min(MAX_TRIES, len(candidates))):
             last = upstream.status
-            upstream.release()
+            upstream.close()
             booking.failed(candidate)
             on_failure(candidate, upstream.status)
             continue
@@ -123,7 +128,7 @@ async def forward(
             response, usage = await _relay(request, upstream, reply_headers(candidate), first_byte)
             booking.replied(candidate, usage)
         finally:
-            upstream.close()  # not release(): an unfinished stream must abort the engine's request
+            upstream.close()  # kept if read to its end; else closed: the engine aborts the request
         return Forwarded(response, candidate, usage, retried=attempt > 0)
     why = "no worker was tried" if last is None else _failure(last)
     raise UpstreamFailed(f"the worker failed before replying: {why}")
@@ -131,7 +136,7 @@ async def forward(
 
 async def _relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Reply,
     extra_headers: dict[str, str],
     on_first_byte: Callable[[], None],
 ) -> tuple[web.StreamResponse, dict | None]:
@@ -155,7 +160,7 @@ async def _relay(
     sse = SseUsage()
     kept = bytearray()
     first = True
-    async for chunk in upstream.content.iter_any():  # the client going away raises here
+    async for chunk in upstream.iter_any():  # the client going away raises here
         if first:
             on_first_byte()
             first = False

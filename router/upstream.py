@@ -1,43 +1,191 @@
-"""The router's HTTP client to the workers: bounded connections, no redirects, no decompression.
+"""The router's HTTP client to the workers: bounded keep-alive connections, no redirects, no decompression.
 
-The connector holds at most ``--upstream-connections`` connections, ``--upstream-connections-per-
-worker`` of them to one worker; a request past either waits for one (``kvroute_router_upstream_
-queued`` counts those waiting), so a burst cannot open thousands of sockets to one engine.
+At most ``--upstream-connections`` connections are in use, ``--upstream-connections-per-worker``
+of them to one worker; a request past either waits for one (``kvroute_router_upstream_queued``
+counts those waiting), so a burst cannot open thousands of sockets to one engine. A connection
+whose reply was read to its end is kept for the next request to that worker, for at most
+``IDLE_KEEP_S``; one given up mid-reply is closed, which makes the engine abort the request.
+One connection's exchange is :mod:`router.http1`.
+
+The prompts' ``/tokenize`` calls, rare and off the request path's budget, keep an aiohttp
+session (:func:`tokenize_session`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import ssl
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import partial
+from urllib.parse import urlsplit
+
 import aiohttp
 
+from router.http1 import Http1Connection, Reply
 from router.settings import RouterSettings
 
-
-class UpstreamWaits:
-    """Requests waiting for a connection to a worker now (the connector's limits are reached).
-
-    Read from the connector's own queue when the metrics are scraped: a trace config (aiohttp's
-    public hook for it) makes every request build and send seven trace events, ~27 us of the
-    router's CPU per request for a gauge read a few times a minute. ``tests/e2e/router/
-    test_limits.py`` checks the figure, so an aiohttp that renames its queue fails there."""
-
-    def __init__(self) -> None:
-        self._connector: aiohttp.BaseConnector | None = None
-
-    def watch(self, connector: aiohttp.BaseConnector) -> None:
-        self._connector = connector
-
-    @property
-    def queued(self) -> int:
-        waiters = getattr(self._connector, "_waiters", None) or {}
-        return sum(len(keyed) for keyed in waiters.values())
+# vLLM's server (uvicorn) closes a connection idle for 5 s. Dropping ours sooner means the worker
+# never closes one just as a request is written on it (which would fail that request).
+IDLE_KEEP_S = 4.0
+MAX_TARGETS = 4096  # parsed worker URLs remembered (workers x paths)
+Origin = tuple[str, str, int]  # scheme, host, port
+Slots = tuple[asyncio.Semaphore | None, asyncio.Semaphore | None]  # the worker's, everyone's
 
 
-def upstream_session(settings: RouterSettings, waits: UpstreamWaits) -> aiohttp.ClientSession:
+@dataclass(frozen=True)
+class _Target:
+    origin: Origin
+    host_header: str
+    path: str
+
+
+def _target(url: str) -> _Target:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL with a host: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return _Target((parts.scheme, parts.hostname, port), parts.netloc.rpartition("@")[2], path)
+
+
+def _head(target: _Target, headers: Iterable[tuple[str, str]], length: int) -> bytes:
+    lines = [f"POST {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
+    for name, value in headers:
+        # aiohttp's parser lets no line break into a header; one that did could split the request.
+        if "\n" not in value and "\r" not in value and "\n" not in name and "\r" not in name:
+            lines.append(f"{name}: {value}\r\n")
+    lines.append(f"Content-Length: {length}\r\n\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+class UpstreamPool:
+    def __init__(self, limit: int, limit_per_worker: int, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self._shared = asyncio.Semaphore(limit) if limit > 0 else None
+        self._limit_per_worker = limit_per_worker
+        self._own: dict[Origin, asyncio.Semaphore] = {}
+        self._idle: dict[Origin, deque[Http1Connection]] = {}
+        self._targets: dict[str, _Target] = {}
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._ssl: ssl.SSLContext | None = None
+        self.queued = 0  # requests waiting for a connection now (the limits are reached)
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> UpstreamPool:
+        return cls(
+            settings.upstream_connections,
+            settings.upstream_connections_per_worker,
+            settings.connect_timeout_s,
+            settings.read_timeout_s,
+        )
+
+    async def post(self, url: str, body: bytes, headers: Iterable[tuple[str, str]]) -> Reply:
+        """POST ``body`` to ``url``; the reply once its status and headers are in. Its ``close()``
+        hands the connection back (or closes it, if the reply was not read to its end).
+        Raises OSError (ConnectionError: refused, reset, closed early) or TimeoutError."""
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= MAX_TARGETS:
+                self._targets.clear()
+            target = self._targets[url] = _target(url)
+        slots = await self._take_slots(target.origin)
+        try:
+            connection = self._idle_connection(target.origin) or await self._connect(target.origin)
+        except BaseException:
+            self._give_slots(slots)
+            raise
+        head = _head(target, headers, len(body))
+        reply = connection.send(head, body, self._read_timeout_s, partial(self._done, target.origin, connection, slots))
+        try:
+            await reply.headers_read()
+        except BaseException:
+            reply.close()
+            raise
+        return reply
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().close()
+
+    async def _take_slots(self, origin: Origin) -> Slots:
+        own = self._own.get(origin)
+        if own is None and self._limit_per_worker > 0:
+            own = self._own[origin] = asyncio.Semaphore(self._limit_per_worker)
+        shared = self._shared
+        if (own is None or not own.locked()) and (shared is None or not shared.locked()):
+            await _acquire(own, shared)  # free slots: taken without waiting
+            return own, shared
+        self.queued += 1
+        try:
+            await _acquire(own, shared)
+        finally:
+            self.queued -= 1
+        return own, shared
+
+    @staticmethod
+    def _give_slots(slots: Slots) -> None:
+        for semaphore in slots:
+            if semaphore is not None:
+                semaphore.release()
+
+    def _idle_connection(self, origin: Origin) -> Http1Connection | None:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()  # the most recently used: the least likely to be closed
+            if not connection.lost and now - connection.idle_since < IDLE_KEEP_S:
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, origin: Origin) -> Http1Connection:
+        scheme, host, port = origin
+        context = None
+        if scheme == "https":
+            context = self._ssl = self._ssl or ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self._connect_timeout_s):
+            transport, connection = await loop.create_connection(
+                Http1Connection, host, port, ssl=context, server_hostname=host if context else None
+            )
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return connection
+
+    def _done(self, origin: Origin, connection: Http1Connection, slots: Slots) -> None:
+        """An exchange is over: its connection kept if its reply was read to its end."""
+        if connection.finished():
+            idle = self._idle.setdefault(origin, deque())
+            idle.append(connection)
+            while idle and time.monotonic() - idle[0].idle_since >= IDLE_KEEP_S:
+                idle.popleft().close()
+        else:
+            connection.close()
+        self._give_slots(slots)
+
+
+async def _acquire(own: asyncio.Semaphore | None, shared: asyncio.Semaphore | None) -> None:
+    if own is not None:
+        await own.acquire()
+    if shared is not None:
+        try:
+            await shared.acquire()
+        except BaseException:
+            if own is not None:
+                own.release()
+            raise
+
+
+def tokenize_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    """The session for ``/tokenize`` through a worker (models without a local tokenizer)."""
     timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
     connector = aiohttp.TCPConnector(
         limit=settings.upstream_connections, limit_per_host=settings.upstream_connections_per_worker
     )
-    # auto_decompress=False: a reply's bytes go to the client as the worker sent them, with their
-    # Content-Encoding (router.proxy keeps that header).
-    waits.watch(connector)
     return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
