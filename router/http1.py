@@ -42,6 +42,7 @@ class Reply:
         self.content_length: int | None = None
         self.complete = False  # the whole reply was read off the connection
         self.keep_alive = False
+        self.answered = False  # any byte of it came in
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._headed = False
@@ -172,6 +173,8 @@ class Http1Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, not a subclass
 
     def data_received(self, data: bytes) -> None:
+        if self._reply is not None:
+            self._reply.answered = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from router.http1 import Http1Connection, Reply
+from router.http1 import Http1Connection, Reply, UpstreamBroken
 from router.settings import RouterSettings
 
 # vLLM's server (uvicorn) closes a connection idle for 5 s. Dropping ours sooner means the worker
@@ -34,6 +34,10 @@ IDLE_KEEP_S = 4.0
 MAX_TARGETS = 4096  # parsed worker URLs remembered (workers x paths)
 Origin = tuple[str, str, int]  # scheme, host, port
 Slots = tuple[asyncio.Semaphore | None, asyncio.Semaphore | None]  # the worker's, everyone's
+
+
+class _ClosedWhileKept(Exception):
+    """A kept connection ended before any byte of the reply: the request is sent again."""
 
 
 @dataclass(frozen=True)
@@ -92,16 +96,30 @@ class UpstreamPool:
             if len(self._targets) >= MAX_TARGETS:
                 self._targets.clear()
             target = self._targets[url] = _target(url)
+        head = _head(target, headers, len(body))
+        try:
+            return await self._exchange(target, head, body, reuse=True)
+        except _ClosedWhileKept:
+            # The worker closed a kept connection as the request went out on it, and answered
+            # nothing (its keep-alive time is shorter than ours): sent once more, on a new one.
+            return await self._exchange(target, head, body, reuse=False)
+
+    async def _exchange(self, target: _Target, head: bytes, body: bytes, reuse: bool) -> Reply:
         slots = await self._take_slots(target.origin)
         try:
-            connection = self._idle_connection(target.origin) or await self._connect(target.origin)
+            kept = self._idle_connection(target.origin) if reuse else None
+            connection = kept or await self._connect(target.origin)
         except BaseException:
             self._give_slots(slots)
             raise
-        head = _head(target, headers, len(body))
         reply = connection.send(head, body, self._read_timeout_s, partial(self._done, target.origin, connection, slots))
         try:
             await reply.headers_read()
+        except UpstreamBroken as exc:
+            reply.close()
+            if kept is not None and not reply.answered:
+                raise _ClosedWhileKept from exc
+            raise
         except BaseException:
             reply.close()
             raise

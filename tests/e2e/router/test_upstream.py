@@ -14,6 +14,7 @@ from aiohttp import web
 from router import upstream as upstream_module
 from router.http1 import UpstreamBroken
 from router.upstream import UpstreamPool, _head, _target
+from tests.support import wait_until
 
 Raw = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -102,8 +103,11 @@ async def test_a_stream_comes_in_pieces_and_a_reply_given_up_midway_closes_its_c
         reply = await pool.post(url + "/stream", b"400", [])  # ~1.6 MB: past the pause mark
         assert reply.headers["Content-Type"] == "text/event-stream" and reply.content_length is None
         transport = reply._connection.transport
-        while transport.is_reading():  # nobody reads yet: past HIGH_WATER the worker's socket pauses
-            await asyncio.sleep(0.01)
+
+        async def paused() -> bool:  # nobody reads yet: past HIGH_WATER the worker's socket pauses
+            return not transport.is_reading()
+
+        await wait_until(paused, 10, interval=0.01)
         received = [chunk async for chunk in reply.iter_any()]  # and resumes as the reader catches up
         reply.close()
         text = b"".join(received).decode()
@@ -125,8 +129,11 @@ async def test_the_limits_queue_requests_and_count_them():
         worker.release.clear()
         first = asyncio.create_task(pool.post(url + "/v1/completions", b"1", []))
         second = asyncio.create_task(pool.post(url + "/v1/completions", b"2", []))
-        while pool.queued != 1:
-            await asyncio.sleep(0.01)
+
+        async def one_queued() -> bool:
+            return pool.queued == 1
+
+        await wait_until(one_queued, 10, interval=0.01)
         worker.release.set()
         reply = await first
         assert await reply.read() == b"1"
@@ -154,7 +161,7 @@ async def test_a_body_without_a_length_ends_with_the_connection():
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # skipped: the real reply follows
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{\"a\":")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{"a":')
         await writer.drain()
         writer.write(b" 1}")
         writer.close()
@@ -198,6 +205,26 @@ async def test_a_worker_that_never_answers_times_out_and_a_closed_port_refuses()
         await pool.close()
     with pytest.raises(ConnectionRefusedError):
         await new_pool().post(url + "/v1/completions", b"{}", [])
+
+
+async def test_a_kept_connection_the_worker_closes_unanswered_is_replaced_once():
+    connections = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await read_request(reader)  # the second request on a connection: closed, unanswered
+        writer.close()
+
+    async with raw_server(handle) as url:
+        pool = new_pool()
+        for _ in range(3):
+            reply = await pool.post(url + "/v1/completions", b"{}", [])
+            assert await reply.read() == b"ok"
+            reply.close()
+        await pool.close()
+    assert len(connections) == 3  # the second and third requests each came again on a new one
 
 
 def test_a_header_that_would_split_the_request_is_not_sent():
