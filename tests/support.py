@@ -233,6 +233,15 @@ class SimFleet:
     def worker_id(self, index: int) -> str:
         return f"{self.engines[index].url}#0"
 
+    def agents_report(self, lines: int = 4) -> str:
+        """Each agent's state and last log lines: why a worker is not registered, when one is not."""
+        reports = []
+        for agent in self.agents:
+            code = agent.process.poll() if agent.process is not None else "never started"
+            tail = " | ".join(agent.log().splitlines()[-lines:])
+            reports.append(f"agent on :{agent.metrics_port} ({'running' if code is None else f'exit {code}'}): {tail}")
+        return "\n".join(reports)
+
     def engine_of(self, worker_id: str):
         return next(e for e in self.engines if f"{e.url}#0" == worker_id)
 

@@ -12,7 +12,6 @@ import contextlib
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,7 +23,8 @@ from typing import IO
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from kvroute.devstack.embedded_redis import default_server_binary, free_port
+from kvroute.devstack.embedded_redis import default_server_binary
+from kvroute.devstack.ports import LOWEST, bindable, claim, ephemeral_floor, free_port, usable
 
 CLUSTER_SLOTS = 16384
 BUS_PORT_OFFSET = 10000  # a node's cluster bus listens on its data port + 10000
@@ -106,29 +106,21 @@ class ClusterProcess:
         return f"node {self.port} ({state}): {self.log_tail() or 'no output'}"
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # as the server does: a port whose old connections linger in TIME_WAIT is free to listen on
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 def pick_node_port(taken: set[int]) -> int:
     """A data port whose port and port+10000 (cluster bus) are both free and not in ``taken``.
     Both are drawn below the ephemeral range when there is room, so no outgoing connection
     (our own nodes' bus links included) can grab them between the check and the start."""
-    try:  # the lowest port the kernel gives outgoing connections
-        top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - BUS_PORT_OFFSET
-    except (OSError, ValueError, IndexError):
-        top = 32768 - BUS_PORT_OFFSET
+    top = ephemeral_floor() - BUS_PORT_OFFSET
     for _ in range(500):
-        port = random.randrange(10000, top) if top > 11000 else free_port()
-        pair = {port, port + BUS_PORT_OFFSET}
-        if port + BUS_PORT_OFFSET < 65536 and not pair & taken and all(_bindable(p) for p in pair):
+        if top > LOWEST + 1000:
+            port = random.randrange(LOWEST, top)
+            if port in taken or not usable(port):
+                continue
+        else:
+            port = free_port()  # the kernel's pick (handed out already)
+        bus = port + BUS_PORT_OFFSET
+        if bus < 65536 and bus not in taken and usable(bus):
+            claim(port, bus)
             return port
     raise RuntimeError("no free port pair (port, port+10000) for a cluster node on 127.0.0.1")
 
@@ -402,7 +394,7 @@ class LocalCluster:
         if port not in self._killed:
             raise ValueError(f"port {port} is not a killed node of this cluster")
         node = self._nodes[port]
-        if not all(_bindable(p) for p in (port, port + BUS_PORT_OFFSET)):
+        if not all(bindable(p) for p in (port, port + BUS_PORT_OFFSET)):
             raise RuntimeError(f"cannot restart cluster node {port}: its port or bus port is taken")
         self._launch(node)
         self._killed.discard(port)

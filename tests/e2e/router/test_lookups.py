@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from kvindex.scripts import Scripts
 from kvindex.settings import RedisSettings
-from router.lookups import Lookups
+from router.lookups import Lookups, _StallGuard
 from tests.e2e.router.support import PREFIX, complete, start_router, wait_for_workers
 from tests.support import wait_until
 from tests.support_proxy import LatencyProxy
@@ -121,6 +121,8 @@ def test_a_router_busy_past_the_budget_still_uses_the_reply_redis_sent_in_time(r
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         graces = runner.run(lookup_through_a_stall())
-    # Whether the deadline had to move depends on the order the loop ran its timers and its
-    # sockets in after the stall; never more than once here, and never without a stall.
-    assert graces <= (1 if stall_s else 0)
+    # Whether the deadline had to move, and how often, depends on the order the loop ran its
+    # timers and its sockets in after the stall, and on the machine (a cluster's reply passes
+    # through more tasks: on a loaded machine they may take longer than one grace); never more
+    # than the guard allows, and never without a stall.
+    assert graces <= (_StallGuard.MAX_GRACES if stall_s else 0)

@@ -14,7 +14,7 @@ from router.load import FLUSH_WINDOW_S
 from router.main import RunningRouter
 from router.shared_load import InflightLoad
 from tests.e2e.cluster_support import wait_for_workers as wait_for_cluster_workers
-from tests.e2e.router.support import PREFIX, start_router
+from tests.e2e.router.support import PREFIX, start_router, wait_for_workers
 from tests.support import SimFleet, wait_until
 
 BOOKED = InflightLoad(1, 160, 160)
@@ -38,6 +38,19 @@ async def _written(router: RunningRouter) -> None:
         return load.idle()
 
     await wait_until(idle, 10, interval=0.001)
+
+
+@pytest.fixture
+async def router(fleet: SimFleet, redis_server) -> AsyncIterator[RunningRouter]:
+    """A router whose periodic lease renewal (every third of the lease, the first at its start)
+    does not come back during a test: a renewal holds the writer, and a decision's batch then
+    carries nothing (the tests below start renewals of their own where they want one)."""
+    context, running = await start_router(redis_server.url, lease_ttl_ms=60_000)
+    try:
+        await wait_for_workers(running, fleet.count)
+        yield running
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
 
 async def _ready_to_carry(router: RunningRouter, model: str) -> None:
