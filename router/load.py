@@ -44,6 +44,12 @@ FLUSH_WINDOW_S = 0.002
 # connections under a paused shard to push decisions into degraded mode (1 in 7 runs of
 # test_a_briefly_paused_control_shard_degrades_no_decision under CPU load, 0 in 10 at 10 ms).
 UNCARRIED_FLUSH_WINDOW_S = 0.010
+# A replica alone on its models (its last lease found no other) has no reader of its load in Redis
+# but its own lease snapshots and the replicas still to come: its changes ride on its decisions'
+# batches, or are flushed this long after the first of them. At 100 requests/s, a flush per request
+# was ~8% of the router's CPU (py-spy, docs/benchmarks.md run 13). A replica that starts reads the
+# load as of this window; the first one sees it at its next renewal and keeps the short window.
+ALONE_FLUSH_WINDOW_S = 0.100
 
 
 class ReplicaLoad:
@@ -54,6 +60,7 @@ class ReplicaLoad:
         expected_ttl_ms: int = 2_000,
         write_timeout_s: float = 2.0,
         flush_window_s: float = FLUSH_WINDOW_S,
+        alone_flush_window_s: float = ALONE_FLUSH_WINDOW_S,
     ) -> None:
         self.shared = shared
         self._ttl_ms = lease_ttl_ms
@@ -63,6 +70,7 @@ class ReplicaLoad:
         # renewal and flush reconnect (router/lookups.py says the same of decisions).
         self._write_timeout_s = write_timeout_s
         self.flush_window_s = flush_window_s
+        self.alone_flush_window_s = alone_flush_window_s
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
@@ -72,6 +80,7 @@ class ReplicaLoad:
         # Armed by the first change not yet written: the flush is due when it fires (cancelled when
         # a decision's batch carries every pending change before).
         self._flush_due: asyncio.TimerHandle | None = None
+        self._flush_at = 0.0  # when it fires (the loop's time)
         self._dirty = asyncio.Event()  # a flush is due now
         # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
         self._writing = asyncio.Lock()
@@ -117,7 +126,7 @@ class ReplicaLoad:
                 self._recent[(model, block)] = (worker_id, deadline)
         if blocks:
             self._expects.append(Expectation(model, worker_id, list(blocks), math.ceil(within_s * 1000), settled=True))
-            self._changed()
+            self._changed(model)
 
     def expected_worker(self, model: str, block: int) -> str | None:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""
@@ -134,13 +143,30 @@ class ReplicaLoad:
         if local[worker_id] == InflightLoad():
             del local[worker_id]
         self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + delta
-        self._changed()
+        self._changed(model)
 
-    def _changed(self) -> None:
-        """A change is pending: it is written within the flush window (gathering what arrives
-        meanwhile), by a decision's batch that carries it or else by the flush."""
+    def _changed(self, model: str) -> None:
+        """A change of ``model`` is pending: it is written within the flush window (gathering what
+        arrives meanwhile), by a decision's batch that carries it or else by the flush; the window
+        of a model that other replicas share is the short one, whatever was pending before."""
+        window = self.flush_window_s
+        if self.shared.alone(model):
+            window = max(window, self.alone_flush_window_s)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + window
+        if self._flush_due is not None and self._flush_at <= due:
+            return
+        if self._flush_due is not None:
+            self._flush_due.cancel()
+        self._flush_at = due
+        self._flush_due = loop.call_at(due, self.flush_now)
+
+    def flush_due_in(self) -> float | None:
+        """Seconds until the pending changes are flushed (unless a decision carries them first);
+        None when no flush is due."""
         if self._flush_due is None:
-            self._flush_due = asyncio.get_running_loop().call_later(self.flush_window_s, self.flush_now)
+            return None
+        return max(0.0, self._flush_at - asyncio.get_running_loop().time())
 
     def flush_now(self) -> None:
         """Write the pending changes now, without waiting for the window."""

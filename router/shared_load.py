@@ -93,6 +93,12 @@ class SharedLoad:
     def keys(self, model: str) -> ModelKeys:
         return self._schema.for_model(model)
 
+    def alone(self, model: str) -> bool:
+        """True when this replica's last lease on ``model`` found no other live replica there: none
+        reads its load from Redis now (a replica that starts is seen at the next renewal)."""
+        live = self._live.get(model)
+        return live is not None and all(replica == self.replica_id for replica in live)
+
     async def renew(self, model: str, ttl_ms: int, snapshot: Mapping[str, InflightLoad]) -> int:
         """Renew this replica's lease for ``model`` and rewrite its load from ``snapshot``."""
         keys = self.keys(model)

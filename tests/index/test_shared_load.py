@@ -220,3 +220,29 @@ async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, un
     assert [(name, args[1]) for name, _, args in calls] == [("settle", 0)]
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 8]) == [None, None]
+
+
+async def test_a_replica_alone_flushes_its_changes_late_and_one_among_others_at_once(redis_client, unique_name):
+    """Alone (its last lease found no other replica), a replica's changes wait for a decision to
+    carry them or for the long window; once another replica reads its load, the short one, which
+    also cuts short a long flush already due."""
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "first")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000, flush_window_s=0.002, alone_flush_window_s=30.0)
+    other_model = unique_name + "-other"
+    await load.renew_all([unique_name, other_model])
+    assert shared.alone(unique_name)
+    load.book(other_model, "w1", InflightLoad(1, 10, 10))
+    due = load.flush_due_in()
+    assert due is not None and 20.0 < due <= 30.0
+
+    await SharedLoad(redis_client, KeySchema(), "second").renew(unique_name, 60_000, {})
+    await load.renew_all([unique_name, other_model])  # learns of the second replica on unique_name only
+    assert not shared.alone(unique_name) and shared.alone(other_model)
+    load.book(unique_name, "w1", InflightLoad(1, 10, 10))  # read by the second replica: the short window
+    due = load.flush_due_in()
+    assert due is not None and due <= 0.002
+
+    load.flush_now()  # nothing is left to fire later
+    assert load.flush_due_in() is None
