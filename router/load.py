@@ -175,14 +175,20 @@ class ReplicaLoad:
         self._flush_due = None
         self._dirty.set()
 
-    def _take(self, leased_only: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[Expectation]]:
-        """The pending changes (those of models without a lease yet stay, when ``leased_only``),
-        no longer pending: the caller writes them. No flush is due once none is left."""
-        taken = {k: v for k, v in self._deltas.items() if not leased_only or k[0] in self._leased}
+    def _take(self, carried: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[Expectation]]:
+        """The pending changes, no longer pending: the caller writes them. For a decision's batch
+        (``carried``) only those of models leased (a first lease's snapshot is the flush's) and
+        shared with other replicas (alone, the flush writes them later, off the requests' path:
+        carried, they lengthen the decision's own round trip). No flush is due once none is left."""
+        models = {model for model, _ in self._deltas} | {e.model for e in self._expects}
+        if carried:
+            models = {model for model in models if model in self._leased and not self.shared.alone(model)}
+        taken = {k: v for k, v in self._deltas.items() if k[0] in models}
         for key in taken:
             del self._deltas[key]
-        expects, self._expects = self._expects, []
-        if not self._deltas and self._flush_due is not None:
+        expects = [e for e in self._expects if e.model in models]
+        self._expects = [e for e in self._expects if e.model not in models]
+        if not self._deltas and not self._expects and self._flush_due is not None:
             self._flush_due.cancel()
             self._flush_due = None
         return {k: v for k, v in taken.items() if v != InflightLoad()}, expects
@@ -195,7 +201,7 @@ class ReplicaLoad:
         the next one), nor for a model with no lease yet (its first snapshot is the flush's)."""
         if self._writing.locked() or (not self._deltas and not self._expects):
             return []
-        deltas, expects = self._take(leased_only=True)
+        deltas, expects = self._take(carried=True)
         calls = self.shared.write_calls(deltas, expects)
         if calls:
             self._carrying += 1
@@ -224,7 +230,7 @@ class ReplicaLoad:
                 except FAILURES as exc:
                     log.debug("first lease failed: %s", exc)
                 # a request booked and released within the window: no delta
-                deltas, expects = self._take(leased_only=False)
+                deltas, expects = self._take(carried=False)
                 if not deltas and not expects:
                     continue
                 self.flushes += 1

@@ -11,6 +11,11 @@ from router.shared_load import Expectation, InflightLoad, SharedLoad
 from tests.support import wait_until
 
 
+async def _another_replica(redis_client, model: str) -> None:
+    """A second replica live on ``model``: the first one's changes are read by someone."""
+    await SharedLoad(redis_client, KeySchema(), "another-replica").renew(model, 60_000, {})
+
+
 async def test_replicas_see_each_others_load_and_a_dead_replica_stops_counting(redis_client, unique_name):
     a = SharedLoad(redis_client, KeySchema(), "replica-a")
     b = SharedLoad(redis_client, KeySchema(), "replica-b")
@@ -122,6 +127,7 @@ async def test_a_renewal_waits_for_a_batch_carrying_changes_it_includes(redis_cl
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000)
+    await _another_replica(redis_client, unique_name)  # decisions carry only what others read
     await load.renew_all([unique_name])  # leased: its changes may be carried
     booked = InflightLoad(1, 160, 160)
     load.book(unique_name, "w", booked, expected=[7])
@@ -143,6 +149,7 @@ async def test_a_failed_carrying_batch_is_healed_by_the_next_renewal(redis_clien
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000)
+    await _another_replica(redis_client, unique_name)  # decisions carry only what others read
     await load.renew_all([unique_name])
     load.book(unique_name, "w", InflightLoad(2, 20, 0))
     assert load.carry()
@@ -161,6 +168,7 @@ async def test_a_booking_keeps_its_expectation_until_settled_for_that_worker_onl
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
+    await _another_replica(redis_client, unique_name)  # decisions carry only what others read
     await load.renew_all([unique_name])
     load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7])
     load.book(unique_name, "w2", InflightLoad(1, 160, 160), expected=[9])
@@ -211,6 +219,7 @@ async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, un
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
+    await _another_replica(redis_client, unique_name)  # decisions carry only what others read
     await load.renew_all([unique_name])
     load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7, 8])
     load.carried(await Scripts(redis_client).call_many(load.carry()))

@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
+from kvindex.keys import KeySchema
+from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
 from router.load import FLUSH_WINDOW_S
 from router.main import RunningRouter
-from router.shared_load import InflightLoad
+from router.shared_load import InflightLoad, SharedLoad
 from tests.e2e.cluster_support import wait_for_workers as wait_for_cluster_workers
 from tests.e2e.router.support import PREFIX, start_router, wait_for_workers
 from tests.support import SimFleet, wait_until
@@ -53,17 +55,23 @@ async def router(fleet: SimFleet, redis_server) -> AsyncIterator[RunningRouter]:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
 
-async def _ready_to_carry(router: RunningRouter, model: str) -> None:
-    """The model leased (a booking there may be carried; the first one of a model is the flush's
-    snapshot) and nothing being written."""
-    await router.state.load.renew_all([model])
+async def _ready_to_carry(router: RunningRouter, model: str, redis_url: str) -> None:
+    """The model leased and shared with another replica (a replica alone carries nothing: its
+    flush writes the changes later), and nothing being written."""
+    client = RedisSettings(url=redis_url).client()
+    try:
+        await SharedLoad(client, KeySchema(), "another-replica").renew(model, 60_000, {})
+    finally:
+        await client.aclose()
+    await router.state.load.renew_all([model])  # learns of the other replica
+    assert not router.state.load.shared.alone(model)
     await _written(router)
 
 
 async def test_a_decisions_batch_carries_the_pending_booking(router: RunningRouter, redis_server):
     load, decider = router.state.load, router.state.decider
     assert router.state.index.scripts.cancel_safe  # a single server: the pipelined connection
-    await _ready_to_carry(router, "tiny")
+    await _ready_to_carry(router, "tiny", redis_server.url)
     flushes = load.flushes
     load.flush_window_s = 60.0  # no flush due while the decision runs, however slow the machine
     load.book("tiny", "carried-w", BOOKED)
@@ -82,7 +90,7 @@ async def test_a_decisions_batch_carries_the_pending_booking(router: RunningRout
 
 async def test_a_renewal_during_a_carrying_decision_counts_its_booking_once(router: RunningRouter, redis_server):
     load, decider = router.state.load, router.state.decider
-    await _ready_to_carry(router, "tiny")
+    await _ready_to_carry(router, "tiny", redis_server.url)
     load.book("tiny", "renewed-w", BOOKED)
     await asyncio.gather(decider.decide("tiny", PREFIX), load.renew_all(["tiny"]))
     await _written(router)
@@ -104,10 +112,12 @@ async def cluster_router(redis_cluster: LocalCluster, unique_name: str) -> Async
         await fleet.stop()
 
 
-async def test_on_a_cluster_the_flush_writes_the_booking(cluster_router: RunningRouter, unique_name: str):
+async def test_on_a_cluster_the_flush_writes_the_booking(
+    cluster_router: RunningRouter, unique_name: str, redis_cluster
+):
     load, decider = cluster_router.state.load, cluster_router.state.decider
     assert not cluster_router.state.index.scripts.cancel_safe
-    await _ready_to_carry(cluster_router, unique_name)
+    await _ready_to_carry(cluster_router, unique_name, redis_cluster.url)
     flushes = load.flushes
     load.flush_window_s = 60.0  # no flush due while the decision runs, however slow the machine
     load.book(unique_name, "cluster-w", BOOKED)
@@ -118,3 +128,22 @@ async def test_on_a_cluster_the_flush_writes_the_booking(cluster_router: Running
     assert load.flushes == flushes + 1
     assert (await load.shared.totals(unique_name)).get("cluster-w") == BOOKED
     load.release(unique_name, "cluster-w", BOOKED)
+
+
+async def test_a_replica_alone_carries_nothing_and_flushes_later(router: RunningRouter, redis_server):
+    """No other replica reads this one's load: its decisions' round trips stay as short as they
+    can, and the flush writes the booking after the longer window."""
+    load, decider = router.state.load, router.state.decider
+    await load.renew_all(["tiny"])
+    await _written(router)
+    assert load.shared.alone("tiny")
+    flushes = load.flushes
+    load.book("tiny", "alone-w", BOOKED)
+    due = load.flush_due_in()
+    assert due is not None and due > FLUSH_WINDOW_S
+    await decider.decide("tiny", PREFIX)
+    assert not load.idle()  # the decision carried nothing
+    await _written(router)
+    assert load.flushes == flushes + 1
+    assert (await _own_fields(redis_server.url, router, "tiny")).get("r:alone-w") == "1"
+    load.release("tiny", "alone-w", BOOKED)
