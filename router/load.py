@@ -77,6 +77,7 @@ class ReplicaLoad:
         # pipeline per burst instead of several commands per request.
         self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
         self._expects: list[Expectation] = []
+        self._pending_models: set[str] = set()  # the models of the changes above
         # Armed by the first change not yet written: the flush is due when it fires (cancelled when
         # a decision's batch carries every pending change before).
         self._flush_due: asyncio.TimerHandle | None = None
@@ -149,6 +150,7 @@ class ReplicaLoad:
         """A change of ``model`` is pending: it is written within the flush window (gathering what
         arrives meanwhile), by a decision's batch that carries it or else by the flush; the window
         of a model that other replicas share is the short one, whatever was pending before."""
+        self._pending_models.add(model)
         window = self.flush_window_s
         if self.shared.alone(model):
             window = max(window, self.alone_flush_window_s)
@@ -180,18 +182,20 @@ class ReplicaLoad:
         (``carried``) only those of models leased (a first lease's snapshot is the flush's) and
         shared with other replicas (alone, the flush writes them later, off the requests' path:
         carried, they lengthen the decision's own round trip). No flush is due once none is left."""
-        models = {model for model, _ in self._deltas} | {e.model for e in self._expects}
-        if carried:
-            models = {model for model in models if model in self._leased and not self.shared.alone(model)}
+        models = self._carried_models() if carried else set(self._pending_models)
         taken = {k: v for k, v in self._deltas.items() if k[0] in models}
         for key in taken:
             del self._deltas[key]
         expects = [e for e in self._expects if e.model in models]
         self._expects = [e for e in self._expects if e.model not in models]
+        self._pending_models -= models
         if not self._deltas and not self._expects and self._flush_due is not None:
             self._flush_due.cancel()
             self._flush_due = None
         return {k: v for k, v in taken.items() if v != InflightLoad()}, expects
+
+    def _carried_models(self) -> set[str]:
+        return {m for m in self._pending_models if m in self._leased and not self.shared.alone(m)}
 
     def carry(self) -> list[ScriptCall]:
         """The pending changes as script calls for a batch about to be written (a decision's
@@ -199,7 +203,7 @@ class ReplicaLoad:
         waiting), now being written: the batch's writer calls :meth:`carried` once its replies
         are read or lost. Nothing while a lease snapshot or flush is being written (they go to
         the next one), nor for a model with no lease yet (its first snapshot is the flush's)."""
-        if self._writing.locked() or (not self._deltas and not self._expects):
+        if self._writing.locked() or not self._carried_models():
             return []
         deltas, expects = self._take(carried=True)
         calls = self.shared.write_calls(deltas, expects)
