@@ -3,7 +3,8 @@
 Every booking and release is also sent to Redis (HINCRBY, via :class:`~router.shared_load.SharedLoad`)
 within :data:`FLUSH_WINDOW_S`: carried by this replica's next decision's own batch, or flushed;
 every second the lease is renewed with a full snapshot of this truth, which heals any update that
-was lost while Redis was unreachable. On shutdown the replica leaves, and its load with it.
+was lost while Redis was unreachable. A replica alone on a model writes only the snapshots there.
+On shutdown the replica leaves, and its load with it.
 
 A booking may also mark blocks "expected" on its worker (the worker will hold them once this
 request's prefill is done): written to Redis for the other replicas, and kept here so that this
@@ -44,12 +45,12 @@ FLUSH_WINDOW_S = 0.002
 # connections under a paused shard to push decisions into degraded mode (1 in 7 runs of
 # test_a_briefly_paused_control_shard_degrades_no_decision under CPU load, 0 in 10 at 10 ms).
 UNCARRIED_FLUSH_WINDOW_S = 0.010
-# A replica alone on its models (its last lease found no other) has no reader of its load in Redis
-# but its own lease snapshots and the replicas still to come: its changes ride on its decisions'
-# batches, or are flushed this long after the first of them. At 100 requests/s, a flush per request
-# was ~8% of the router's CPU (py-spy, docs/benchmarks.md run 13). A replica that starts reads the
-# load as of this window; the first one sees it at its next renewal and keeps the short window.
-ALONE_FLUSH_WINDOW_S = 0.100
+# A replica alone on a model (its last lease found no other) writes none of its changes there: no
+# one reads them. Its lease snapshots (every renewal) keep its hash within a lease period of the
+# truth, and a replica that starts reads that; at the renewal that finds the newcomer, the snapshot
+# writes the whole truth and the changes flow again, each within the window. At 100 requests/s a
+# flush per request was ~8% of a lone router's CPU, and gathering them in longer windows made the
+# requests that met a large flush wait behind it (docs/benchmarks.md, run 13).
 
 
 class ReplicaLoad:
@@ -60,7 +61,6 @@ class ReplicaLoad:
         expected_ttl_ms: int = 2_000,
         write_timeout_s: float = 2.0,
         flush_window_s: float = FLUSH_WINDOW_S,
-        alone_flush_window_s: float = ALONE_FLUSH_WINDOW_S,
     ) -> None:
         self.shared = shared
         self._ttl_ms = lease_ttl_ms
@@ -70,18 +70,15 @@ class ReplicaLoad:
         # renewal and flush reconnect (router/lookups.py says the same of decisions).
         self._write_timeout_s = write_timeout_s
         self.flush_window_s = flush_window_s
-        self.alone_flush_window_s = alone_flush_window_s
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
         # pipeline per burst instead of several commands per request.
         self._deltas: dict[tuple[str, str], InflightLoad] = defaultdict(InflightLoad)
         self._expects: list[Expectation] = []
-        self._pending_models: set[str] = set()  # the models of the changes above
         # Armed by the first change not yet written: the flush is due when it fires (cancelled when
         # a decision's batch carries every pending change before).
         self._flush_due: asyncio.TimerHandle | None = None
-        self._flush_at = 0.0  # when it fires (the loop's time)
         self._dirty = asyncio.Event()  # a flush is due now
         # One writer at a time: a lease snapshot must not overlap a flush of changes it includes.
         self._writing = asyncio.Lock()
@@ -102,7 +99,8 @@ class ReplicaLoad:
         configured expected TTL."""
         self._change(model, worker_id, load)
         if expected:
-            self._expects.append(Expectation(model, worker_id, list(expected), self._expected_ttl_ms))
+            if not self.shared.alone(model):
+                self._expects.append(Expectation(model, worker_id, list(expected), self._expected_ttl_ms))
             self._remember(model, worker_id, expected)
 
     def _remember(self, model: str, worker_id: str, blocks: Sequence[int]) -> None:
@@ -125,9 +123,9 @@ class ReplicaLoad:
             entry = self._recent.get((model, block))
             if entry is not None and entry[0] == worker_id and entry[1] > deadline:
                 self._recent[(model, block)] = (worker_id, deadline)
-        if blocks:
+        if blocks and not self.shared.alone(model):
             self._expects.append(Expectation(model, worker_id, list(blocks), math.ceil(within_s * 1000), settled=True))
-            self._changed(model)
+            self._changed()
 
     def expected_worker(self, model: str, block: int) -> str | None:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""
@@ -143,32 +141,16 @@ class ReplicaLoad:
         local[worker_id] = local[worker_id] + delta
         if local[worker_id] == InflightLoad():
             del local[worker_id]
-        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + delta
-        self._changed(model)
-
-    def _changed(self, model: str) -> None:
-        """A change of ``model`` is pending: it is written within the flush window (gathering what
-        arrives meanwhile), by a decision's batch that carries it or else by the flush; the window
-        of a model that other replicas share is the short one, whatever was pending before."""
-        self._pending_models.add(model)
-        window = self.flush_window_s
         if self.shared.alone(model):
-            window = max(window, self.alone_flush_window_s)
-        loop = asyncio.get_running_loop()
-        due = loop.time() + window
-        if self._flush_due is not None and self._flush_at <= due:
-            return
-        if self._flush_due is not None:
-            self._flush_due.cancel()
-        self._flush_at = due
-        self._flush_due = loop.call_at(due, self.flush_now)
+            return  # no one reads it: the next lease snapshot writes it
+        self._deltas[(model, worker_id)] = self._deltas[(model, worker_id)] + delta
+        self._changed()
 
-    def flush_due_in(self) -> float | None:
-        """Seconds until the pending changes are flushed (unless a decision carries them first);
-        None when no flush is due."""
+    def _changed(self) -> None:
+        """A change is pending: it is written within the flush window (gathering what arrives
+        meanwhile), by a decision's batch that carries it or else by the flush."""
         if self._flush_due is None:
-            return None
-        return max(0.0, self._flush_at - asyncio.get_running_loop().time())
+            self._flush_due = asyncio.get_running_loop().call_later(self.flush_window_s, self.flush_now)
 
     def flush_now(self) -> None:
         """Write the pending changes now, without waiting for the window."""
@@ -177,25 +159,17 @@ class ReplicaLoad:
         self._flush_due = None
         self._dirty.set()
 
-    def _take(self, carried: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[Expectation]]:
-        """The pending changes, no longer pending: the caller writes them. For a decision's batch
-        (``carried``) only those of models leased (a first lease's snapshot is the flush's) and
-        shared with other replicas (alone, the flush writes them later, off the requests' path:
-        carried, they lengthen the decision's own round trip). No flush is due once none is left."""
-        models = self._carried_models() if carried else set(self._pending_models)
-        taken = {k: v for k, v in self._deltas.items() if k[0] in models}
+    def _take(self, leased_only: bool) -> tuple[dict[tuple[str, str], InflightLoad], list[Expectation]]:
+        """The pending changes (those of models without a lease yet stay, when ``leased_only``),
+        no longer pending: the caller writes them. No flush is due once none is left."""
+        taken = {k: v for k, v in self._deltas.items() if not leased_only or k[0] in self._leased}
         for key in taken:
             del self._deltas[key]
-        expects = [e for e in self._expects if e.model in models]
-        self._expects = [e for e in self._expects if e.model not in models]
-        self._pending_models -= models
-        if not self._deltas and not self._expects and self._flush_due is not None:
+        expects, self._expects = self._expects, []
+        if not self._deltas and self._flush_due is not None:
             self._flush_due.cancel()
             self._flush_due = None
         return {k: v for k, v in taken.items() if v != InflightLoad()}, expects
-
-    def _carried_models(self) -> set[str]:
-        return {m for m in self._pending_models if m in self._leased and not self.shared.alone(m)}
 
     def carry(self) -> list[ScriptCall]:
         """The pending changes as script calls for a batch about to be written (a decision's
@@ -203,9 +177,9 @@ class ReplicaLoad:
         waiting), now being written: the batch's writer calls :meth:`carried` once its replies
         are read or lost. Nothing while a lease snapshot or flush is being written (they go to
         the next one), nor for a model with no lease yet (its first snapshot is the flush's)."""
-        if self._writing.locked() or not self._carried_models():
+        if self._writing.locked() or (not self._deltas and not self._expects):
             return []
-        deltas, expects = self._take(carried=True)
+        deltas, expects = self._take(leased_only=True)
         calls = self.shared.write_calls(deltas, expects)
         if calls:
             self._carrying += 1
@@ -234,7 +208,7 @@ class ReplicaLoad:
                 except FAILURES as exc:
                     log.debug("first lease failed: %s", exc)
                 # a request booked and released within the window: no delta
-                deltas, expects = self._take(carried=False)
+                deltas, expects = self._take(leased_only=False)
                 if not deltas and not expects:
                     continue
                 self.flushes += 1

@@ -72,6 +72,7 @@ async def test_a_renewal_between_a_booking_and_its_flush_counts_it_once(redis_cl
     afterwards too would count them twice (phantom load on a worker until the next renewal)."""
     from router.load import ReplicaLoad
 
+    await _another_replica(redis_client, unique_name)  # its changes are read: flushed
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000)
     load.start(lambda: [unique_name])
@@ -101,6 +102,7 @@ async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, uniq
     (up to a second later): until then no replica, itself included, saw that load."""
     from router.load import ReplicaLoad
 
+    await _another_replica(redis_client, unique_name)  # its changes are read: flushed
     shared = SharedLoad(redis_client, KeySchema(), "fresh")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000).start(lambda: [])  # knows no model at start
 
@@ -231,27 +233,36 @@ async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, un
     assert await shared.expected(unique_name, [7, 8]) == [None, None]
 
 
-async def test_a_replica_alone_flushes_its_changes_late_and_one_among_others_at_once(redis_client, unique_name):
-    """Alone (its last lease found no other replica), a replica's changes wait for a decision to
-    carry them or for the long window; once another replica reads its load, the short one, which
-    also cuts short a long flush already due."""
+async def test_a_replica_alone_writes_its_load_with_its_lease_only_until_another_comes(redis_client, unique_name):
+    """Alone on a model (its last lease found no other replica), a replica's changes there are
+    written by its lease snapshots only; once another replica reads its load, each change is
+    flushed within the window again."""
     from router.load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "first")
-    load = ReplicaLoad(shared, lease_ttl_ms=60_000, flush_window_s=0.002, alone_flush_window_s=30.0)
-    other_model = unique_name + "-other"
-    await load.renew_all([unique_name, other_model])
-    assert shared.alone(unique_name)
-    load.book(other_model, "w1", InflightLoad(1, 10, 10))
-    due = load.flush_due_in()
-    assert due is not None and 20.0 < due <= 30.0
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000).start(lambda: [])
+    try:
+        await load.renew_all([unique_name])
+        assert shared.alone(unique_name)
+        load.book(unique_name, "w1", InflightLoad(1, 10, 10), expected=[7])
+        assert load.idle() and load.flushes == 0  # nothing pending: no one would read it
+        assert load.expected_worker(unique_name, 7) == "w1"  # this replica's own decisions see it
+        assert await shared.totals(unique_name) == {}
+        await load.renew_all([unique_name])
+        assert await shared.totals(unique_name) == {"w1": InflightLoad(1, 10, 10)}
 
-    await SharedLoad(redis_client, KeySchema(), "second").renew(unique_name, 60_000, {})
-    await load.renew_all([unique_name, other_model])  # learns of the second replica on unique_name only
-    assert not shared.alone(unique_name) and shared.alone(other_model)
-    load.book(unique_name, "w1", InflightLoad(1, 10, 10))  # read by the second replica: the short window
-    due = load.flush_due_in()
-    assert due is not None and due <= 0.002
+        await _another_replica(redis_client, unique_name)
+        await load.renew_all([unique_name])  # finds the other replica
+        assert not shared.alone(unique_name)
+        load.book(unique_name, "w2", InflightLoad(1, 20, 20), expected=[9])
+        assert not load.idle()
 
-    load.flush_now()  # nothing is left to fire later
-    assert load.flush_due_in() is None
+        async def written() -> bool:
+            return load.idle()
+
+        await wait_until(written, 10, interval=0.001)
+        assert load.flushes == 1
+        assert (await shared.totals(unique_name)).get("w2") == InflightLoad(1, 20, 20)
+        assert await shared.expected(unique_name, [7, 9]) == [None, "w2"]
+    finally:
+        await load.stop([unique_name])

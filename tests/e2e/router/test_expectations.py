@@ -51,6 +51,11 @@ async def test_another_replica_stops_expecting_a_prompt_when_the_booking_one_see
     async with workers_and_router(redis_server, index, [worker], expected_ttl_ms=600_000) as router:
         context, other = await start_router(redis_server.url, expected_ttl_ms=600_000)
         try:
+            # The first replica finds the second at its next renewal after the second leased the
+            # model (alone, a replica writes no expectation).
+            await other.state.load.renew_all([MODEL])
+            await router.state.load.renew_all([MODEL])
+            assert not router.state.load.shared.alone(MODEL)
             held = asyncio.create_task(post(router.url + "/v1/completions", PROMPT))
 
             async def seen_by_the_other() -> bool:
