@@ -48,6 +48,10 @@ MIN_SPREAD_OUTPUT = 1.0  # below this spread of reply lengths the decode rate is
 MAX_CORRELATION = 0.98  # prefill and reply sizes this collinear cannot be told apart: prefill only
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
+# Once many observations are held, one more moves the fit by ~1/n: the model is fitted again after
+# every n / REFIT_SHARE new ones (every ~4 at the half-life's steady state, each time below ~64),
+# not at each decision, where refitting was ~6% of a router's CPU at full rate.
+REFIT_SHARE = 64.0
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
 SUM_FIELDS = ("n", "x", "y", "z", "xx", "xy", "zz", "xz", "zy")
 
@@ -213,6 +217,7 @@ class TtftLearner:
         # What changed since the model was last built: it is built again when read (once per
         # decision), not at each observation (several per request).
         self._rates_stale = self._averages_stale = False
+        self._unfitted = 0  # observations since the last fit
         # Each group's value as last shared (router.model_sync); the averages start at their priors.
         self._synced: dict[GroupKey, tuple[float, ...]] = {
             key: group.vector() for key, group in self._groups().items() if key[0] == "a"
@@ -237,7 +242,7 @@ class TtftLearner:
         output = completion_tokens if whole_reply else 0
         workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay, output)
         fleet.add(prefill_tokens, seconds, self._decay, output)
-        self._rates_stale = True
+        self._unfitted += 1
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
@@ -278,6 +283,7 @@ class TtftLearner:
 
     def _refit(self) -> None:
         self._rates_stale = self._averages_stale = False
+        self._unfitted = 0
         if self._rate_source() == "whole_replies":
             self._refit_from(self._whole_workers, self._whole_fleet)
         else:
@@ -296,7 +302,7 @@ class TtftLearner:
 
     @property
     def model(self) -> CostModel:
-        if self._rates_stale:
+        if self._rates_stale or self._unfitted >= max(1.0, (self._fleet.n + self._whole_fleet.n) / REFIT_SHARE):
             self._refit()
         elif self._averages_stale:
             self._averages_stale = False
@@ -372,6 +378,8 @@ class TtftLearner:
     def snapshot(self) -> dict[str, Any]:
         """What was learned, for an operator (``GET /debug/model``): the fleet's and each worker's
         prefill rate, what set it, and the measured averages."""
+        if self._unfitted:
+            self._refit()  # every observation so far, for the operator
         model = self.model
         workers = [
             {

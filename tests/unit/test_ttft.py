@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.ttft import PRIOR_PER_TOKEN_S, CostModel, TtftLearner, TtftParams
+from router.ttft import PRIOR_PER_TOKEN_S, REFIT_SHARE, CostModel, TtftLearner, TtftParams
 
 
 def _feed(learner: TtftLearner, worker: str, base: float, per_token: float, count: int, seed: int = 0) -> None:
@@ -34,6 +34,8 @@ def test_a_worker_seen_a_few_times_leans_on_the_fleet():
     learner = TtftLearner()
     _feed(learner, "old", base=0.0, per_token=2e-4, count=300)
     learner.observe("new", 1000, 5.0)  # one outlier
+    learner.snapshot()  # fitted with every observation (the model may be a few behind)
+    assert "new" in learner.model.rates
     new = learner.model.params("new")
     assert new.per_token_s < 5e-4 and new.seconds(1000) < 1.0
     assert learner.model.params("never-seen") == learner.model.fleet
@@ -176,8 +178,8 @@ STEPS = st.lists(
 
 @given(STEPS, st.lists(st.booleans(), min_size=40, max_size=40))
 def test_the_model_read_at_any_time_is_the_one_fitted_from_everything_seen(steps, reads):
-    """The cost model is rebuilt when read, not at each observation: whenever it is read, it is
-    what a fit of everything seen so far gives."""
+    """The cost model is rebuilt when read, not at each observation: whenever it is read (while
+    fewer than REFIT_SHARE observations are held), it is what a fit of everything seen so far gives."""
     learner = TtftLearner()
     for step, read in zip(steps, reads, strict=False):
         kind, *args = step
@@ -215,3 +217,26 @@ def test_equal_engines_share_the_fleets_rate_and_a_slower_one_keeps_its_own():
     _feed(learner, "slow", base=0.010, per_token=2e-4, count=300, seed=20)
     assert learner.model.params("slow").per_token_s == pytest.approx(2e-4, rel=0.2)
     assert learner.model.params("equal0").per_token_s == learner.model.fleet.per_token_s
+
+
+def test_with_many_observations_held_the_fit_waits_for_a_share_of_new_ones():
+    """One observation more moves a fit of n by ~1/n: past REFIT_SHARE of them the model is
+    fitted again after every n / REFIT_SHARE new ones, never further behind; an operator's
+    snapshot fits everything seen."""
+    learner = TtftLearner()
+    _feed(learner, "w1", base=0.01, per_token=1e-4, count=600, seed=3)
+    fitted = learner.model
+    assert fitted == _fitted_afresh(learner)
+    held = learner._fleet.n
+    due = int(held / REFIT_SHARE) + 1
+    assert due >= 3
+    for i in range(1, due + 1):
+        learner.observe("w1", 3000, 2.0)  # much slower than learned: every fit moves
+        if i < held / REFIT_SHARE:
+            assert learner.model.rates == fitted.rates, i  # not fitted yet
+    assert learner.model.rates != fitted.rates
+    assert learner.model == _fitted_afresh(learner)
+    learner.observe("w1", 3000, 2.0)
+    assert learner.model.rates != _fitted_afresh(learner).rates
+    learner.snapshot()
+    assert learner.model == _fitted_afresh(learner)
