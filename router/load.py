@@ -50,7 +50,10 @@ UNCARRIED_FLUSH_WINDOW_S = 0.010
 # truth, and a replica that starts reads that; at the renewal that finds the newcomer, the snapshot
 # writes the whole truth and the changes flow again, each within the window. At 100 requests/s a
 # flush per request was ~8% of a lone router's CPU, and gathering them in longer windows made the
-# requests that met a large flush wait behind it (docs/benchmarks.md, run 13).
+# requests that met a large flush wait behind it (docs/benchmarks.md, run 13). While alone on a
+# model it renews every ALONE_RENEWAL_S instead of every third of its lease, so that a replica that
+# starts is found (and the lone one's whole load written for it) within that, not within a second.
+ALONE_RENEWAL_S = 0.1
 
 
 class ReplicaLoad:
@@ -61,6 +64,7 @@ class ReplicaLoad:
         expected_ttl_ms: int = 2_000,
         write_timeout_s: float = 2.0,
         flush_window_s: float = FLUSH_WINDOW_S,
+        alone_renewal_s: float = ALONE_RENEWAL_S,
     ) -> None:
         self.shared = shared
         self._ttl_ms = lease_ttl_ms
@@ -70,6 +74,7 @@ class ReplicaLoad:
         # renewal and flush reconnect (router/lookups.py says the same of decisions).
         self._write_timeout_s = write_timeout_s
         self.flush_window_s = flush_window_s
+        self._alone_renewal_s = alone_renewal_s
         self._local: dict[str, dict[str, InflightLoad]] = defaultdict(lambda: defaultdict(InflightLoad))
         self._task: asyncio.Task[None] | None = None
         # Changes not yet sent: flushed together every few milliseconds, so that Redis sees one
@@ -245,14 +250,20 @@ class ReplicaLoad:
         self._leased.add(model)
 
     def start(self, models: Callable[[], list[str]]) -> ReplicaLoad:
+        period = self._ttl_ms / 3000
+
         async def loop() -> None:
+            renewed_at = -math.inf
             while True:
-                try:
-                    async with asyncio.timeout(max(self._ttl_ms / 3000, self._write_timeout_s)):
-                        await self.renew_all(models())
-                except FAILURES as exc:
-                    log.debug("lease renewal failed: %s", exc)
-                await asyncio.sleep(self._ttl_ms / 3000)
+                # Every third of the lease, or at each look while alone on a model (see ALONE_RENEWAL_S).
+                if time.monotonic() - renewed_at >= period or any(map(self.shared.alone, self._leased)):
+                    renewed_at = time.monotonic()
+                    try:
+                        async with asyncio.timeout(max(period, self._write_timeout_s)):
+                            await self.renew_all(models())
+                    except FAILURES as exc:
+                        log.debug("lease renewal failed: %s", exc)
+                await asyncio.sleep(min(period, self._alone_renewal_s))
 
         self._task = asyncio.create_task(loop())
         self._flusher = asyncio.create_task(self._flush_loop())

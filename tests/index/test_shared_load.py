@@ -240,7 +240,7 @@ async def test_a_replica_alone_writes_its_load_with_its_lease_only_until_another
     from router.load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "first")
-    load = ReplicaLoad(shared, lease_ttl_ms=60_000).start(lambda: [])
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000, alone_renewal_s=60.0).start(lambda: [])
     try:
         await load.renew_all([unique_name])
         assert shared.alone(unique_name)
@@ -264,5 +264,30 @@ async def test_a_replica_alone_writes_its_load_with_its_lease_only_until_another
         assert load.flushes == 1
         assert (await shared.totals(unique_name)).get("w2") == InflightLoad(1, 20, 20)
         assert await shared.expected(unique_name, [7, 9]) == [None, "w2"]
+    finally:
+        await load.stop([unique_name])
+
+
+async def test_a_replica_alone_finds_a_newcomer_within_a_tenth_of_a_second(redis_client, unique_name):
+    """Alone, a replica renews often (not every third of its lease), so that a replica starting
+    beside it reads its whole load, and sees its changes, almost at once."""
+    from router.load import ReplicaLoad
+
+    shared = SharedLoad(redis_client, KeySchema(), "lone")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000, alone_renewal_s=0.05).start(lambda: [unique_name])
+    try:
+
+        async def leased_alone() -> bool:
+            return shared.alone(unique_name)
+
+        await wait_until(leased_alone, 5, interval=0.01)
+        load.book(unique_name, "w", InflightLoad(1, 10, 10))  # alone: not written yet
+        await _another_replica(redis_client, unique_name)
+
+        async def found() -> bool:
+            return not shared.alone(unique_name)
+
+        await wait_until(found, 5, interval=0.01)  # a 60 s lease alone would renew every 20 s
+        assert await shared.totals(unique_name) == {"w": InflightLoad(1, 10, 10)}
     finally:
         await load.stop([unique_name])
