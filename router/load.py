@@ -46,13 +46,12 @@ FLUSH_WINDOW_S = 0.002
 # test_a_briefly_paused_control_shard_degrades_no_decision under CPU load, 0 in 10 at 10 ms).
 UNCARRIED_FLUSH_WINDOW_S = 0.010
 # A replica alone on a model (its last lease found no other) writes none of its changes there: no
-# one reads them. Its lease snapshots (every renewal) keep its hash within a lease period of the
-# truth, and a replica that starts reads that; at the renewal that finds the newcomer, the snapshot
-# writes the whole truth and the changes flow again, each within the window. At 100 requests/s a
-# flush per request was ~8% of a lone router's CPU, and gathering them in longer windows made the
-# requests that met a large flush wait behind it (docs/benchmarks.md, run 13). While alone on a
-# model it renews every ALONE_RENEWAL_S instead of every third of its lease, so that a replica that
-# starts is found (and the lone one's whole load written for it) within that, not within a second.
+# one reads them. It renews every ALONE_RENEWAL_S instead of every third of its lease, so its
+# snapshots keep its hash that close to the truth, and a replica that starts is found that soon:
+# the renewal that finds it writes the lone one's whole load, and the changes flow again, each
+# within the window. At 100 requests/s a flush per request was ~8% of a lone router's CPU, and
+# gathering them in longer windows made the requests that met a large flush wait behind it
+# (docs/benchmarks.md, run 13).
 ALONE_RENEWAL_S = 0.1
 
 

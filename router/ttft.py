@@ -215,7 +215,8 @@ class TtftLearner:
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
         self._model = CostModel()
         # What changed since the model was last built: it is built again when read (once per
-        # decision), not at each observation (several per request).
+        # decision), not at each change. Rates stale: fitted at the next read (a worker forgotten,
+        # a sync); observations count in _unfitted, fitted once REFIT_SHARE's share of them came.
         self._rates_stale = self._averages_stale = False
         self._unfitted = 0  # observations since the last fit
         # Each group's value as last shared (router.model_sync); the averages start at their priors.
