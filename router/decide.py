@@ -263,9 +263,17 @@ class Decider:
     async def _lookup(self, model: str, chain: list[int]) -> IndexView:
         """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.lookups`)."""
         depths = checkpoints(len(chain))
+        calls = self._index.match_calls(model, chain)
+        if self._shared.alone(model):
+            # No other replica books load or expects prefixes here (a replica that starts is
+            # seen at this one's next renewal, within ALONE_RENEWAL_S): its own come from its
+            # local truth, so the index is all there is to read.
+            alive_reply, match_reply = await self._call_carrying(calls)
+            matches = await self._index.match_result(model, alive_reply, match_reply)
+            return IndexView(matches, {}, {})
         alive_reply, match_reply, totals_reply, expected_reply = await self._call_carrying(
             [
-                *self._index.match_calls(model, chain),
+                *calls,
                 self._shared.totals_call(model, others_only=True),
                 self._shared.expected_call(model, [chain[d - 1] for d in depths]),
             ]
@@ -324,4 +332,6 @@ class Decider:
             )
             for w in workers
         ]
-        return [_expecting(c, view.expected_depth[c.worker_id]) for c in candidates]
+        if not view.expected_depth:
+            return candidates
+        return [_expecting(c, view.expected_depth.get(c.worker_id, 0)) for c in candidates]

@@ -85,7 +85,7 @@ def _failure(why: BaseException | int) -> str:
     if isinstance(why, TimeoutError):
         return "it timed out"
     if isinstance(why, UpstreamBroken):
-        return "the worker closed the connection before replying"
+        return str(why)  # which of "closed early" and "not HTTP" it was; no address in it
     if isinstance(why, ConnectionError):
         return "the connection failed"
     return f"the exchange failed ({type(why).__name__})"

@@ -181,7 +181,8 @@ class UpstreamPool:
         if connection.finished():
             idle = self._idle.setdefault(origin, deque())
             idle.append(connection)
-            while idle and time.monotonic() - idle[0].idle_since >= IDLE_KEEP_S:
+            stale_before = time.monotonic() - IDLE_KEEP_S
+            while idle and idle[0].idle_since <= stale_before:
                 idle.popleft().close()
         else:
             connection.close()

@@ -10,6 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from kvindex.keys import KeySchema
+from kvindex.scripts import load_scripts
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
 from router.load import FLUSH_WINDOW_S
@@ -149,3 +150,39 @@ async def test_a_replica_alone_writes_no_change_of_its_own(router: RunningRouter
     await wait_until(in_a_snapshot, 10, interval=0.01)
     assert load.flushes == flushes
     load.release("tiny", "alone-w", BOOKED)
+
+
+async def _scripts_run_by(decision, redis_url: str) -> set[str]:
+    """The names of the scripts Redis ran while ``decision`` (a coroutine) ran, seen by MONITOR
+    up to a marker sent once it is over (the router's background renewals may show too)."""
+    names = {script.sha: name for name, script in load_scripts().items()}
+    client = Redis.from_url(redis_url, decode_responses=True)
+    marker = "end-of-decision"
+    seen: set[str] = set()
+    try:
+        async with client.monitor() as monitor:
+            await decision
+            await Redis.from_url(redis_url).echo(marker)
+            while True:
+                command = (await monitor.next_command())["command"]
+                if marker in command:
+                    return seen
+                words = command.split()
+                if words[0].upper().startswith("EVALSHA") and words[1] in names:
+                    seen.add(names[words[1]])
+    finally:
+        await client.aclose()
+
+
+async def test_a_replica_alone_reads_only_the_index(router: RunningRouter, redis_server):
+    """Alone, no other replica's load or expected prefixes exist to read: the lookup is the
+    index's two scripts. With another replica live, its load and expectations are read too."""
+    load, decider = router.state.load, router.state.decider
+    await load.renew_all(["tiny"])
+    assert load.shared.alone("tiny")
+    alone = await _scripts_run_by(decider.decide("tiny", PREFIX), redis_server.url)
+    assert {"alive", "match"} <= alone and not {"inflight", "expected"} & alone
+
+    await _ready_to_carry(router, "tiny", redis_server.url)
+    shared = await _scripts_run_by(decider.decide("tiny", PREFIX), redis_server.url)
+    assert {"alive", "match", "inflight", "expected"} <= shared
