@@ -262,7 +262,6 @@ class Decider:
 
     async def _lookup(self, model: str, chain: list[int]) -> IndexView:
         """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.lookups`)."""
-        depths = checkpoints(len(chain))
         calls = self._index.match_calls(model, chain)
         if self._shared.alone(model):
             # No other replica books load or expects prefixes here (a replica that starts is
@@ -271,6 +270,7 @@ class Decider:
             alive_reply, match_reply = await self._call_carrying(calls)
             matches = await self._index.match_result(model, alive_reply, match_reply)
             return IndexView(matches, {}, {})
+        depths = checkpoints(len(chain))
         alive_reply, match_reply, totals_reply, expected_reply = await self._call_carrying(
             [
                 *calls,
