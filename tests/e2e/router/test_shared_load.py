@@ -4,7 +4,7 @@ separate flush is written only when no decision carried them. A Redis Cluster ke
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 from redis.asyncio import Redis
@@ -152,9 +152,9 @@ async def test_a_replica_alone_writes_no_change_of_its_own(router: RunningRouter
     load.release("tiny", "alone-w", BOOKED)
 
 
-async def _scripts_run_by(decision, redis_url: str) -> set[str]:
-    """The names of the scripts Redis ran while ``decision`` (a coroutine) ran, seen by MONITOR
-    up to a marker sent once it is over (the router's background renewals may show too)."""
+async def _scripts_run_by(decision: Awaitable[object], redis_url: str) -> set[str]:
+    """The names of the scripts Redis ran while ``decision`` ran, seen by MONITOR up to a marker
+    sent once it is over (the router's background renewals may show too)."""
     names = {script.sha: name for name, script in load_scripts().items()}
     client = Redis.from_url(redis_url, decode_responses=True)
     marker = "end-of-decision"
@@ -162,7 +162,7 @@ async def _scripts_run_by(decision, redis_url: str) -> set[str]:
     try:
         async with client.monitor() as monitor:
             await decision
-            await Redis.from_url(redis_url).echo(marker)
+            await client.echo(marker)  # a connection of the pool's own, not the monitor's
             while True:
                 command = (await monitor.next_command())["command"]
                 if marker in command:
