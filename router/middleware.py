@@ -1,6 +1,10 @@
 """What every request passes through: its id, the API key, the in-flight limit, the body's read
 deadline, OpenAI-shaped errors, the access log.
 
+The rules are kept here once, as plain functions and the :class:`Admission` counter, for both of
+the router's HTTP fronts: aiohttp's (this module's middleware: every route) and the lean front of
+the completion endpoints (:mod:`router.front`).
+
 Every error the router answers has OpenAI's shape (``{"error": {"message", "type", "param",
 "code"}}``), aiohttp's own 404 and 405 included. The access log is one record per request with
 structured fields (one JSON object per line with ``--log-format json``); scrapes, health checks
@@ -17,11 +21,12 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kvservice.logs import log_request
 
@@ -37,6 +42,7 @@ QUIET_PREFIXES = ("/dashboard",)
 PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # else a fresh id replaces it
 RETRY_AFTER_S = 1  # told to clients refused past the in-flight limit
+CLIENT_GONE = 499  # the status logged and counted for a request whose client went away (nginx's)
 UNMATCHED = "unmatched"  # the metrics label of paths no route serves (bounded label values)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -47,9 +53,21 @@ class ApiError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
 def error_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message, kind), status=status, headers=headers)
+
+
+def error_headers(exc: ApiError) -> dict[str, str]:
+    """The headers an API error's reply carries beside its body."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {}
+
+
+def error_kind(exc: ApiError) -> str:
+    return "rate_limit_error" if exc.status == 429 else exc.kind
 
 
 @dataclass(frozen=True)
@@ -79,11 +97,31 @@ class _FreshIds:
 fresh_request_id = _FreshIds()
 
 
-def request_id(request: web.Request) -> str:
+def request_id(headers: Mapping[str, str] | CIMultiDict[str]) -> str:
     """The client's X-Request-Id when it is a sane token (it goes into logs and upstream), else a
     fresh one: a header of any length or charset must not reach the log or a worker as is."""
-    given = request.headers.get("X-Request-Id", "")
+    given = headers.get("X-Request-Id", "")
     return given if given and REQUEST_ID_FORMAT.fullmatch(given) else fresh_request_id()
+
+
+class Admission:
+    """The requests counted against ``--max-inflight``, whichever front took them; ``admitted(n)``
+    is told the count whenever it changes (the metrics)."""
+
+    def __init__(self, limit: int, admitted: Callable[[int], None] = lambda _: None) -> None:
+        self.limit = limit
+        self.inflight = 0
+        self._admitted = admitted
+
+    def enter(self) -> None:
+        if self.inflight >= self.limit:
+            raise ApiError(429, f"the router is at its limit of {self.limit} requests in flight")
+        self.inflight += 1
+        self._admitted(self.inflight)
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        self._admitted(self.inflight)
 
 
 def _route_label(request: web.Request) -> str:
@@ -104,10 +142,10 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> web.Response:
     return error_response(exc.status, exc.reason, "invalid_request_error")
 
 
-def _check_key(request: web.Request, settings: EdgeSettings) -> None:
-    if not settings.api_keys or not request.path.startswith(PROTECTED_PREFIXES):
+def check_key(headers: Mapping[str, str] | CIMultiDict[str], path: str, settings: EdgeSettings) -> None:
+    if not settings.api_keys or not path.startswith(PROTECTED_PREFIXES):
         return
-    scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+    scheme, _, key = headers.get("Authorization", "").strip().partition(" ")
     # RFC 7235: the scheme is case-insensitive. Every key is compared in constant time.
     known = [hmac.compare_digest(key.strip().encode(), k.encode()) for k in settings.api_keys]
     if scheme.lower() != "bearer" or not any(known):
@@ -127,30 +165,30 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
 
 
 def edge_middleware(
-    settings: EdgeSettings, count: Callable[[str, int], None], admitted: Callable[[int], None] = lambda _: None
+    settings: EdgeSettings, count: Callable[[str, int], None], admission: Admission | None = None
 ) -> Any:
-    """The middleware; ``count(route, status)`` is called once per request, ``admitted(n)`` with
-    the requests counted against ``max_inflight`` whenever that changes (the metrics)."""
-    inflight = 0
+    """The middleware; ``count(route, status)`` is called once per request; ``admission`` counts
+    the requests against ``max_inflight`` (shared with the lean front)."""
+    admission = admission or Admission(settings.max_inflight)
 
     @web.middleware
     async def edges(request: web.Request, handler: Handler) -> web.StreamResponse:
-        nonlocal inflight
-        request[REQUEST_ID] = request_id(request)
+        request[REQUEST_ID] = request_id(request.headers)
         started = time.perf_counter()
         status = 500
         counted = False
         try:
-            _check_key(request, settings)
+            check_key(request.headers, request.path, settings)
             if request.path.startswith(PROTECTED_PREFIXES):
-                if inflight >= settings.max_inflight:
-                    raise ApiError(429, f"the router is at its limit of {settings.max_inflight} requests in flight")
-                inflight, counted = inflight + 1, True
-                admitted(inflight)
+                admission.enter()
+                counted = True
             await _read_body(request, settings.body_timeout_s)
             response = await handler(request)
             status = response.status
             return response
+        except asyncio.CancelledError:
+            status = CLIENT_GONE  # the client went away (handler cancellation): not a server error
+            raise
         except ApiError as exc:
             status = exc.status
             return _api_error_response(exc)
@@ -176,24 +214,21 @@ def edge_middleware(
             return error_response(500, message, "internal_error")
         finally:
             if counted:
-                inflight -= 1
-                admitted(inflight)
+                admission.leave()
             count(_route_label(request), status)
-            _log_access(request, status, time.perf_counter() - started)
+            fields = {"request_id": request[REQUEST_ID], **request.get(LOG_FIELDS, {})}
+            log_access(request.method, request.path, status, time.perf_counter() - started, fields)
 
     return edges
 
 
 def _api_error_response(exc: ApiError) -> web.Response:
-    if exc.status == 429:
-        return error_response(429, exc.message, "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
-    response = error_response(exc.status, exc.message, exc.kind)
+    response = error_response(exc.status, exc.message, error_kind(exc), error_headers(exc))
     if exc.status == 408:
         response.force_close()  # the rest of the body is not read: the connection cannot be reused
     return response
 
 
-def _log_access(request: web.Request, status: int, seconds: float) -> None:
-    fields = {"request_id": request[REQUEST_ID], **request.get(LOG_FIELDS, {})}
-    quiet = QUIET_PATHS | {request.path} if request.path.startswith(QUIET_PREFIXES) else QUIET_PATHS
-    log_request(access_log, request.method, request.path, status, seconds, quiet, fields)
+def log_access(method: str, path: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
+    quiet = QUIET_PATHS | {path} if path.startswith(QUIET_PREFIXES) else QUIET_PATHS
+    log_request(access_log, method, path, status, seconds, quiet, fields)

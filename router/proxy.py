@@ -20,6 +20,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -27,7 +28,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.booking import Booking
 from router.http1 import Reply, UpstreamBroken
 from router.metrics import SseUsage, usage_from_json
-from router.middleware import REQUEST_ID
 from router.scoring import Candidate
 from router.upstream import UpstreamPool
 
@@ -55,9 +55,47 @@ class UpstreamFailed(Exception):
     """Every worker tried failed before sending a byte (502)."""
 
 
+class Downstream(Protocol):
+    """The client's side of a relayed reply, whichever HTTP front took the request: a whole
+    reply in one go, or a stream's status and headers, its pieces, its end. A write to a client
+    that went away raises ConnectionError."""
+
+    async def send_whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None: ...
+
+    async def start(self, status: int, headers: CIMultiDict[str]) -> None: ...
+
+    async def write(self, chunk: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+class AiohttpDownstream:
+    """:class:`Downstream` over aiohttp's response objects; ``response`` is the handler's return."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    async def send_whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        whole = self.response = web.Response(status=status, body=body, headers=headers)
+        await whole.prepare(self._request)
+        await whole.write_eof()
+
+    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self._request)
+
+    async def write(self, chunk: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(chunk)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
 @dataclass
 class Forwarded:
-    response: web.StreamResponse
     candidate: Candidate
     usage: dict | None
     retried: bool
@@ -72,10 +110,10 @@ def end_to_end(
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
-def _request_headers(request: web.Request) -> CIMultiDict[str]:
-    headers = end_to_end(request.headers, NOT_FORWARDED)
-    headers["X-Request-Id"] = request[REQUEST_ID]
-    return headers
+def _request_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], request_id: str) -> CIMultiDict[str]:
+    forwarded = end_to_end(headers, NOT_FORWARDED)
+    forwarded["X-Request-Id"] = request_id
+    return forwarded
 
 
 def _failure(why: BaseException | int) -> str:
@@ -91,21 +129,31 @@ def _failure(why: BaseException | int) -> str:
     return f"the exchange failed ({type(why).__name__})"
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """What goes to the worker: the client's path, headers and id, and the body as sent."""
+
+    path: str
+    headers: CIMultiDictProxy[str] | CIMultiDict[str]
+    request_id: str
+    body: bytes
+
+
 async def forward(
-    request: web.Request,
+    outgoing: Outgoing,
+    downstream: Downstream,
     pool: UpstreamPool,
-    path: str,
-    body: bytes,
     candidates: list[Candidate],
     reply_headers: Callable[[Candidate], dict[str, str]],
     booking: Booking,
     on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> Forwarded:
-    """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying.
-    ``booking`` books each try and releases a failed one's load and, at the reply's first byte (for
-    a stream: the first token, so the prompt's prefill is done), its prefill; ``on_failure`` is
-    told of each failed try."""
-    headers = _request_headers(request)
+    """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying, and
+    relay the reply to ``downstream``. ``booking`` books each try and releases a failed one's
+    load and, at the reply's first byte (for a stream: the first token, so the prompt's prefill
+    is done), its prefill; ``on_failure`` is told of each failed try."""
+    headers = _request_headers(outgoing.headers, outgoing.request_id)
+    path, body = outgoing.path, outgoing.body
     last: BaseException | int | None = None
     for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
         booking.attempt(candidate)
@@ -125,21 +173,21 @@ async def forward(
             continue
         try:
             first_byte = functools.partial(booking.prefilled, candidate)
-            response, usage = await _relay(request, upstream, reply_headers(candidate), first_byte)
+            usage = await _relay(downstream, upstream, reply_headers(candidate), first_byte)
             booking.replied(candidate, usage)
         finally:
             upstream.close()  # kept if read to its end; else closed: the engine aborts the request
-        return Forwarded(response, candidate, usage, retried=attempt > 0)
+        return Forwarded(candidate, usage, retried=attempt > 0)
     why = "no worker was tried" if last is None else _failure(last)
     raise UpstreamFailed(f"the worker failed before replying: {why}")
 
 
 async def _relay(
-    request: web.Request,
+    downstream: Downstream,
     upstream: Reply,
     extra_headers: dict[str, str],
     on_first_byte: Callable[[], None],
-) -> tuple[web.StreamResponse, dict | None]:
+) -> dict | None:
     headers = end_to_end(upstream.headers)  # Content-Encoding stays: the body is relayed as sent
     headers.update(extra_headers)  # replaces the worker's X-Request-Id, whatever its case
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -150,13 +198,10 @@ async def _relay(
         # which the client need not wait for.
         body = await upstream.read()
         on_first_byte()
-        whole = web.Response(status=upstream.status, body=body, headers=headers)
         with contextlib.suppress(ConnectionError):  # the client went away: its request is still accounted
-            await whole.prepare(request)
-            await whole.write_eof()
-        return whole, usage_from_json(body)
-    response = web.StreamResponse(status=upstream.status, headers=headers)
-    await response.prepare(request)
+            await downstream.send_whole(upstream.status, headers, body)
+        return usage_from_json(body)
+    await downstream.start(upstream.status, headers)
     sse = SseUsage()
     kept = bytearray()
     first = True
@@ -164,11 +209,10 @@ async def _relay(
         if first:
             on_first_byte()
             first = False
-        await response.write(chunk)
+        await downstream.write(chunk)
         if streamed:
             sse.feed(chunk)
         elif len(kept) < MAX_JSON_SNIFF:
             kept += chunk
-    await response.write_eof()
-    usage = sse.usage if streamed else usage_from_json(bytes(kept))
-    return response, usage
+    await downstream.end()
+    return sse.usage if streamed else usage_from_json(bytes(kept))

@@ -1,0 +1,31 @@
+"""One router replica's parts, as the HTTP fronts and the dashboard reach them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvindex.redis_index import RedisIndex
+from router.accounting import RollingWindow, SharedPrefixes
+from router.decide import Decider
+from router.fleet import Fleet
+from router.load import ReplicaLoad
+from router.metrics import RouterMetrics
+from router.model_sync import ModelSync
+from router.prompts import Tokenization
+from router.settings import RouterSettings
+from router.upstream import UpstreamPool
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    index: RedisIndex
+    fleet: Fleet
+    decider: Decider
+    load: ReplicaLoad
+    tokenization: Tokenization
+    upstream: UpstreamPool
+    metrics: RouterMetrics
+    model_sync: ModelSync
+    window: RollingWindow = field(default_factory=RollingWindow)  # the dashboard's last minutes
+    prefixes: SharedPrefixes = field(default_factory=SharedPrefixes)  # the dashboard's shared prefixes
