@@ -8,6 +8,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from aiohttp import web
 
@@ -17,9 +18,11 @@ from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
 from router.allow import WorkerAllowList
-from router.app import RouterState, create_app
+from router.app import COMPLETION_ROUTES, RouterState, create_app, edge_settings, new_admission
+from router.completions import proxy_completion
 from router.decide import Decider
 from router.fleet import Fleet
+from router.front import Front, FrontRules
 from router.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.metrics import StateCollector, new_metrics
 from router.model_sync import ModelSync
@@ -117,20 +120,38 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             ),
             model_sync,
         )
-        # keepalive_timeout closes a connection whose next request's headers have not all come in
-        # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.
-        runner = web.AppRunner(
-            create_app(state),
-            access_log=None,
-            handler_cancellation=True,
-            keepalive_timeout=settings.header_timeout_s,
-        )
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        with listening("the router's HTTP API", f"{settings.host}:{settings.port}", "--port (or --host)"):
-            await web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None).start()
-        port = runner.addresses[0][1]
+        port = await _serve_http(stack, state)
         yield RunningRouter(f"http://{settings.host}:{port}", state)
+
+
+async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
+    """The HTTP API on its port: the lean front of the completion endpoints, aiohttp's server
+    behind it for everything else (:mod:`router.front`); the port bound."""
+    settings = state.settings
+    admission = new_admission(state)
+    # keepalive_timeout closes a connection whose next request's headers have not all come in
+    # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.
+    runner = web.AppRunner(
+        create_app(state, admission),
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=settings.header_timeout_s,
+    )
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    address = f"{settings.host}:{settings.port}"
+    with listening("the router's HTTP API", address, "--port (or --host)"):
+        if not settings.lean_front:
+            await web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None).start()
+            return int(runner.addresses[0][1])
+        assert runner.server is not None
+        rules = FrontRules(edge_settings(state), settings.header_timeout_s, COMPLETION_ROUTES)
+        count = lambda route, status: state.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
+        serve = partial(proxy_completion, state)
+        front = Front(rules, serve, admission, count, runner.server, state.metrics.handovers.inc)
+        port = await front.start(settings.host, settings.port, settings.reuse_port)
+    stack.push_async_callback(front.shutdown)  # before aiohttp's: its requests end first
+    return port
 
 
 def _warn_if_open(settings: RouterSettings) -> None:

@@ -38,6 +38,7 @@ class RouterMetrics:
     inflight: Gauge
     degraded_mode: Gauge
     admitted: Gauge
+    handovers: Counter
     lost_prefix_tokens: Counter
     cacheable_tokens: Counter
     best_match_tokens: Counter
@@ -92,6 +93,12 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
         admitted=Gauge(
             PREFIX + "admitted_requests",
             "Requests under /v1/ and /debug/ being handled, body reads included (limit: --max-inflight)",
+            registry=r,
+        ),
+        handovers=Counter(
+            PREFIX + "http_handovers",
+            "Client connections the lean front handed to aiohttp's server: a request to another endpoint, or "
+            "one it leaves to aiohttp (a chunked or 100-continue body, HTTP/1.0, a head llhttp refuses)",
             registry=r,
         ),
         lost_prefix_tokens=Counter(

@@ -63,6 +63,7 @@ class RouterSettings:
     worker_allow: tuple[str, ...] = ()  # worker URL hosts/networks routed to; empty: any (warned)
     workers: int = 1  # router processes on this port (router.workers), each its own replica
     reuse_port: bool = False  # SO_REUSEPORT: set for each of --workers' processes
+    lean_front: bool = True  # the completion endpoints on router.front; off: all on aiohttp's server
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -247,6 +248,13 @@ def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings)
         "default: on without API keys, off with them, as they tell a tenant of another's prefixes)",
     )
     group.add_argument(
+        "--lean-front",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve the completion endpoints on the router's lean HTTP/1.1 front, everything else on aiohttp's "
+        "(env KVROUTE_LEAN_FRONT; default on; off: all on aiohttp's server, ~0.4 ms slower per request)",
+    )
+    group.add_argument(
         "--worker-allow",
         action="append",
         default=[],
@@ -313,6 +321,7 @@ def _switches(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, obj
     for name, variable in (
         ("enable_debug", "KVROUTE_ENABLE_DEBUG"),
         ("expose_routing_headers", "KVROUTE_EXPOSE_ROUTING_HEADERS"),
+        ("lean_front", "KVROUTE_LEAN_FRONT"),
     ):
         flag = getattr(args, name, None)
         if flag is not None:
