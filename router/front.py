@@ -6,11 +6,14 @@ completion endpoints are nearly all of a router's traffic. This front frames eac
 requests itself (the head up to its blank line, then ``Content-Length`` bytes), lets llhttp
 (``httptools``) check the head, and writes the reply's bytes straight to the socket.
 
-A connection starts here. A request this front does not take (another method or path, a chunked
-or ``Expect: 100-continue`` body, HTTP/1.0, an upgrade, a head llhttp refuses or one too long)
-hands the connection over to aiohttp's server from that request's first byte: aiohttp serves it
-and the rest of the connection as it serves every route. A hand-over happens only between
-requests, when the next one's bytes are all still held here, so nothing is lost or read twice.
+A connection starts here and stays here. A request to another endpoint without a body (a probe,
+a scrape, the models list, the dashboard) is passed as sent to aiohttp's server on a private
+socket and its reply relayed (:mod:`router.front_relay`). A request this front does not take at
+all (a body on another endpoint, a chunked or ``Expect: 100-continue`` body, HTTP/1.0, HEAD, an
+upgrade, a head llhttp refuses or one too long) hands the connection over to aiohttp's server
+from that request's first byte: aiohttp serves it and the rest of the connection as it serves
+every route. A hand-over happens only between requests, when the next one's bytes are all still
+held here, so nothing is lost or read twice.
 
 The edge rules are :mod:`router.middleware`'s, applied the same: the request id, the API key, the
 in-flight limit (one count for both fronts), 413 past ``--max-body-bytes``, 408 for a body slower
@@ -31,11 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.completions import Incoming
+from router.front_relay import InternalHop
 from router.front_wire import HandOver, Head, LeanReply, error_reply, parse_head
+from router.http1 import UpstreamBroken
 from router.middleware import CLIENT_GONE, Admission, ApiError, EdgeSettings, check_key, log_access, request_id
 from router.proxy import Downstream
 
 error_log = logging.getLogger("router.errors")
+log = logging.getLogger("router.front")
 Serve = Callable[[Incoming, Downstream, bool], Awaitable[None]]
 HELD_WHILE_BUSY = 256 << 10  # bytes of a next request read ahead while one is served; then reading pauses
 LINGER_S = 2.0  # a refused body's bytes are read and dropped this long before the connection closes
@@ -71,10 +77,12 @@ class Front:
         count: Callable[[str, int], None],
         fallback: Callable[[], asyncio.Protocol],
         handed_over: Callable[[], None] = lambda: None,
+        internal: InternalHop | None = None,
     ) -> None:
         self.rules, self.serve, self.admission, self.count = rules, serve, admission, count
         self.fallback = fallback  # aiohttp's connection handler, for whatever this front does not take
         self.handed_over = handed_over  # told of each connection handed over (the metrics)
+        self.internal = internal  # aiohttp's server on a private socket; None: every other request hands over
         self.connections: set[FrontConnection] = set()
         self.closing = False
         self._server: asyncio.Server | None = None
@@ -210,8 +218,13 @@ class FrontConnection(asyncio.Protocol):
             parsed = parse_head(self._buffer, self.front.rules.routes)
             if parsed is None:
                 return  # more to come, under the header timer
-            if isinstance(parsed, HandOver):
+            if isinstance(parsed, HandOver) or (parsed.passed_on and self.front.internal is None):
                 self._hand_over()
+                return
+            if parsed.passed_on:
+                del self._buffer[: parsed.end]
+                self._disarm()
+                self._task = asyncio.get_running_loop().create_task(self._pass_on(parsed))
                 return
             self._pending = _Pending(parsed, request_id(parsed.headers), time.perf_counter())
             if not self._admit(self._pending):
@@ -253,6 +266,13 @@ class FrontConnection(asyncio.Protocol):
         except asyncio.CancelledError:
             status = CLIENT_GONE
             raise
+        except (UpstreamBroken, TimeoutError) as exc:  # the worker's reply broke off or stalled after it began
+            status = 502
+            log.warning("request %s: the worker's reply did not end: %r", pending.request_id, exc)
+            self._reply_error(reply, ApiError(502, "the worker's reply broke off", "upstream_error"))
+        except ConnectionError:  # a write found the client gone: no reply can reach it
+            status = CLIENT_GONE
+            self._close()
         except ApiError as exc:
             status = exc.status
             self._reply_error(reply, exc)
@@ -263,6 +283,23 @@ class FrontConnection(asyncio.Protocol):
             self._task = None
             self._finish(pending, status, incoming.log_fields)
         self._next(reply.keep_alive and reply.ended)
+
+    async def _pass_on(self, head: Head) -> None:
+        """A request to another endpoint: aiohttp's server answers it, the connection stays."""
+        assert self.front.internal is not None
+        keep_alive = head.keep_alive and not self.front.closing
+        ended = False
+        try:
+            await self.front.internal.relay(head.raw, self, keep_alive)
+            ended = True
+        except ConnectionError:  # the client went away, or aiohttp's server broke off its reply
+            self._close()
+        except Exception:
+            error_log.exception("internal error passing on %s to the router's own server", head.path.split("?")[0])
+            self._close()
+        finally:
+            self._task = None
+        self._next(keep_alive and ended)
 
     def _finish(self, pending: _Pending, status: int, fields: dict[str, Any]) -> None:
         """A request is over: its slot freed, counted, logged."""

@@ -25,6 +25,9 @@ MAX_LINE = 8190  # the request line, as aiohttp's own limit; longer: aiohttp ans
 MAX_HEAD = 64 << 10  # the whole head; longer: aiohttp answers it
 # Heads this front leaves to aiohttp: a body framed otherwise, or a connection that changes protocol.
 NOT_LEAN = frozenset({"transfer-encoding", "expect", "upgrade"})
+# Requests to other endpoints passed on to aiohttp's server over a private socket, the client's
+# connection staying here; HEAD is not (its reply announces a body it does not carry).
+PASSED_ON = frozenset({b"GET", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"})
 REASONS = {status.value: status.phrase for status in http.HTTPStatus}
 
 
@@ -39,13 +42,18 @@ HAND_OVER = HandOver()
 class Head:
     path: str
     headers: CIMultiDict[str]
-    head_length: int  # bytes of the head, its blank line included
+    raw: bytes  # the head as sent, its blank line included
     length: int  # of the body
     keep_alive: bool
+    passed_on: bool = False  # not a completion: passed on to aiohttp's server as is (router.front_relay)
+
+    @property
+    def head_length(self) -> int:
+        return len(self.raw)
 
     @property
     def end(self) -> int:
-        return self.head_length + self.length
+        return len(self.raw) + self.length
 
 
 class _HeadReader:
@@ -63,24 +71,26 @@ class _HeadReader:
 
 
 def parse_head(buffer: bytearray, routes: dict[str, bool]) -> Head | HandOver | None:
-    """The head at the start of ``buffer`` if it is all in and this front takes it; HAND_OVER if
-    it is not this front's; None while more of it is to come."""
+    """The head at the start of ``buffer`` if it is all in and this front takes it (a completion,
+    or a request without a body to pass on); HAND_OVER if it is not this front's; None while more
+    of it is to come."""
     line_end = buffer.find(b"\r\n", 0, MAX_LINE + 2)
     if line_end < 0:
         return HAND_OVER if len(buffer) > MAX_LINE else None
     method, _, rest = bytes(buffer[:line_end]).partition(b" ")
     target, _, version = rest.partition(b" ")
     path = target.decode("latin-1")
-    if method != b"POST" or version != b"HTTP/1.1" or path not in routes:
+    completion = method == b"POST" and path in routes
+    if version != b"HTTP/1.1" or not (completion or method in PASSED_ON):
         return HAND_OVER
     blank = buffer.find(b"\r\n\r\n", line_end, MAX_HEAD)
     if blank < 0:
         return HAND_OVER if len(buffer) >= MAX_HEAD else None
-    head_length = blank + 4
+    raw = bytes(buffer[: blank + 4])
     reader = _HeadReader()
     parser = httptools.HttpRequestParser(reader)
     try:
-        parser.feed_data(bytes(buffer[:head_length]))
+        parser.feed_data(raw)
     except httptools.HttpParserError:
         return HAND_OVER
     if not reader.complete:
@@ -93,7 +103,9 @@ def parse_head(buffer: bytearray, routes: dict[str, bool]) -> Head | HandOver | 
         return HAND_OVER
     lengths = headers.getall("Content-Length", [])
     length = int(lengths[0]) if lengths else 0  # llhttp allowed at most one, all digits
-    return Head(path, headers, head_length, length, parser.should_keep_alive())
+    if not completion and length:
+        return HAND_OVER  # passed on only without a body: aiohttp reads other bodies itself
+    return Head(path, headers, raw, length, parser.should_keep_alive(), passed_on=not completion)
 
 
 def encode_head(status: int, headers: CIMultiDict[str], framing: bytes, keep_alive: bool) -> bytes:

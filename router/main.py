@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from router.completions import proxy_completion
 from router.decide import Decider
 from router.fleet import Fleet
 from router.front import Front, FrontRules
+from router.front_relay import InternalHop
 from router.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.metrics import StateCollector, new_metrics
 from router.model_sync import ModelSync
@@ -129,6 +132,8 @@ async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
     behind it for everything else (:mod:`router.front`); the port bound."""
     settings = state.settings
     admission = new_admission(state)
+    private = tempfile.mkdtemp(prefix="kvroute-router-")  # 0700: the internal socket is this user's
+    stack.callback(shutil.rmtree, private, ignore_errors=True)
     # keepalive_timeout closes a connection whose next request's headers have not all come in
     # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.
     runner = web.AppRunner(
@@ -140,15 +145,20 @@ async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     address = f"{settings.host}:{settings.port}"
-    with listening("the router's HTTP API", address, "--port (or --host)"):
-        if not settings.lean_front:
+    if not settings.lean_front:
+        with listening("the router's HTTP API", address, "--port (or --host)"):
             await web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None).start()
-            return int(runner.addresses[0][1])
-        assert runner.server is not None
-        rules = FrontRules(edge_settings(state), settings.header_timeout_s, COMPLETION_ROUTES)
-        count = lambda route, status: state.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
-        serve = partial(proxy_completion, state)
-        front = Front(rules, serve, admission, count, runner.server, state.metrics.handovers.inc)
+        return int(runner.addresses[0][1])
+    socket_path = os.path.join(private, "api.sock")
+    await web.UnixSite(runner, socket_path).start()
+    internal = InternalHop(socket_path, settings.read_timeout_s)
+    stack.push_async_callback(internal.close)
+    assert runner.server is not None
+    rules = FrontRules(edge_settings(state), settings.header_timeout_s, COMPLETION_ROUTES)
+    count = lambda route, status: state.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
+    serve = partial(proxy_completion, state)
+    front = Front(rules, serve, admission, count, runner.server, state.metrics.handovers.inc, internal)
+    with listening("the router's HTTP API", address, "--port (or --host)"):
         port = await front.start(settings.host, settings.port, settings.reuse_port)
     stack.push_async_callback(front.shutdown)  # before aiohttp's: its requests end first
     return port

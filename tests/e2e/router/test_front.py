@@ -78,16 +78,39 @@ def handovers(router: RunningRouter) -> float:
     return router.state.metrics.registry.get_sample_value("kvroute_router_http_handovers_total") or 0.0
 
 
-async def test_one_connection_carries_lean_and_handed_over_requests_in_order(redis_server, index):
+async def test_other_endpoints_are_passed_on_and_the_connection_stays_lean(redis_server, index):
     async with workers_and_router(redis_server, index, [FakeWorker("w1")]) as router:
-        get_health = b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n"
-        # One completion alone, then a probe and a completion pipelined in one write.
-        replies = await exchange(_port(router), completion("a-1"), get_health + completion("a-2"), replies=3)
-        assert [status for status, _, _ in replies] == [200, 200, 200]
+        get = b"GET %s HTTP/1.1\r\nHost: r\r\n\r\n"
+        # One completion alone; then a probe, a scrape, an unknown path, a completion's wrong
+        # method and a completion, pipelined in one write: answered in order, by the right server.
+        pipelined = get % b"/health" + get % b"/metrics" + get % b"/nowhere" + get % b"/v1/completions"
+        replies = await exchange(_port(router), completion("a-1"), pipelined + completion("a-2"), replies=6)
+        assert [status for status, _, _ in replies] == [200, 200, 200, 404, 405, 200]
         assert json.loads(replies[0][2]) == REPLY and replies[0][1]["X-Request-Id"] == "a-1"
         assert json.loads(replies[1][2])["status"] == "ok"
-        assert json.loads(replies[2][2]) == REPLY and replies[2][1]["X-Request-Id"] == "a-2"
-        assert handovers(router) == 1  # at the probe; aiohttp served the rest of the connection
+        assert b"kvroute_router_requests_total" in replies[2][2]
+        assert json.loads(replies[3][2])["error"]["type"] == "not_found_error"  # aiohttp's middleware's shape
+        assert replies[4][1]["Allow"] == "POST"
+        assert json.loads(replies[5][2]) == REPLY and replies[5][1]["X-Request-Id"] == "a-2"
+        assert handovers(router) == 0
+
+
+async def test_a_request_the_lean_front_cannot_take_hands_the_connection_to_aiohttp(redis_server, index):
+    async with workers_and_router(redis_server, index, [FakeWorker("w1")]) as router:
+        head = b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(router))
+        try:
+            writer.write(head + completion("after"))
+            raw = b""  # read as bytes: a HEAD reply announces a length it does not carry
+            while raw.count(b"HTTP/1.1 200") < 2:
+                chunk = await asyncio.wait_for(reader.read(65536), 20)
+                assert chunk, raw
+                raw += chunk
+        finally:
+            writer.close()
+        assert raw.startswith(b"HTTP/1.1 200")
+        assert b"x-request-id: after" in raw.lower() and raw.endswith(json.dumps(REPLY).encode())
+        assert handovers(router) == 1  # at the HEAD; aiohttp served the rest of the connection
 
 
 async def test_pipelined_completions_stay_on_the_lean_front_in_order(redis_server, index):
