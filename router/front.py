@@ -111,8 +111,8 @@ class Front:
             except TimeoutError:
                 for connection in list(self.connections):
                     connection.abort()
-        if self._server is not None:
-            await self._server.wait_closed()
+        # Not the server's wait_closed(): it waits for every connection accepted, those handed
+        # over to aiohttp's server too, which close only when that server is cleaned up, after this.
 
     def gone(self, connection: FrontConnection) -> None:
         self.connections.discard(connection)

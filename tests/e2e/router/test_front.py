@@ -173,3 +173,20 @@ async def test_a_body_past_the_limit_is_413_before_it_is_read(redis_server, inde
         assert json.loads(replies[0][2])["error"]["message"] == "the request body exceeds 1024 bytes"
         assert worker.received == [] and handovers(router) == 0
         assert await metric(router.url, "kvroute_router_admitted_requests") == 0
+
+
+async def test_the_router_stops_promptly_with_idle_and_handed_over_connections_open(redis_server, index):
+    async with asyncio.timeout(30):  # a shutdown that waited on these connections would hang here
+        async with workers_and_router(redis_server, index, [FakeWorker("w1")]) as router:
+            idle = await asyncio.open_connection("127.0.0.1", _port(router))
+            handed = await asyncio.open_connection("127.0.0.1", _port(router))
+            idle[1].write(completion("kept"))
+            handed[1].write(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            assert (await idle[0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            assert (await handed[0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            assert handovers(router) == 1
+        for reader, _ in (idle, handed):  # both were closed by the router as it stopped
+            await asyncio.wait_for(reader.read(), 10)
+            assert reader.at_eof()
+        idle[1].close()
+        handed[1].close()
