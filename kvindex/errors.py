@@ -1,5 +1,7 @@
 """Errors of the index, shared by both backends."""
 
+from redis.exceptions import RedisError
+
 
 class KVIndexError(Exception):
     """Base class: a request the index rejects, with a message that says why."""
@@ -19,3 +21,11 @@ class BlockSizeMismatchError(KVIndexError):
 
 class ScriptArgumentError(KVIndexError):
     """A Lua script rejected its arguments (a bug in the caller, never a state change)."""
+
+
+# What a call to Redis raises when Redis or the link to it fails, not the caller: redis-py's
+# errors, a socket's, a timeout, the index's refusals, and RuntimeError: uvloop raises it for a
+# write on a transport that redis-py's cluster client closed under it during a failover (a
+# router's load writer died of it in tests/e2e/faults/test_cluster_failover.py, and its process
+# then exited 1 at shutdown). The loops that talk to Redis catch these and carry on.
+REDIS_FAILURES = (RedisError, OSError, TimeoutError, KVIndexError, RuntimeError)

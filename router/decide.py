@@ -19,9 +19,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from kvindex.errors import KVIndexError
+from kvindex.errors import REDIS_FAILURES
 from kvindex.pipelined import WireWatch, wire_watch
 from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
@@ -46,7 +44,7 @@ from router.shared_load import InflightLoad, parse_expected, parse_totals
 from router.ttft import TtftLearner
 
 log = logging.getLogger(__name__)
-REDIS_FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
+REDIS_FAILURES = REDIS_FAILURES  # kvindex.errors says what, and why RuntimeError
 
 
 class NoWorkers(Exception):

@@ -17,8 +17,7 @@ import contextlib
 import logging
 import time
 
-from redis.exceptions import RedisError
-
+from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
 from router.allow import WorkerAllowList
@@ -101,7 +100,7 @@ class Fleet:
             async with asyncio.timeout(max(2.0, self._refresh_s)):
                 await self.refresh()
             return True
-        except (RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             log.debug("worker refresh failed (%s); keeping the last known workers", self.last_error)
             return False

@@ -22,14 +22,12 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from kvindex.errors import KVIndexError
+from kvindex.errors import REDIS_FAILURES
 from kvindex.scripts import ScriptCall
 from router.shared_load import Expectation, InflightLoad, SharedLoad
 
 log = logging.getLogger(__name__)
-FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
+FAILURES = REDIS_FAILURES  # kvindex.errors says what, and why RuntimeError
 # Changes are gathered this long before they are written, unless a decision's own lookup batch
 # carries them sooner (:meth:`ReplicaLoad.carry`: then no flush is written at all). The window is
 # how stale the other replicas' view of this replica's load is: a prefill released at its first

@@ -28,16 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from kvindex.errors import KVIndexError
+from kvindex.errors import REDIS_FAILURES
 from kvindex.keys import KeySchema
 from kvindex.replies import decode
 from kvindex.scripts import Scripts
 from router.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
 
 log = logging.getLogger(__name__)
-FAILURES = (RedisError, OSError, TimeoutError, KVIndexError)
+FAILURES = REDIS_FAILURES  # kvindex.errors says what, and why RuntimeError
 FORGET_REPLICA_MS = 24 * 3600 * 1000  # a replica silent a day: its last batch id is dropped
 MODEL_EXPIRY_MS = 7 * 24 * 3600 * 1000  # a model no replica added to for a week expires
 STOP_SYNC_S = 0.5  # the last sync at shutdown waits this long at most
