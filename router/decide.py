@@ -44,7 +44,6 @@ from router.shared_load import InflightLoad, parse_expected, parse_totals
 from router.ttft import TtftLearner
 
 log = logging.getLogger(__name__)
-REDIS_FAILURES = REDIS_FAILURES  # kvindex.errors says what, and why RuntimeError
 
 
 class NoWorkers(Exception):

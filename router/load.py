@@ -27,7 +27,6 @@ from kvindex.scripts import ScriptCall
 from router.shared_load import Expectation, InflightLoad, SharedLoad
 
 log = logging.getLogger(__name__)
-FAILURES = REDIS_FAILURES  # kvindex.errors says what, and why RuntimeError
 # Changes are gathered this long before they are written, unless a decision's own lookup batch
 # carries them sooner (:meth:`ReplicaLoad.carry`: then no flush is written at all). The window is
 # how stale the other replicas' view of this replica's load is: a prefill released at its first
@@ -207,7 +206,7 @@ class ReplicaLoad:
                 try:  # a model without a lease yet: its first snapshot carries these changes
                     for model in unleased:
                         await self._renew(model)
-                except FAILURES as exc:
+                except REDIS_FAILURES as exc:
                     log.debug("first lease failed: %s", exc)
                 # a request booked and released within the window: no delta
                 deltas, expects = self._take(leased_only=False)
@@ -217,7 +216,7 @@ class ReplicaLoad:
                 try:  # lost deltas are healed by the next lease snapshot; expectations are a hint
                     async with asyncio.timeout(self._write_timeout_s):
                         await self.shared.write_many(deltas, expects)  # one round trip
-                except FAILURES as exc:
+                except REDIS_FAILURES as exc:
                     log.debug("shared load update failed: %s", exc)
 
     def idle(self) -> bool:
@@ -258,7 +257,7 @@ class ReplicaLoad:
                     try:
                         async with asyncio.timeout(max(period, self._write_timeout_s)):
                             await self.renew_all(models())
-                    except FAILURES as exc:
+                    except REDIS_FAILURES as exc:
                         log.debug("lease renewal failed: %s", exc)
                 await asyncio.sleep(min(period, self._alone_renewal_s))
 
@@ -276,5 +275,5 @@ class ReplicaLoad:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         for model in sorted(set(models) | set(self._local)):
-            with contextlib.suppress(*FAILURES):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await self.shared.leave(model)

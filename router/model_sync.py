@@ -35,7 +35,6 @@ from kvindex.scripts import Scripts
 from router.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
 
 log = logging.getLogger(__name__)
-FAILURES = REDIS_FAILURES  # kvindex.errors says what, and why RuntimeError
 FORGET_REPLICA_MS = 24 * 3600 * 1000  # a replica silent a day: its last batch id is dropped
 MODEL_EXPIRY_MS = 7 * 24 * 3600 * 1000  # a model no replica added to for a week expires
 STOP_SYNC_S = 0.5  # the last sync at shutdown waits this long at most
@@ -192,7 +191,7 @@ class ModelSync:
         try:
             await self.sync_all(models)
             return True
-        except FAILURES as exc:
+        except REDIS_FAILURES as exc:
             self.status.failures += 1
             log.debug("sharing the learned cost model failed: %s", exc or type(exc).__name__)
             return False
