@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -70,6 +71,11 @@ def edge_settings(state: RouterState) -> EdgeSettings:
     return EdgeSettings(settings.api_keys, settings.max_body_bytes, settings.body_timeout_s, settings.max_inflight)
 
 
+def count_request(state: RouterState) -> Callable[[str, int], None]:
+    """``count(route, status)``: one request answered, on either front (the metrics)."""
+    return lambda route, status: state.metrics.requests.labels(route, str(status)).inc()
+
+
 def new_admission(state: RouterState) -> Admission:
     """The in-flight limit's count, one per replica process, shared by its HTTP fronts."""
     return Admission(state.settings.max_inflight, state.metrics.admitted.set)
@@ -120,7 +126,7 @@ def create_app(state: RouterState, admission: Admission | None = None) -> web.Ap
     settings = state.settings
     middleware = edge_middleware(
         edge_settings(state),
-        lambda route, status: state.metrics.requests.labels(route, str(status)).inc(),
+        count_request(state),
         admission or new_admission(state),
     )
     app = web.Application(middlewares=[middleware], client_max_size=state.settings.max_body_bytes)

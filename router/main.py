@@ -20,7 +20,7 @@ from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
 from router.allow import WorkerAllowList
-from router.app import COMPLETION_ROUTES, RouterState, create_app, edge_settings, new_admission
+from router.app import COMPLETION_ROUTES, RouterState, count_request, create_app, edge_settings, new_admission
 from router.completions import proxy_completion
 from router.decide import Decider
 from router.fleet import Fleet
@@ -132,8 +132,6 @@ async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
     behind it for everything else (:mod:`router.front`); the port bound."""
     settings = state.settings
     admission = new_admission(state)
-    private = tempfile.mkdtemp(prefix="kvroute-router-")  # 0700: the internal socket is this user's
-    stack.callback(shutil.rmtree, private, ignore_errors=True)
     # keepalive_timeout closes a connection whose next request's headers have not all come in
     # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.
     runner = web.AppRunner(
@@ -149,15 +147,16 @@ async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
         with listening("the router's HTTP API", address, "--port (or --host)"):
             await web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None).start()
         return int(runner.addresses[0][1])
+    private = tempfile.mkdtemp(prefix="kvroute-router-")  # 0700: the internal socket is this user's
+    stack.callback(shutil.rmtree, private, ignore_errors=True)  # after the front is shut down
     socket_path = os.path.join(private, "api.sock")
     await web.UnixSite(runner, socket_path).start()
     internal = InternalHop(socket_path, settings.read_timeout_s)
     stack.push_async_callback(internal.close)
     assert runner.server is not None
     rules = FrontRules(edge_settings(state), settings.header_timeout_s, COMPLETION_ROUTES)
-    count = lambda route, status: state.metrics.requests.labels(route, str(status)).inc()  # noqa: E731
     serve = partial(proxy_completion, state)
-    front = Front(rules, serve, admission, count, runner.server, state.metrics.handovers.inc, internal)
+    front = Front(rules, serve, admission, count_request(state), runner.server, state.metrics.handovers.inc, internal)
     with listening("the router's HTTP API", address, "--port (or --host)"):
         port = await front.start(settings.host, settings.port, settings.reuse_port)
     stack.push_async_callback(front.shutdown)  # before aiohttp's: its requests end first
