@@ -3,46 +3,41 @@
 A client's connection stays on the lean front whatever it asks: a probe, a scrape or a models
 list on a pooled connection (a load balancer's, an SDK's) must not move that connection's later
 completions to the slower server for good. Such a request, without a body, goes as sent to
-aiohttp's server on a private Unix socket (kept connections, ~25 us of parsing with llhttp), and
+aiohttp's server on a private Unix socket (through the pool of the connections to the workers, at most 64 at once), and
 its reply comes back framed for the client: aiohttp's middleware, routes and errors answer it
 exactly as they answer a request sent to them directly.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections import deque
-from functools import partial
 from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
 from router.front_wire import encode_head
-from router.http1 import Http1Connection, Reply, UpstreamBroken
 from router.proxy import HOP_BY_HOP
+from router.upstream import UpstreamPool
 
 if TYPE_CHECKING:
     from router.front import FrontConnection
 
-IDLE_KEEP_S = 4.0  # well under aiohttp's keep-alive time: it never closes one as a request goes out
-MAX_IDLE = 64  # kept connections to aiohttp's server, at most
+MAX_CONNECTIONS = 64  # to aiohttp's server, at most; more relayed requests at once wait for one
 NO_BODY = frozenset({204, 304})
 DROPPED = HOP_BY_HOP | {"content-length"}  # framed again for the client's hop
 
 
 class InternalHop:
-    """Connections to aiohttp's server on ``path`` (a Unix socket), kept between requests."""
+    """Connections to aiohttp's server on ``path`` (a Unix socket), kept between requests (the
+    pool of the connections to the workers, :class:`router.upstream.UpstreamPool`)."""
 
-    def __init__(self, path: str, read_timeout_s: float) -> None:
-        self.path = path
-        self._read_timeout_s = read_timeout_s
-        self._idle: deque[Http1Connection] = deque()
+    def __init__(self, path: str, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self._origin = ("unix", path, 0)
+        self._pool = UpstreamPool(0, MAX_CONNECTIONS, connect_timeout_s, read_timeout_s)
 
     async def relay(self, head: bytes, out: FrontConnection, keep_alive: bool) -> None:
         """Send ``head`` (a whole request without a body) and write the reply to ``out`` as it
         comes, with ``Connection: close`` unless ``keep_alive``."""
-        reply = await self._exchange(head)
+        reply = await self._pool.send(self._origin, head, b"")
         try:
             headers = CIMultiDict((k, v) for k, v in reply.headers.items() if k.lower() not in DROPPED)
             if reply.status in NO_BODY:
@@ -63,41 +58,4 @@ class InternalHop:
             reply.close()
 
     async def close(self) -> None:
-        while self._idle:
-            self._idle.pop().close()
-
-    async def _exchange(self, head: bytes, reuse: bool = True) -> Reply:
-        kept = self._kept() if reuse else None
-        connection = kept or await self._connect()
-        reply = connection.send(head, b"", self._read_timeout_s, partial(self._done, connection))
-        try:
-            await reply.headers_read()
-        except UpstreamBroken:
-            reply.close()
-            if kept is not None and not reply.answered:  # closed as the request went out: once more
-                return await self._exchange(head, reuse=False)
-            raise
-        except BaseException:
-            reply.close()
-            raise
-        return reply
-
-    def _kept(self) -> Http1Connection | None:
-        now = time.monotonic()
-        while self._idle:
-            connection = self._idle.pop()
-            if not connection.lost and now - connection.idle_since < IDLE_KEEP_S:
-                return connection
-            connection.close()
-        return None
-
-    async def _connect(self) -> Http1Connection:
-        loop = asyncio.get_running_loop()
-        _, connection = await loop.create_unix_connection(Http1Connection, self.path)
-        return connection
-
-    def _done(self, connection: Http1Connection) -> None:
-        if connection.finished() and len(self._idle) < MAX_IDLE:
-            self._idle.append(connection)
-        else:
-            connection.close()
+        await self._pool.close()

@@ -151,7 +151,7 @@ async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
     stack.callback(shutil.rmtree, private, ignore_errors=True)  # after the front is shut down
     socket_path = os.path.join(private, "api.sock")
     await web.UnixSite(runner, socket_path).start()
-    internal = InternalHop(socket_path, settings.read_timeout_s)
+    internal = InternalHop(socket_path, settings.connect_timeout_s, settings.read_timeout_s)
     stack.push_async_callback(internal.close)
     assert runner.server is not None
     rules = FrontRules(edge_settings(state), settings.header_timeout_s, COMPLETION_ROUTES)

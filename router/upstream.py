@@ -32,7 +32,7 @@ from router.settings import RouterSettings
 # never closes one just as a request is written on it (which would fail that request).
 IDLE_KEEP_S = 4.0
 MAX_TARGETS = 4096  # parsed worker URLs remembered (workers x paths)
-Origin = tuple[str, str, int]  # scheme, host, port
+Origin = tuple[str, str, int]  # scheme, host, port; ("unix", path, 0) for a Unix socket
 Slots = tuple[asyncio.Semaphore | None, asyncio.Semaphore | None]  # the worker's, everyone's
 
 
@@ -96,23 +96,27 @@ class UpstreamPool:
             if len(self._targets) >= MAX_TARGETS:
                 self._targets.clear()
             target = self._targets[url] = _target(url)
-        head = _head(target, headers, len(body))
+        return await self.send(target.origin, _head(target, headers, len(body)), body)
+
+    async def send(self, origin: Origin, head: bytes, body: bytes) -> Reply:
+        """A request's ``head`` and ``body`` as they are, to ``origin`` (``("unix", path, 0)``: a
+        Unix socket); the reply once its status and headers are in (as :meth:`post`)."""
         try:
-            return await self._exchange(target, head, body, reuse=True)
+            return await self._exchange(origin, head, body, reuse=True)
         except _ClosedWhileKept:
             # The worker closed a kept connection as the request went out on it, and answered
             # nothing (its keep-alive time is shorter than ours): sent once more, on a new one.
-            return await self._exchange(target, head, body, reuse=False)
+            return await self._exchange(origin, head, body, reuse=False)
 
-    async def _exchange(self, target: _Target, head: bytes, body: bytes, reuse: bool) -> Reply:
-        slots = await self._take_slots(target.origin)
+    async def _exchange(self, origin: Origin, head: bytes, body: bytes, reuse: bool) -> Reply:
+        slots = await self._take_slots(origin)
         try:
-            kept = self._idle_connection(target.origin) if reuse else None
-            connection = kept or await self._connect(target.origin)
+            kept = self._idle_connection(origin) if reuse else None
+            connection = kept or await self._connect(origin)
         except BaseException:
             self._give_slots(slots)
             raise
-        reply = connection.send(head, body, self._read_timeout_s, partial(self._done, target.origin, connection, slots))
+        reply = connection.send(head, body, self._read_timeout_s, partial(self._done, origin, connection, slots))
         try:
             await reply.headers_read()
         except UpstreamBroken as exc:
@@ -168,9 +172,12 @@ class UpstreamPool:
             context = self._ssl = self._ssl or ssl.create_default_context()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self._connect_timeout_s):
-            transport, connection = await loop.create_connection(
-                Http1Connection, host, port, ssl=context, server_hostname=host if context else None
-            )
+            if scheme == "unix":
+                transport, connection = await loop.create_unix_connection(Http1Connection, host)
+            else:
+                transport, connection = await loop.create_connection(
+                    Http1Connection, host, port, ssl=context, server_hostname=host if context else None
+                )
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
