@@ -3,9 +3,9 @@
 A client's connection stays on the lean front whatever it asks: a probe, a scrape or a models
 list on a pooled connection (a load balancer's, an SDK's) must not move that connection's later
 completions to the slower server for good. Such a request, without a body, goes as sent to
-aiohttp's server on a private Unix socket (through the pool of the connections to the workers, at most 64 at once), and
-its reply comes back framed for the client: aiohttp's middleware, routes and errors answer it
-exactly as they answer a request sent to them directly.
+aiohttp's server on a private Unix socket (through the pool of the connections to the workers,
+at most 64 at once), and its reply comes back framed for the client: aiohttp's middleware,
+routes and errors answer it exactly as they answer a request sent to them directly.
 """
 
 from __future__ import annotations
