@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict
 
-from router.middleware import ApiError, error_body, error_headers, error_kind
+from router.middleware import ApiError, error_body, error_headers
 
 if TYPE_CHECKING:
     from router.front import FrontConnection
@@ -121,7 +121,7 @@ def encode_head(status: int, headers: CIMultiDict[str], framing: bytes, keep_ali
 
 def error_reply(exc: ApiError, keep_alive: bool) -> bytes:
     """The whole reply of an API error, in OpenAI's shape (as :mod:`router.middleware` answers)."""
-    body = json.dumps(error_body(exc.status, exc.message, error_kind(exc))).encode()
+    body = json.dumps(error_body(exc.status, exc.message, exc.kind)).encode()
     headers = CIMultiDict({"Content-Type": "application/json; charset=utf-8", **error_headers(exc)})
     return encode_head(exc.status, headers, b"Content-Length: %d\r\n" % len(body), keep_alive) + body
 

@@ -66,10 +66,6 @@ def error_headers(exc: ApiError) -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {}
 
 
-def error_kind(exc: ApiError) -> str:
-    return "rate_limit_error" if exc.status == 429 else exc.kind
-
-
 @dataclass(frozen=True)
 class EdgeSettings:
     api_keys: frozenset[str]
@@ -115,7 +111,8 @@ class Admission:
 
     def enter(self) -> None:
         if self.inflight >= self.limit:
-            raise ApiError(429, f"the router is at its limit of {self.limit} requests in flight")
+            message = f"the router is at its limit of {self.limit} requests in flight"
+            raise ApiError(429, message, "rate_limit_error")
         self.inflight += 1
         self._admitted(self.inflight)
 
@@ -223,7 +220,7 @@ def edge_middleware(
 
 
 def _api_error_response(exc: ApiError) -> web.Response:
-    response = error_response(exc.status, exc.message, error_kind(exc), error_headers(exc))
+    response = error_response(exc.status, exc.message, exc.kind, error_headers(exc))
     if exc.status == 408:
         response.force_close()  # the rest of the body is not read: the connection cannot be reused
     return response
