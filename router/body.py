@@ -18,7 +18,10 @@ from typing import Any
 
 import msgspec
 
+from router.id_memo import TokenIdMemo
+
 SLICE_BYTES = 256 * 1024  # ~40k token ids
+MEMO_MAX_BYTES = 1 << 20  # longer id prompts bypass the TokenIdMemo: they would evict most of it
 TOO_DEEP = "the request body is nested too deeply"
 
 
@@ -55,9 +58,10 @@ _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 
 
-async def decode_body(raw: bytes, max_prompt_tokens: int) -> dict[str, Any]:
+async def decode_body(raw: bytes, max_prompt_tokens: int, memo: TokenIdMemo | None = None) -> dict[str, Any]:
     """The fields as a dict (absent ones left out); the prompt decoded, a long token-id prompt
-    as an ``array('I')``. Raises :class:`BodyError` with a one-line message."""
+    as an ``array('I')`` (through ``memo`` where given). Raises :class:`BodyError` with a one-line
+    message."""
     try:
         fields = _FIELDS.decode(raw)
     except msgspec.ValidationError:  # every field takes any value: only the top level can mismatch
@@ -70,7 +74,7 @@ async def decode_body(raw: bytes, max_prompt_tokens: int) -> dict[str, Any]:
     body = {name: value for name, value in body.items() if value is not msgspec.UNSET}
     prompt = bytes(fields.prompt)
     if prompt:
-        body["prompt"] = await decode_prompt(prompt, max_prompt_tokens)
+        body["prompt"] = await decode_prompt(prompt, max_prompt_tokens, memo)
     return body
 
 
@@ -98,21 +102,56 @@ def too_long(tokens: int, limit: int) -> str:
     return f"the prompt has {tokens} tokens; this router accepts at most {limit} (--max-prompt-tokens)"
 
 
-async def decode_prompt(raw: bytes, max_prompt_tokens: int) -> Any:
+async def decode_prompt(raw: bytes, max_prompt_tokens: int, memo: TokenIdMemo | None = None) -> Any:
     """``raw`` decoded; a long flat array of numbers in slices, into an ``array('I')``; of a
-    long batch only its first prompt (the one that routes it)."""
+    long batch only its first prompt (the one that routes it). Through ``memo`` (an array of ids
+    longer than two of its chunks, up to MEMO_MAX_BYTES): decoded only past the text it remembers,
+    into an ``array('I')``."""
     raw = raw.strip()
-    if len(raw) <= SLICE_BYTES or not raw.startswith(b"["):
+    if not raw.startswith(b"["):
         return _decode(_ANY, raw)
+    remembering = memo is not None and 2 * memo.chunk_bytes < len(raw) <= MEMO_MAX_BYTES
+    if len(raw) <= SLICE_BYTES:
+        return _through_memo(raw, memo) if memo is not None and remembering else _decode(_ANY, raw)
     if raw.find(b"[", 1) != -1:  # a batch: its first prompt routes it
         items = _decode(_ITEMS, raw)
-        return [await decode_prompt(bytes(items[0]), max_prompt_tokens)] if items else []
+        return [await decode_prompt(bytes(items[0]), max_prompt_tokens, memo)] if items else []
     if raw.find(b'"') != -1 or raw.find(b"{") != -1:  # strings or objects: not token ids
         return _decode(_ANY, raw)
     tokens = raw.count(b",") + 1
     if tokens > max_prompt_tokens:
         raise BodyError(too_long(tokens, max_prompt_tokens), 413)
+    if memo is not None and remembering:
+        return await _long_through_memo(raw, memo)
     return await _token_ids(raw)
+
+
+def _through_memo(raw: bytes, memo: TokenIdMemo) -> Any:
+    """An array starting ``[``: as an ``array('I')`` decoded past what ``memo`` remembers when it
+    is all u32 ids (JSON integers, as :func:`_token_ids` reads them), else as the ordinary
+    decoding gives it (a batch, strings, other values). A remembered prefix is such ids (its
+    text was), so the whole is exactly when the rest after the prefix's last cut, put in
+    brackets, decodes to them."""
+    cuts = memo.cuts(raw)
+    ids, known, keys = memo.known_prefix(raw, cuts)
+    known_ids = len(ids)
+    try:
+        ids.extend(array("I", _IDS.decode(b"[" + raw[cuts[known - 1] + 1 :] if known else raw)))
+    except (msgspec.DecodeError, RecursionError, OverflowError):  # ValidationError is a DecodeError
+        return _decode(_ANY, raw)
+    memo.remember(raw, cuts, keys, ids, known, known_ids)
+    return ids
+
+
+async def _long_through_memo(raw: bytes, memo: TokenIdMemo) -> array:
+    """:func:`_token_ids` of ``raw`` (checked to be a flat array of numbers), decoded past what
+    ``memo`` remembers."""
+    cuts = memo.cuts(raw)
+    ids, known, keys = memo.known_prefix(raw, cuts)
+    known_ids = len(ids)
+    ids.extend(await _token_ids(b"[" + raw[cuts[known - 1] + 1 :] if known else raw))
+    memo.remember(raw, cuts, keys, ids, known, known_ids)
+    return ids
 
 
 async def _token_ids(raw: bytes) -> array:

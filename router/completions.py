@@ -41,7 +41,7 @@ class Incoming:
 async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
     """The request's JSON body, checked as far as every endpoint needs."""
     try:
-        body = await decode_body(raw, state.settings.max_prompt_tokens)
+        body = await decode_body(raw, state.settings.max_prompt_tokens, state.id_memo)
     except BodyError as exc:
         raise ApiError(exc.status, str(exc)) from None
     model = body.get("model")

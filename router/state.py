@@ -8,6 +8,7 @@ from kvindex.redis_index import RedisIndex
 from router.accounting import RollingWindow, SharedPrefixes
 from router.decide import Decider
 from router.fleet import Fleet
+from router.id_memo import TokenIdMemo
 from router.load import ReplicaLoad
 from router.metrics import RouterMetrics
 from router.model_sync import ModelSync
@@ -29,3 +30,4 @@ class RouterState:
     model_sync: ModelSync
     window: RollingWindow = field(default_factory=RollingWindow)  # the dashboard's last minutes
     prefixes: SharedPrefixes = field(default_factory=SharedPrefixes)  # the dashboard's shared prefixes
+    id_memo: TokenIdMemo = field(default_factory=TokenIdMemo)  # token-id prompts' text already decoded
