@@ -103,8 +103,9 @@ async def test_a_renewal_during_a_carrying_decision_counts_its_booking_once(rout
 
 @pytest.fixture
 async def cluster_router(redis_cluster: LocalCluster, unique_name: str) -> AsyncIterator[RunningRouter]:
+    """As :func:`router`, on a cluster: no periodic renewal comes back during a test."""
     fleet = await SimFleet(redis_cluster.url, model=unique_name).start()
-    context, running = await start_router(redis_cluster.url)
+    context, running = await start_router(redis_cluster.url, lease_ttl_ms=60_000)
     try:
         await wait_for_cluster_workers(running, unique_name, fleet.count)
         yield running
