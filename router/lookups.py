@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvindex.pipelined import WireWatch, wire_watch
+from router.deadlines import deadlines
 
 T = TypeVar("T")
 
@@ -72,11 +73,11 @@ class Lookups:
         until then."""
         watch = WireWatch()
         token = wire_watch.set(watch)
-        budget = asyncio.timeout(self._budget_s)
+        budget = asyncio.Timeout(None)  # expired by the guard (router.deadlines: no loop timer each)
         acquired = gave_up = False
         try:
             async with budget:
-                guard = _StallGuard(budget, self)
+                guard = _StallGuard(budget, self, self._budget_s)
                 try:
                     await self._slots.acquire()
                     acquired = True
@@ -115,10 +116,10 @@ class Lookups:
     async def _run_in_task(self, lookup: Callable[[], Awaitable[T]]) -> T:
         on_wire = asyncio.Event()
         task = asyncio.create_task(self._in_slot(lookup, on_wire))
-        budget = asyncio.timeout(self._budget_s)
+        budget = asyncio.Timeout(None)
         try:
             async with budget:
-                guard = _StallGuard(budget, self)
+                guard = _StallGuard(budget, self, self._budget_s)
                 try:
                     return await asyncio.shield(task)  # at the budget the decision stops waiting, not the lookup
                 finally:
@@ -175,7 +176,7 @@ class Lookups:
 
 
 class _StallGuard:
-    """Keeps a budget from expiring on the router's own stall rather than on Redis.
+    """A decision's budget: expires it at its deadline, unless the router's own stall made it late.
 
     When the event loop has been busy past a decision's deadline (a burst of long prompts to
     tokenize and hash, a slow callback), it runs the budget's due timer before the decision's
@@ -184,36 +185,39 @@ class _StallGuard:
     ``CHECK_AHEAD_S`` before the deadline sees such a stall (it runs at or past the deadline) and
     moves the deadline ``GRACE_S`` on, so that the loop reads its sockets and runs the woken task
     first; at most ``MAX_GRACES`` times, so that a Redis that is slow while the router is
-    saturated still meets a bound."""
+    saturated still meets a bound. The check and the expiry are :mod:`router.deadlines` entries:
+    nearly every budget is cancelled unexpired, a millisecond after it is set."""
 
     CHECK_AHEAD_S = 0.002  # more than the event loop's timer resolution (uvloop: 1 ms)
     GRACE_S = 0.005
     MAX_GRACES = 3
 
-    def __init__(self, budget: asyncio.Timeout, lookups: Lookups) -> None:
+    def __init__(self, budget: asyncio.Timeout, lookups: Lookups, budget_s: float) -> None:
         self._budget = budget
         self._lookups = lookups
         self._loop = asyncio.get_running_loop()
+        self._deadlines = deadlines()
         self._graces = 0
-        deadline = budget.when()
-        self._handle = None if deadline is None else self._arm(deadline)
-
-    def _arm(self, deadline: float) -> asyncio.TimerHandle:
-        self._due = deadline - self.CHECK_AHEAD_S
-        return self._loop.call_at(self._due, self._check)
+        self._deadline = self._loop.time() + budget_s
+        self._entry = self._deadlines.at(self._deadline - self.CHECK_AHEAD_S, self._check)
 
     def _check(self) -> None:
         now = self._loop.time()
-        if now - self._due < self.CHECK_AHEAD_S or self._graces >= self.MAX_GRACES or self._budget.expired():
-            return  # on time: the loop was free before the deadline, the budget holds
+        on_time = now < self._deadline  # the loop was free before the deadline
+        if on_time or self._graces >= self.MAX_GRACES or self._budget.expired():
+            self._entry = self._deadlines.at(self._deadline, self._expire)
+            return
         self._graces += 1
         self._lookups.stall_graces += 1
-        self._budget.reschedule(now + self.GRACE_S)
-        self._handle = self._arm(now + self.GRACE_S)
+        self._deadline = now + self.GRACE_S
+        self._entry = self._deadlines.at(self._deadline - self.CHECK_AHEAD_S, self._check)
+
+    def _expire(self) -> None:
+        if not self._budget.expired():
+            self._budget.reschedule(self._loop.time())  # cancels the decision's task: TimeoutError
 
     def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
+        self._entry.cancel()
 
 
 class _HeldSlot:
