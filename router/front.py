@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.completions import Incoming
+from router.deadlines import Deadline, deadlines
 from router.front_relay import InternalHop
 from router.front_wire import HandOver, Head, LeanReply, error_reply, parse_head
 from router.http1 import UpstreamBroken
@@ -129,7 +130,7 @@ class FrontConnection(asyncio.Protocol):
         self._buffer = bytearray()
         self._pending: _Pending | None = None  # a head parsed, its body still coming
         self._task: asyncio.Task[None] | None = None  # the request being served
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Deadline | None = None
         self._lost = False
         self._eof = False
         self._read_paused = False
@@ -229,7 +230,8 @@ class FrontConnection(asyncio.Protocol):
             self._pending = _Pending(parsed, request_id(parsed.headers), time.perf_counter())
             if not self._admit(self._pending):
                 return
-            self._arm(self.front.rules.edges.body_timeout_s, self._body_late)
+            if len(self._buffer) < parsed.end:  # mostly it came with its head: no timer then
+                self._arm(self.front.rules.edges.body_timeout_s, self._body_late)
         pending = self._pending
         head = pending.head
         if len(self._buffer) < head.end:
@@ -385,7 +387,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _arm(self, seconds: float, then: Callable[[], None]) -> None:
         self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, then)
+        self._timer = deadlines().later(seconds, then)  # one loop timer for all (router.deadlines)
 
     def _disarm(self) -> None:
         if self._timer is not None:

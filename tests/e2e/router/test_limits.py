@@ -5,6 +5,7 @@ the x-kvroute-* headers switch. A real router, real Redis, real HTTP (workers fr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
@@ -44,6 +45,32 @@ async def test_a_half_sent_body_gets_408_and_its_connection_closed_while_others_
         assert b"did not arrive within 0.5 s" in reply
         assert await half_headers == b""  # closed without a reply: its headers never ended
         assert (await post(router.url + "/v1/completions", BODY))[0] == 200
+
+
+@FRONTS
+async def test_an_idle_keep_alive_connection_is_closed_at_the_header_timeout_after_its_requests(
+    redis_server, index, lean_front
+):
+    worker = FakeWorker("w1")
+    async with workers_and_router(redis_server, index, [worker], lean_front=lean_front, header_timeout_s=0.5) as router:
+        body = json.dumps(BODY).encode()
+        request = HEAD.replace(b"100", str(len(body)).encode()) + body
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(router))
+        try:
+            for _ in range(2):  # the timer is re-armed after each reply, not left from the first
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200"), head[:200]
+                length = int(CIMultiDict(_header_lines(head))["Content-Length"])
+                await asyncio.wait_for(reader.readexactly(length), 10)
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the router, idle
+        finally:
+            writer.close()
+
+
+def _header_lines(head: bytes) -> list[tuple[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")[1:]
+    return [(name.strip(), value.strip()) for name, _, value in (line.partition(":") for line in lines if line)]
 
 
 @FRONTS
