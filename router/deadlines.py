@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import weakref
 from collections.abc import Callable
 
 COMPACT_AT = 256  # cancelled entries kept before the heap is rebuilt without them (when half)
@@ -28,16 +27,12 @@ DUE_SLACK_S = 0.0005
 class Deadline:
     """One deadline; :meth:`cancel` before it passes and its callback never runs."""
 
-    __slots__ = ("_callback", "_order", "_owner", "when")
+    __slots__ = ("_callback", "_owner", "when")
 
-    def __init__(self, when: float, order: int, callback: Callable[[], object], owner: Deadlines) -> None:
+    def __init__(self, when: float, callback: Callable[[], object], owner: Deadlines) -> None:
         self.when = when
-        self._order = order
         self._callback: Callable[[], object] | None = callback
         self._owner = owner
-
-    def __lt__(self, other: Deadline) -> bool:
-        return (self.when, self._order) < (other.when, other._order)
 
     @property
     def live(self) -> bool:
@@ -54,11 +49,13 @@ class Deadline:
 
 
 class Deadlines:
-    """The deadlines of one event loop (:func:`deadlines` gives the running loop's)."""
+    """Deadlines on one event loop: the running one when the first is set. Each owner (the
+    front, the workers' connection pool, the lookups) has its own, so none outlives its loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._heap: list[Deadline] = []
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # (when, order, deadline): compared in C, never past the order, which is unique
+        self._heap: list[tuple[float, int, Deadline]] = []
         self._order = itertools.count()
         self._cancelled = 0  # cancelled entries still in the heap
         self._timer: asyncio.TimerHandle | None = None
@@ -75,16 +72,25 @@ class Deadlines:
 
     def at(self, when: float, callback: Callable[[], object]) -> Deadline:
         """Run ``callback`` on the loop at ``when`` (the loop's clock) unless cancelled first."""
-        deadline = Deadline(when, next(self._order), callback, self)
-        heapq.heappush(self._heap, deadline)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        deadline = Deadline(when, callback, self)
+        heapq.heappush(self._heap, (when, next(self._order), deadline))
         if self._timer is None or when < self._timer_at:
             self._arm(when)
         return deadline
 
     def later(self, delay_s: float, callback: Callable[[], object]) -> Deadline:
-        return self.at(self._loop.time() + delay_s, callback)
+        return self.at(self.time() + delay_s, callback)
+
+    def time(self) -> float:
+        """The loop's clock, which deadlines are set in."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop.time()
 
     def _arm(self, when: float) -> None:
+        assert self._loop is not None
         if self._timer is not None:
             self._timer.cancel()
         self._timer, self._timer_at = self._loop.call_at(when, self._fire), when
@@ -92,7 +98,7 @@ class Deadlines:
     def _cancelled_one(self) -> None:
         self._cancelled += 1
         if self._cancelled >= COMPACT_AT and self._cancelled * 2 > len(self._heap):
-            self._heap = [deadline for deadline in self._heap if deadline.live]
+            self._heap = [entry for entry in self._heap if entry[2].live]
             heapq.heapify(self._heap)
             self._cancelled = 0
             if not self._heap and self._timer is not None:
@@ -101,28 +107,15 @@ class Deadlines:
 
     def _fire(self) -> None:
         self._timer = None
-        heap, now = self._heap, self._loop.time() + DUE_SLACK_S
+        heap, now = self._heap, self.time() + DUE_SLACK_S
         due = []
-        while heap and (not heap[0].live or heap[0].when <= now):
-            deadline = heapq.heappop(heap)
-            callback = deadline._take()
+        while heap and (not heap[0][2].live or heap[0][0] <= now):
+            callback = heapq.heappop(heap)[2]._take()
             if callback is None:
                 self._cancelled -= 1
             else:
                 due.append(callback)
         if heap:
-            self._arm(heap[0].when)
+            self._arm(heap[0][0])
         for callback in due:  # after the heap is consistent: a callback may set or cancel deadlines
             callback()
-
-
-_per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Deadlines] = weakref.WeakKeyDictionary()
-
-
-def deadlines() -> Deadlines:
-    """The running loop's deadlines."""
-    loop = asyncio.get_running_loop()
-    found = _per_loop.get(loop)
-    if found is None:
-        found = _per_loop[loop] = Deadlines(loop)
-    return found

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.completions import Incoming
-from router.deadlines import Deadline, deadlines
+from router.deadlines import Deadline, Deadlines
 from router.front_relay import InternalHop
 from router.front_wire import HandOver, Head, LeanReply, error_reply, parse_head
 from router.http1 import UpstreamBroken
@@ -86,6 +86,7 @@ class Front:
         self.internal = internal  # aiohttp's server on a private socket; None: every other request hands over
         self.connections: set[FrontConnection] = set()
         self.closing = False
+        self.deadlines = Deadlines()  # the connections' header and body timers, on one loop timer
         self._server: asyncio.Server | None = None
         self._all_idle = asyncio.Event()
 
@@ -387,7 +388,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _arm(self, seconds: float, then: Callable[[], None]) -> None:
         self._disarm()
-        self._timer = deadlines().later(seconds, then)  # one loop timer for all (router.deadlines)
+        self._timer = self.front.deadlines.later(seconds, then)
 
     def _disarm(self) -> None:
         if self._timer is not None:

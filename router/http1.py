@@ -23,7 +23,7 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict
 
-from router.deadlines import deadlines
+from router.deadlines import Deadlines
 
 HIGH_WATER = 1 << 20  # reply bytes held for a slow reader before the worker's socket is paused
 
@@ -35,9 +35,12 @@ class UpstreamBroken(ConnectionError):
 class Reply:
     """One reply from a worker: status and headers, then the body as it comes."""
 
-    def __init__(self, connection: Http1Connection, read_timeout_s: float, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, connection: Http1Connection, read_timeout_s: float, deadlines: Deadlines, on_close: Callable[[], None]
+    ) -> None:
         self._connection = connection
         self._read_timeout_s = read_timeout_s
+        self._deadlines = deadlines
         self._on_close: Callable[[], None] | None = on_close
         self.status = 0
         self.headers: CIMultiDict[str] = CIMultiDict()
@@ -85,7 +88,7 @@ class Reply:
             raise self._error
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         # Not asyncio.timeout: an event-loop timer per wait was ~2% of a request's CPU (router.deadlines).
-        deadline = deadlines().later(self._read_timeout_s, self._timed_out)
+        deadline = self._deadlines.later(self._read_timeout_s, self._timed_out)
         try:
             await waiter
         finally:
@@ -141,10 +144,13 @@ class Http1Connection(asyncio.Protocol):
         self._informational = False  # a 1xx reply: skipped, the real one follows
         self._paused = False
 
-    def send(self, head: bytes, body: bytes, read_timeout_s: float, on_close: Callable[[], None]) -> Reply:
-        """Write a request; its reply, to be read (``on_close``: when its reader is done with it)."""
+    def send(
+        self, head: bytes, body: bytes, read_timeout_s: float, deadlines: Deadlines, on_close: Callable[[], None]
+    ) -> Reply:
+        """Write a request; its reply, to be read (``on_close``: when its reader is done with it;
+        ``deadlines``: where its read timeouts are set)."""
         assert self.transport is not None and self._reply is None
-        reply = self._reply = Reply(self, read_timeout_s, on_close)
+        reply = self._reply = Reply(self, read_timeout_s, deadlines, on_close)
         if self.lost:  # closed by the worker since it was checked
             reply.failed(UpstreamBroken("the worker closed the connection before the request was sent"))
         else:

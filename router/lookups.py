@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvindex.pipelined import WireWatch, wire_watch
-from router.deadlines import deadlines
+from router.deadlines import Deadlines
 
 T = TypeVar("T")
 
@@ -55,6 +55,7 @@ class Lookups:
         # Whether cancelling a waiting lookup is free (Scripts.cancel_safe of the lookups' client).
         self.cancel_safe = cancel_safe
         self._background: set[asyncio.Task[object]] = set()
+        self.deadlines = Deadlines()  # the budgets' (router.deadlines: no loop timer each)
         self._held: set[_HeldSlot] = set()  # slots of abandoned lookups whose replies are still due
         self.in_flight = 0  # lookups holding a slot now
         self.late_replies = 0  # lookups that finished after their decision had moved on
@@ -73,7 +74,7 @@ class Lookups:
         until then."""
         watch = WireWatch()
         token = wire_watch.set(watch)
-        budget = asyncio.Timeout(None)  # expired by the guard (router.deadlines: no loop timer each)
+        budget = asyncio.Timeout(None)  # expired by the guard
         acquired = gave_up = False
         try:
             async with budget:
@@ -196,7 +197,7 @@ class _StallGuard:
         self._budget = budget
         self._lookups = lookups
         self._loop = asyncio.get_running_loop()
-        self._deadlines = deadlines()
+        self._deadlines = lookups.deadlines
         self._graces = 0
         self._deadline = self._loop.time() + budget_s
         self._entry = self._deadlines.at(self._deadline - self.CHECK_AHEAD_S, self._check)

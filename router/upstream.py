@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from router.deadlines import Deadlines
 from router.http1 import Http1Connection, Reply, UpstreamBroken
 from router.settings import RouterSettings
 
@@ -75,6 +76,7 @@ class UpstreamPool:
         self._targets: dict[str, _Target] = {}
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
+        self._deadlines = Deadlines()  # the replies' read timeouts, on one loop timer
         self._ssl: ssl.SSLContext | None = None
         self.queued = 0  # requests waiting for a connection now (the limits are reached)
 
@@ -116,7 +118,9 @@ class UpstreamPool:
         except BaseException:
             self._give_slots(slots)
             raise
-        reply = connection.send(head, body, self._read_timeout_s, partial(self._done, origin, connection, slots))
+        reply = connection.send(
+            head, body, self._read_timeout_s, self._deadlines, partial(self._done, origin, connection, slots)
+        )
         try:
             await reply.headers_read()
         except UpstreamBroken as exc:

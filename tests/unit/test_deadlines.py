@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import uvloop
 
-from router.deadlines import COMPACT_AT, DUE_SLACK_S, Deadlines, deadlines
+from router.deadlines import COMPACT_AT, DUE_SLACK_S, Deadlines
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
@@ -23,7 +23,7 @@ def run(loop_name: str, main: Callable[[], object]) -> object:
 def test_live_deadlines_run_in_time_order_and_never_early_cancelled_ones_never(loop_name: str) -> None:
     async def main() -> tuple[list[tuple[int, float, float]], set[int]]:
         loop = asyncio.get_running_loop()
-        book = deadlines()
+        book = Deadlines()
         rng = random.Random(7)
         ran: list[tuple[int, float, float]] = []
         all_ran = asyncio.Event()
@@ -57,7 +57,7 @@ def test_live_deadlines_run_in_time_order_and_never_early_cancelled_ones_never(l
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))
 def test_an_earlier_deadline_set_later_runs_first_and_callbacks_may_set_more(loop_name: str) -> None:
     async def main() -> list[str]:
-        book = deadlines()
+        book = Deadlines()
         order: list[str] = []
         done = asyncio.get_running_loop().create_future()
         book.later(0.2, lambda: (order.append("late"), done.set_result(None)))
@@ -70,7 +70,7 @@ def test_an_earlier_deadline_set_later_runs_first_and_callbacks_may_set_more(loo
 
 def test_cancelled_deadlines_do_not_pile_up() -> None:
     async def main() -> tuple[int, int]:
-        book = Deadlines(asyncio.get_running_loop())
+        book = Deadlines()
         keep = book.later(3600, lambda: None)
         most = 0
         for _ in range(20 * COMPACT_AT):
@@ -86,7 +86,7 @@ def test_cancelled_deadlines_do_not_pile_up() -> None:
 
 def test_a_cancelled_deadline_stays_cancelled_and_a_run_one_cannot_be_cancelled_twice() -> None:
     async def main() -> tuple[int, int]:
-        book = deadlines()
+        book = Deadlines()
         hits = []
         ran = asyncio.Event()
         fired = book.later(0.001, lambda: (hits.append(1), ran.set()))
