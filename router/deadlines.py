@@ -1,14 +1,14 @@
 """Many short-lived deadlines on one event-loop timer.
 
 Every routed request sets a few deadlines (the decision's Redis budget and its stall check, the
-read timeout of each wait for a worker's reply) and nearly all of them are cancelled a
-millisecond later, unexpired. An event-loop timer each cost ~2 us to arm and cancel and an
-``asyncio.timeout`` ~6 us on a warm machine, several times that on the benchmark's cold one
-(~5% of a multi-turn request's CPU in all: docs/benchmarks.md, run 17). Here a deadline is an
-entry in a heap: setting one is a push, cancelling it a flag; a single loop timer stays armed
-for the earliest live entry, and cancelled entries are dropped when they reach the top or when
-they are over half of the heap. Callbacks run on the loop at their time, within the loop's
-timer resolution, as ``loop.call_at``'s do.
+read timeout of each wait for a worker's reply, the lean front's body and keep-alive timers) and
+nearly all of them are cancelled a millisecond later, unexpired. An event-loop timer each cost
+~2 us to arm and cancel and an ``asyncio.timeout`` ~6 us on a warm machine, several times that
+on the benchmark's cold one (~8% of a multi-turn request's busy samples in a profile:
+docs/benchmarks.md, run 17). Here a deadline is an entry in a heap: setting one is a push,
+cancelling it a flag; a single loop timer stays armed for the earliest live entry, and cancelled
+entries are dropped when they reach the top or when they are over half of the heap. Callbacks
+run on the loop at their time, within the loop's timer resolution, as ``loop.call_at``'s do.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ DUE_SLACK_S = 0.0005
 class Deadline:
     """One deadline; :meth:`cancel` before it passes and its callback never runs."""
 
-    __slots__ = ("_callback", "_owner", "when")
+    __slots__ = ("_callback", "_owner")
 
-    def __init__(self, when: float, callback: Callable[[], object], owner: Deadlines) -> None:
-        self.when = when
+    def __init__(self, callback: Callable[[], object], owner: Deadlines) -> None:
         self._callback: Callable[[], object] | None = callback
         self._owner = owner
 
@@ -72,9 +71,7 @@ class Deadlines:
 
     def at(self, when: float, callback: Callable[[], object]) -> Deadline:
         """Run ``callback`` on the loop at ``when`` (the loop's clock) unless cancelled first."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        deadline = Deadline(when, callback, self)
+        deadline = Deadline(callback, self)
         heapq.heappush(self._heap, (when, next(self._order), deadline))
         if self._timer is None or when < self._timer_at:
             self._arm(when)
@@ -85,15 +82,17 @@ class Deadlines:
 
     def time(self) -> float:
         """The loop's clock, which deadlines are set in."""
+        return self._bound_loop().time()
+
+    def _bound_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        return self._loop.time()
+        return self._loop
 
     def _arm(self, when: float) -> None:
-        assert self._loop is not None
         if self._timer is not None:
             self._timer.cancel()
-        self._timer, self._timer_at = self._loop.call_at(when, self._fire), when
+        self._timer, self._timer_at = self._bound_loop().call_at(when, self._fire), when
 
     def _cancelled_one(self) -> None:
         self._cancelled += 1

@@ -196,14 +196,13 @@ class _StallGuard:
     def __init__(self, budget: asyncio.Timeout, lookups: Lookups, budget_s: float) -> None:
         self._budget = budget
         self._lookups = lookups
-        self._loop = asyncio.get_running_loop()
         self._deadlines = lookups.deadlines
         self._graces = 0
-        self._deadline = self._loop.time() + budget_s
+        self._deadline = self._deadlines.time() + budget_s
         self._entry = self._deadlines.at(self._deadline - self.CHECK_AHEAD_S, self._check)
 
     def _check(self) -> None:
-        now = self._loop.time()
+        now = self._deadlines.time()
         on_time = now < self._deadline  # the loop was free before the deadline
         if on_time or self._graces >= self.MAX_GRACES or self._budget.expired():
             self._entry = self._deadlines.at(self._deadline, self._expire)
@@ -215,7 +214,7 @@ class _StallGuard:
 
     def _expire(self) -> None:
         if not self._budget.expired():
-            self._budget.reschedule(self._loop.time())  # cancels the decision's task: TimeoutError
+            self._budget.reschedule(self._deadlines.time())  # cancels the decision's task: TimeoutError
 
     def cancel(self) -> None:
         self._entry.cancel()

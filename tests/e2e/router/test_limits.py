@@ -14,7 +14,17 @@ from multidict import CIMultiDict
 
 from router.main import RunningRouter
 from router.scoring import Policy
-from tests.e2e.router.fake_worker import BODY, MODEL, REPLY, FakeWorker, metric, post, raw_request, workers_and_router
+from tests.e2e.router.fake_worker import (
+    BODY,
+    MODEL,
+    REPLY,
+    FakeWorker,
+    metric,
+    post,
+    raw_request,
+    reply_headers,
+    workers_and_router,
+)
 from tests.support import wait_until
 
 # A request's head announcing a 100-byte body (the tests send less).
@@ -61,16 +71,11 @@ async def test_an_idle_keep_alive_connection_is_closed_at_the_header_timeout_aft
                 writer.write(request)
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
                 assert head.startswith(b"HTTP/1.1 200"), head[:200]
-                length = int(CIMultiDict(_header_lines(head))["Content-Length"])
+                length = int(reply_headers(head)[1]["Content-Length"])
                 await asyncio.wait_for(reader.readexactly(length), 10)
             assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the router, idle
         finally:
             writer.close()
-
-
-def _header_lines(head: bytes) -> list[tuple[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")[1:]
-    return [(name.strip(), value.strip()) for name, _, value in (line.partition(":") for line in lines if line)]
 
 
 @FRONTS
