@@ -20,7 +20,10 @@ published at schedule time, before the "forward pass", which takes
     step_overhead + prefill tokens x prefill_per_token
       + (decodes ? decode_step + decodes x decode_per_token : 0)
 
-divided by ``speedup``. Output tokens are pseudo-random (the KV cache is what is simulated).
+divided by ``speedup``, where a chunk of N new tokens after P computed ones costs
+``N x prefill_per_token + prefill_context_ns x N x (P + N / 2)`` (attention over the context).
+With ``parallel_prefill`` each request has its own token budget and the step takes its longest
+chunk's time instead of their sum. Output tokens are pseudo-random (the KV cache is what is simulated).
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class TimingModel:
     speedup: float
     max_num_batched_tokens: int  # per-step token budget (chunked prefill); 0: none
     decode_ms_per_token: float  # per decoding request in the step (a large batch decodes slower)
+    # Attention grows with the context: a chunk of N new tokens after P computed ones costs
+    # this many ns x N x (P + N / 2) more (0: prefill time linear in new tokens alone).
+    prefill_context_ns: float
+    # Each request's prefill in its own lane: the token budget is per request, and a step takes
+    # as long as its longest prefill chunk, not their sum (an engine far from saturating its GPU).
+    parallel_prefill: bool
 
     def __init__(
         self,
@@ -70,6 +79,8 @@ class TimingModel:
         speedup: float = 1.0,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         decode_ms_per_token: float = 0.0,
+        prefill_context_ns: float = 0.0,
+        parallel_prefill: bool = False,
         *,
         max_running: int | None = None,
     ) -> None:
@@ -84,6 +95,8 @@ class TimingModel:
             "speedup": speedup,
             "max_num_batched_tokens": max_num_batched_tokens,
             "decode_ms_per_token": decode_ms_per_token,
+            "prefill_context_ns": prefill_context_ns,
+            "parallel_prefill": bool(parallel_prefill),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -91,7 +104,7 @@ class TimingModel:
 
     def _validate(self) -> None:
         timings = (self.prefill_ms_per_1k_tokens, self.decode_ms_per_step, self.step_overhead_ms)
-        if min(*timings, self.decode_ms_per_token) < 0:
+        if min(*timings, self.decode_ms_per_token, self.prefill_context_ns) < 0:
             raise ValueError("timing parameters must be >= 0")
         if self.max_num_seqs < 1 or self.speedup <= 0:
             raise ValueError("--max-num-seqs must be >= 1 and --speedup > 0")
@@ -113,9 +126,18 @@ class TimingModel:
         """The tokens one step may schedule (``max_num_batched_tokens``, unbounded when 0)."""
         return self.max_num_batched_tokens or sys.maxsize
 
-    def step_seconds(self, prefill_tokens: int, decodes: int) -> float:
-        """A step's duration: ``decodes`` is how many requests decode in it (a bool counts as 0 or 1)."""
-        ms = self.step_overhead_ms + prefill_tokens * self.prefill_ms_per_1k_tokens / 1000
+    def chunk_ms(self, new_tokens: int, context_tokens: int) -> float:
+        """The prefill of ``new_tokens`` after ``context_tokens`` already computed, in ms."""
+        linear = new_tokens * self.prefill_ms_per_1k_tokens / 1000
+        return linear + self.prefill_context_ns * new_tokens * (context_tokens + new_tokens / 2) / 1e6
+
+    def step_seconds(self, prefill_tokens: int, decodes: int, prefill_ms: float | None = None) -> float:
+        """A step's duration: ``decodes`` is how many requests decode in it (a bool counts as 0 or 1);
+        ``prefill_ms`` the step's prefill time when known (:attr:`StepPlan.prefill_ms`), else
+        ``prefill_tokens`` at the linear rate."""
+        if prefill_ms is None:
+            prefill_ms = prefill_tokens * self.prefill_ms_per_1k_tokens / 1000
+        ms = self.step_overhead_ms + prefill_ms
         if decodes:
             ms += self.decode_ms_per_step + int(decodes) * self.decode_ms_per_token
         return ms / 1000 / self.speedup
@@ -159,6 +181,7 @@ class StepPlan:
 
     scheduled: list[tuple[SimRequest, int]] = field(default_factory=list)
     prefill_tokens: int = 0  # tokens of requests in (re)computation: prompt chunks, recomputed outputs
+    prefill_ms: float = 0.0  # their compute time (summed, or the longest chunk's with parallel prefill)
     decodes: int = 0  # requests decoding one token
     preempted: list[SimRequest] = field(default_factory=list)
 
@@ -239,6 +262,12 @@ class SimEngine:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
+    def cached_prefix_tokens(self, prompt: list[int], salt: str | None = None) -> int:
+        """The prefix-cache hit ``prompt`` would get if it were scheduled now, in tokens (what an
+        oracle router asks: ``POST /debug/match``)."""
+        size = self.pool.block_size
+        return len(self.pool.longest_hit(chain_hashes(prompt, size, salt), len(prompt))) * size
+
     async def _loop(self) -> None:
         while True:
             if not self.running and not self.waiting:
@@ -248,7 +277,7 @@ class SimEngine:
             events = self.pool.take_events()
             if events and self.publisher is not None:
                 await self.publisher.publish(events, deliver=self.faults.deliver(self.publisher.next_seq))
-            await asyncio.sleep(self.timing.step_seconds(plan.prefill_tokens, plan.decodes))
+            await asyncio.sleep(self.timing.step_seconds(plan.prefill_tokens, plan.decodes, plan.prefill_ms))
             self.complete(plan)
 
     # --- scheduling ----------------------------------------------------------------------
@@ -276,7 +305,7 @@ class SimEngine:
             request.blocks += self.pool.allocate(needed)
             self._cache(request, end)
             self._add(plan, request, count)
-            budget -= count
+            budget -= self._spent(count)
             index += 1
         return budget
 
@@ -293,13 +322,19 @@ class SimEngine:
                 request.scheduled_at = now
             self.running.append(request)
             self._add(plan, request, count)
-            budget -= count
+            budget -= self._spent(count)
 
-    @staticmethod
-    def _add(plan: StepPlan, request: SimRequest, count: int) -> None:
+    def _spent(self, count: int) -> int:
+        """What scheduling ``count`` tokens takes from the step's budget: nothing with parallel
+        prefill, where the budget is each request's own."""
+        return 0 if self.timing.parallel_prefill else count
+
+    def _add(self, plan: StepPlan, request: SimRequest, count: int) -> None:
         plan.scheduled.append((request, count))
         if request.prefilling:
             plan.prefill_tokens += count
+            chunk = self.timing.chunk_ms(count, request.num_computed)
+            plan.prefill_ms = max(plan.prefill_ms, chunk) if self.timing.parallel_prefill else plan.prefill_ms + chunk
         else:
             plan.decodes += 1
 

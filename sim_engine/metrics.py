@@ -30,9 +30,13 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: SimEngine, labels: dict[str, str]) -> None:
+    """The engine's gauges and counters; ``minimal``: the three gauges alone (running, waiting, KV
+    usage), what an engine that reports little exports."""
+
+    def __init__(self, engine: SimEngine, labels: dict[str, str], minimal: bool = False) -> None:
         self._engine = engine
         self._labels = labels
+        self._minimal = minimal
 
     def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=list(self._labels))
@@ -53,6 +57,8 @@ class EngineCollector(Collector):
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(engine.waiting)
         )
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.pool.usage)
+        if self._minimal:
+            return
         for name, help_text, value in (
             (
                 "prefix_cache_queries",

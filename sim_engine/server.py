@@ -41,7 +41,8 @@ class _State:
     engine: SimEngine
     prompts: ModelPrompts
     histograms: RequestHistograms
-    registry: CollectorRegistry
+    registry: CollectorRegistry  # everything (/debug/metrics)
+    public: CollectorRegistry  # what /metrics exports (--metrics)
 
 
 STATE = web.AppKey("state", _State)
@@ -110,11 +111,38 @@ async def _cached_blocks(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
-    response = web.Response(body=engine.faults.metrics_text(generate_latest(request.app[STATE].registry).decode()))
+async def _cached_prefix(request: web.Request) -> web.Response:
+    """The prefix-cache hit a completions or chat body (``messages``) would get if scheduled now:
+    ``{"prompt_tokens", "cached_tokens", "running", "waiting"}`` (an oracle router's question; a
+    batch answers for its first prompt)."""
+    state = request.app[STATE]
+    try:
+        body = await _json_body(request)
+        parse = api.parse_chat if isinstance(body, dict) and "messages" in body else api.parse_completion
+        generation = parse(body, state.settings.model, state.prompts)
+    except api.ApiError as exc:
+        return _error(exc)
+    engine, prompt = state.engine, generation.prompts[0]
+    cached = engine.cached_prefix_tokens(prompt, generation.cache_salt)
+    answer = {"prompt_tokens": len(prompt), "cached_tokens": cached}
+    return web.json_response({**answer, "running": len(engine.running), "waiting": len(engine.waiting)})
+
+
+def _exposition(state: _State, registry: CollectorRegistry) -> web.Response:
+    response = web.Response(body=state.engine.faults.metrics_text(generate_latest(registry).decode()))
     response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return response
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _exposition(state, state.public)
+
+
+async def _all_metrics(request: web.Request) -> web.Response:
+    """Every metric, whatever ``--metrics`` exports (benchmarks count requests and TTFT from it)."""
+    state = request.app[STATE]
+    return _exposition(state, state.registry)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -134,6 +162,8 @@ def create_app(state: _State) -> web.Application:
     app.router.add_post("/reset_prefix_cache", _reset)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/debug/cache", _cached_blocks)
+    app.router.add_post("/debug/match", _cached_prefix)
+    app.router.add_get("/debug/metrics", _all_metrics)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     return app
@@ -259,7 +289,11 @@ def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts
     registry.register(EngineCollector(engine, labels))
     histograms = RequestHistograms.register(registry, labels)
     engine.on_step = histograms.step
-    return _State(settings, engine, prompts, histograms, registry)
+    public = registry
+    if settings.metrics == "minimal":
+        public = CollectorRegistry()
+        public.register(EngineCollector(engine, labels, minimal=True))
+    return _State(settings, engine, prompts, histograms, registry, public)
 
 
 async def _serve_http(stack: contextlib.AsyncExitStack, state: _State) -> int:

@@ -26,29 +26,39 @@ import itertools
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import percentile, text_table, write_json
-from kvroute.bench.regimes_workload import CACHE, Cell, Workload, grid, workload
-from kvroute.bench.replay import fleet_capacity, prompts_for, replay_on_stack
+from kvroute.bench.regimes_workload import CACHE, TINY_PROMPTS, Cell, Workload, grid, workload
+from kvroute.bench.replay import GREEDY_ORACLE, fleet_capacity, prompts_for, replay_on_stack
 from kvroute.bench.replay_workload import reference_hit_rates
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Stack
 from kvservice.lifecycle import StartupError
 from router.accounting import shares_text
 from router.scoring import Policy
+from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
+from sim_engine.settings import TINY_MODEL_DIR
 
 SGLANG = "sglang"
-DEFAULT_POLICIES = "kv,round_robin,least_loaded,prefix,sglang"
+DEFAULT_POLICIES = "kv,round_robin,least_loaded,prefix,greedy_oracle,sglang"
 WITHIN_MEAN, WITHIN_P90 = 1.10, 1.2
+DEFAULT_SEEDS = (1, 2, 3, 4)  # one run of a tight cell can be off by 2x: a cell is judged over seeds
 HELD_S = 0.001  # a turn sent this much past its arrival time waited for the previous reply
+# prefill=parallel: each request's chunk per step (its own lane), so that a request that arrives
+# while another's long prefill runs waits at most one short step, not the whole prefill
+PARALLEL_CHUNK_TOKENS = 256
+# Routers whose run does not depend on the replica count: run once per cell and seed, shared by
+# the cells that differ only in replicas (the oracle is one process that knows everything).
+REPLICA_FREE = (GREEDY_ORACLE,)
 
 
 def policies_from(flag: str) -> list[str]:
-    known = [p.value for p in Policy] + [SGLANG]
+    known = [p.value for p in Policy] + [GREEDY_ORACLE, SGLANG]
     policies = list(dict.fromkeys(p.strip() for p in flag.split(",") if p.strip()))
     for policy in policies:
         if policy not in known:
@@ -145,22 +155,31 @@ def _merged_run(policy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     ratios = {key: geomean(key) for key in ("ttft_vs_best", "p90_vs_best", "hit_vs_best")}
     figures = {key: mean(key) for key in ("ttft_mean_ms", "ttft_p90_ms", "hit_rate", "of_lru")}
-    return {"policy": policy, **figures, **ratios, "failed": sum(r["failed"] for r in runs), "runs": len(runs)}
+    # the range over the seeds of each figure and ratio: how far one seed can be from the mean
+    spread = {key: [min(r[key] for r in runs), max(r[key] for r in runs)] for key in (*ratios, *figures)}
+    failed = sum(r["failed"] for r in runs)
+    return {"policy": policy, **figures, **ratios, "failed": failed, "runs": len(runs), "spread": spread}
 
 
 # ------------------------------------------------------------------------------------- running
 
 
-def _timing(args: argparse.Namespace, speedup: float) -> TimingModel:
-    limits: dict[str, int] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    if "max_num_batched_tokens" not in inspect.signature(TimingModel).parameters:
+def _timing(args: argparse.Namespace, speedup: float, cell: Cell | None = None) -> TimingModel:
+    limits: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    parameters = inspect.signature(TimingModel).parameters
+    if "max_num_batched_tokens" not in parameters:
         limits = {"max_running": args.max_num_seqs}  # a simulated engine from before the token budget
+    if "parallel_prefill" in parameters:  # a simulated engine from before these has neither
+        limits["parallel_prefill"] = cell is not None and cell.prefill == "parallel"
+        limits["prefill_context_ns"] = getattr(args, "prefill_context_ns", 0.0)
+        if limits["parallel_prefill"]:
+            limits["max_num_batched_tokens"] = PARALLEL_CHUNK_TOKENS
     return TimingModel(
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k,
         decode_ms_per_step=args.decode_ms_per_step,
         step_overhead_ms=1.0,
         speedup=speedup,
-        **limits,  # type: ignore[arg-type]
+        **limits,
     )
 
 
@@ -185,28 +204,51 @@ def _run_figures(run: Any, results: list[dict[str, Any]], time_scale: float) -> 
     }
 
 
-async def _run_cell(
-    stack: Stack,
-    cell: Cell,
-    load: Workload,
-    capacity: int,
-    engine_kv_tokens: int,
-    time_scale: float,
-    policies: list[str],
-    args: Any,
-) -> dict[str, Any]:
+@dataclass
+class _Engines:
+    """What the cells of one engine setting share: the stack, its sizes and the cell's workload."""
+
+    stack: Stack
+    load: Workload
+    capacity: int  # the fleet's cache in the workload's blocks (the LRU reference's size)
+    engine_kv_tokens: int
+    time_scale: float
+    replica_free: dict[tuple[str, str, str], dict[str, Any]]  # (policy, client, prompts) -> its run
+
+
+def _prompts(cell: Cell, load: Workload) -> list[Any]:
+    """What the client sends: a prose workload's text, or its token ids as the engine computes them."""
+    if load.texts is None:
+        return prompts_for(load.requests, cell.prompts == "text")
+    if cell.prompts == "text":
+        return list(load.texts)
+    prompts = ModelPrompts(TINY_MODEL_DIR)
+    return [prompts.encode(text, add_special_tokens=True) for text in load.texts]
+
+
+async def _run_cell(engines: _Engines, cell: Cell, policies: list[str], args: Any) -> dict[str, Any]:
+    load, capacity, time_scale = engines.load, engines.capacity, engines.time_scale
     requests = load.requests
-    lru, infinite = reference_hit_rates(requests, capacity)
+    lru, infinite = reference_hit_rates(requests, capacity, load.block_tokens)
     distinct = len({h for r in requests for h in r.hash_ids})
-    prompts = prompts_for(requests, cell.prompts == "text")
-    replay = argparse.Namespace(time_scale=time_scale, max_output=args.max_output, concurrency=0)
+    prompts = _prompts(cell, load)
+    concurrency = args.engines if cell.load == "closed" else 0
+    replay = argparse.Namespace(time_scale=time_scale, max_output=args.max_output, concurrency=concurrency)
     runs = []
     for policy in cell_policies(cell, policies):
+        shared_key = (policy, cell.client, cell.prompts)
+        if policy in REPLICA_FREE and shared_key in engines.replica_free:
+            runs.append({**engines.replica_free[shared_key], "replicas": int(cell.replicas)})
+            continue
         print(f"  {cell.name}: {policy}", file=sys.stderr)
+        stream = cell.client == "stream"
+        replicas = int(cell.replicas)
         run, results = await replay_on_stack(
-            stack, policy, int(cell.replicas), requests, prompts, replay, lru, load.after, cell.client == "stream"
+            engines.stack, policy, replicas, requests, prompts, replay, lru, load.after, stream
         )
         runs.append(_run_figures(run, results, time_scale))
+        if policy in REPLICA_FREE:
+            engines.replica_free[shared_key] = runs[-1]
     relative_to_best(runs)
     return {
         "name": cell.name,
@@ -218,33 +260,55 @@ async def _run_cell(
         "time_scale": round(time_scale, 4),
         "distinct_blocks": distinct,
         "cache_fraction": round(capacity / distinct, 4),
-        "engine_kv_tokens": engine_kv_tokens,
+        "engine_kv_tokens": engines.engine_kv_tokens,
+        "prompts_per_engine": round(engines.engine_kv_tokens / max(load.mean_prompt_tokens, 1), 2),
         "lru_reference_hit_rate": round(lru, 4),
         "infinite_cache_hit_rate": round(infinite, 4),
         "runs": runs,
     }
 
 
+def cache_fraction(cache: str, load: Workload, engines: int) -> float:
+    """The fleet's cache / the workload's distinct blocks: the cache axis's fraction, or for
+    ``tiny`` what gives each engine room for :data:`TINY_PROMPTS` mean prompts."""
+    if cache != "tiny":
+        return CACHE[cache]
+    distinct_tokens = len({h for r in load.requests for h in r.hash_ids}) * load.block_tokens
+    return min(1.0, engines * TINY_PROMPTS * load.mean_prompt_tokens / max(distinct_tokens, 1))
+
+
 async def run_grid(cells: list[Cell], policies: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     with RedisServer() as server:
-
-        def engine_setting(cell: Cell) -> tuple[str, str, str]:
-            return cell.tenants, cell.load, cell.cache
-
-        for number, (setting, group) in enumerate(itertools.groupby(cells, engine_setting)):
-            tenants, load_name, cache = setting
-            load = workload(tenants, load_name, args.requests_per_cell, args.seed, args.engines, args.prefill_ms_per_1k)
-            sizes = CACHE[cache], args.engines, args.block_size, args.max_output
+        for number, (_, group) in enumerate(itertools.groupby(cells, lambda c: c.engine_setting)):
+            cells_here = list(group)
+            first = cells_here[0]
+            tenants, load_name, cache = first.tenants, first.load, first.cache
+            load = workload(
+                tenants,
+                load_name,
+                args.requests_per_cell,
+                args.seed,
+                args.engines,
+                args.prefill_ms_per_1k,
+                args.block_size,
+            )
+            fraction = cache_fraction(cache, load, args.engines)
+            sizes = fraction, args.engines, args.block_size, args.max_output, load.block_tokens
             capacity, per_engine_blocks, max_model_len = fleet_capacity(load.requests, *sizes)
             time_scale = args.wall_rate / load.rate
             redis = RedisSettings(url=server.url, prefix=f"regimes{number}")
             engine = {"num_blocks": per_engine_blocks, "block_size": args.block_size, "max_model_len": max_model_len}
-            print(f"engines for {tenants}/{load_name}/{cache}: time scale {time_scale:.2f}", file=sys.stderr)
-            async with Stack(redis, engines=args.engines, timing=_timing(args, time_scale), **engine) as stack:
-                for cell in group:
-                    kv_tokens = (per_engine_blocks - 1) * args.block_size  # block 0 is the null block
-                    out.append(await _run_cell(stack, cell, load, capacity, kv_tokens, time_scale, policies, args))
+            setting = "/".join(first.engine_setting)
+            print(f"engines for {setting}: time scale {time_scale:.2f}", file=sys.stderr)
+            timing = _timing(args, time_scale, first)
+            async with Stack(
+                redis, engines=args.engines, timing=timing, engine_metrics=first.engine, **engine
+            ) as stack:
+                kv_tokens = (per_engine_blocks - 1) * args.block_size  # block 0 is the null block
+                shared = _Engines(stack, load, capacity, kv_tokens, time_scale, {})
+                for cell in cells_here:
+                    out.append(await _run_cell(shared, cell, policies, args))
     return out
 
 
@@ -295,20 +359,27 @@ def render(report: dict[str, Any]) -> str:
 
 def render_across(cells: list[dict[str, Any]]) -> str:
     """Per cell and policy, the geometric means of the ratios over the seeds and the mean figures."""
+
+    def span(r: dict[str, Any], key: str, form: str) -> str:
+        low, high = r.get("spread", {}).get(key, (r[key], r[key]))
+        return f"{format(low, form)}-{format(high, form)}"
+
     rows = [
         [
             cell["name"],
             r["policy"],
             f"{r['ttft_vs_best']:.2f}",
+            span(r, "ttft_vs_best", ".2f"),
             f"{r['p90_vs_best']:.2f}",
             f"{r['ttft_mean_ms']:.1f}",
             f"{r['of_lru']:.1%}",
+            span(r, "of_lru", ".0%"),
             r["failed"],
         ]
         for cell in cells
         for r in cell["runs"]
     ]
-    headers = ["cell", "policy", "ttft/best", "p90/best", "mean ms", "of LRU", "failed"]
+    headers = ["cell", "policy", "ttft/best", "seeds' range", "p90/best", "mean ms", "of LRU", "seeds' range", "failed"]
     return "across seeds (geometric means of the ratios, mean figures):\n" + text_table(headers, rows) + "\n"
 
 
@@ -342,9 +413,9 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, tuple[str, ...]], li
 
 
 def seeds_from(args: argparse.Namespace) -> list[int]:
-    """``--seeds`` (comma-separated integers) or else ``--seed``."""
+    """``--seeds`` (comma-separated integers), else ``--seed``, else :data:`DEFAULT_SEEDS`."""
     if not getattr(args, "seeds", None):
-        return [args.seed]
+        return [args.seed] if getattr(args, "seed", None) is not None else list(DEFAULT_SEEDS)
     try:
         seeds = list(dict.fromkeys(int(v) for v in args.seeds.split(",") if v.strip()))
     except ValueError:
@@ -379,6 +450,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_num_seqs": args.max_num_seqs,
             "block_size": args.block_size,
+            "prefill_context_ns": getattr(args, "prefill_context_ns", 0.0),
+            "parallel_chunk_tokens": PARALLEL_CHUNK_TOKENS,
             "max_output": args.max_output,
             "requests_per_cell": args.requests_per_cell,
             "wall_rate": args.wall_rate,

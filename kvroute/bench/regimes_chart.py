@@ -1,7 +1,8 @@
 """The PNG of ``kvroute bench regimes``: cells x policies heat maps. Left: mean TTFT (latency in
 non-streamed cells) / the best mean in the cell, annotated with the ratio and the mean; right: hit
-rate as a fraction of the shared-LRU reference of the cell's capacity. A policy that did not run in
-a cell (sglang outside text cells) is a grey square."""
+rate as a fraction of the shared-LRU reference of the cell's capacity. Judged over several seeds,
+each square also gives the range of its figure over the seeds. A policy that did not run in a
+cell (sglang outside text cells) is a grey square."""
 
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ def _note(run: dict[str, Any] | None, key: str) -> str:
     if run is None:
         return ""
     failed = f"\n{run['failed']} failed" if run["failed"] else ""
+    low, high = run.get("spread", {}).get(key, (None, None))
     if key == "ttft_vs_best":
-        return f"{run[key]:.2f}x\n{run['ttft_mean_ms']:.0f} ms{failed}"
-    return f"{run[key]:.0%}{failed}"
+        spread = f"\n{low:.2f}-{high:.2f}" if low is not None else ""
+        return f"{run[key]:.2f}x{spread}\n{run['ttft_mean_ms']:.0f} ms{failed}"
+    spread = f"\n{low:.0%}-{high:.0%}" if low is not None else ""
+    return f"{run[key]:.0%}{spread}{failed}"
 
 
 def chart(report: dict[str, Any], path: Path) -> None:

@@ -7,7 +7,9 @@ that ``bench replay``'s replay loop, text prompts and shared-LRU reference apply
 * tenants: ``balanced`` 8 tenants used equally; ``hot`` one tenant carries 80% of the requests,
   half of them one-shot requests with a long unique suffix on its prefix (documents, RAG), the
   other 7 tenants share the rest; ``zipf`` 32 tenants whose popularity is Zipf(s=1.1). Each
-  tenant has a system prompt of 2-4 blocks (the hot one: 4).
+  tenant has a system prompt of 2-4 blocks (the hot one: 4). ``chat``: 8 tenants' conversations
+  written as prose (:mod:`kvroute.bench.regimes_chat`), not in blocks; the rest of this list is
+  about the other three.
 * conversations: a request is the tenant's system prompt + the conversation so far + a new user
   turn; the first turn adds one block, each later one one or two (the reply and the next user
   message); a conversation has 2-6 turns. ``SLOTS`` conversations are open at any time (users
@@ -30,25 +32,50 @@ import itertools
 import random
 from dataclasses import dataclass, replace
 
+from kvroute.bench.regimes_chat import chat_conversations
 from kvroute.bench.replay_workload import TRACE_BLOCK, TraceRequest
+from router.tokenizer import ModelPrompts
+from sim_engine.settings import TINY_MODEL_DIR
 
 AXES: dict[str, tuple[str, ...]] = {
-    "tenants": ("balanced", "hot", "zipf"),
-    "load": ("light", "heavy", "overload"),
-    "cache": ("tight", "loose"),
+    "tenants": ("balanced", "hot", "zipf", "chat"),
+    "load": ("light", "heavy", "overload", "closed"),
+    "cache": ("tight", "loose", "tiny"),
     "client": ("stream", "nostream"),
     "prompts": ("ids", "text"),
-    "replicas": ("1", "4"),
+    "replicas": ("1", "2", "4"),
+    "engine": ("full", "minimal"),
+    "prefill": ("serial", "parallel"),
 }
-LOAD = {"light": 0.3, "heavy": 0.8, "overload": 1.2}  # of the fleet's prefill capacity
+# Open loop, arrivals at these shares of the fleet's prefill capacity; "closed": as many clients as
+# engines, each sending its next request when its last is answered (the engines' clock runs as
+# for "light"; the arrival times are not used).
+LOAD = {"light": 0.3, "heavy": 0.8, "overload": 1.2, "closed": 0.3}
 CACHE = {"tight": 0.25, "loose": 1.0}  # fleet KV capacity / distinct blocks of the cell's requests
+TINY_PROMPTS = 1.3  # cache=tiny: each engine holds this many mean prompts (grown to fit the largest)
+# Axes whose default values a cell's name leaves out (names from before these axes stay the same).
+QUIET = {"engine": "full", "prefill": "serial"}
 
-# The default grid: tenants x load at these values of the other axes, plus EXTRA_CELLS.
-BASE = {"cache": "tight", "client": "stream", "prompts": "ids", "replicas": "1"}
-EXTRA_CELLS = (
-    {"tenants": "zipf", "load": "heavy", "cache": "loose", "client": "stream", "prompts": "ids", "replicas": "1"},
-    {"tenants": "zipf", "load": "heavy", "cache": "tight", "client": "nostream", "prompts": "text", "replicas": "4"},
+# --axis and --full pick from tenants x load at these values of the other axes.
+BASE = {"cache": "tight", "client": "stream", "prompts": "ids", "replicas": "1", "engine": "full", "prefill": "serial"}
+# The default grid: these cells, each at every replica count (DEFAULT_REPLICAS). The first five
+# are the grid of issue 12 (token ids, engines reporting vLLM's whole metric set); the others have
+# engines that export only three gauges, non-streaming clients and, where "tiny", caches that hold
+# one or two prompts: prose conversations as text and as token ids with prefills in parallel, and
+# balanced and hot tenants with one prefill at a time.
+DEFAULT_CELLS = (
+    "balanced/light/tight/stream/ids",
+    "hot/heavy/tight/stream/ids",
+    "zipf/light/tight/stream/ids",
+    "zipf/heavy/loose/stream/ids",
+    "zipf/heavy/tight/nostream/text",
+    "chat/light/tiny/nostream/text/minimal/parallel",
+    "chat/light/loose/nostream/text/minimal/parallel",
+    "chat/light/tiny/nostream/ids/minimal/parallel",
+    "balanced/heavy/tiny/nostream/ids/minimal",
+    "hot/heavy/tiny/nostream/ids/minimal",
 )
+DEFAULT_REPLICAS = ("1", "2", "4")
 
 SLOTS = 16  # conversations open at once
 HOT_SHARE = 0.8
@@ -67,13 +94,32 @@ class Cell:
     client: str
     prompts: str
     replicas: str
+    engine: str = "full"
+    prefill: str = "serial"
 
     @property
     def name(self) -> str:
-        return f"{self.tenants}/{self.load}/{self.cache}/{self.client}/{self.prompts}/r{self.replicas}"
+        quiet = "".join(f"/{getattr(self, a)}" for a, default in QUIET.items() if getattr(self, a) != default)
+        return f"{self.tenants}/{self.load}/{self.cache}/{self.client}/{self.prompts}/r{self.replicas}{quiet}"
 
     def axes(self) -> dict[str, str]:
         return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def engine_setting(self) -> tuple[str, str, str, str, str]:
+        """What the engines of a cell depend on: cells that differ only in client, prompts or
+        replicas share one stack."""
+        return self.tenants, self.load, self.cache, self.engine, self.prefill
+
+
+def cell_named(name: str, replicas: str) -> Cell:
+    """A :data:`DEFAULT_CELLS` entry at ``replicas``: the quiet axes' values by name, in any order."""
+    tenants, load, cache, client, prompts, *rest = name.split("/")
+    quiet = dict(QUIET)
+    for value in rest:
+        axis = next(a for a in QUIET if value in AXES[a])
+        quiet[axis] = value
+    return Cell(tenants, load, cache, client, prompts, replicas, **quiet)
 
 
 def parse_axis(flag: str) -> tuple[str, tuple[str, ...]]:
@@ -92,24 +138,26 @@ def parse_axis(flag: str) -> tuple[str, tuple[str, ...]]:
 
 
 def grid(axis_flags: list[str], full: bool) -> tuple[dict[str, tuple[str, ...]], list[Cell]]:
-    """The grid's axes and its cells, in the order they run (cells that share an engine setting,
-    tenants x load x cache, are next to each other). Without ``--axis`` or ``--full``: the default
-    grid (tenants x load at :data:`BASE`) and :data:`EXTRA_CELLS`."""
-    axes = {name: values if full or name not in BASE else (BASE[name],) for name, values in AXES.items()}
-    for flag in axis_flags:
-        name, values = parse_axis(flag)
-        axes[name] = values
-    cells = [Cell(**dict(zip(AXES, values, strict=True))) for values in itertools.product(*axes.values())]
+    """The grid's axes and its cells, in the order they run (cells that share an engine setting
+    are next to each other). Without ``--axis`` or ``--full``: :data:`DEFAULT_CELLS` at each of
+    :data:`DEFAULT_REPLICAS`; with ``--axis``: tenants x load at :data:`BASE`, each flag replacing
+    one axis's values; ``--full``: every value of every axis."""
     if not axis_flags and not full:
-        cells += [Cell(**extra) for extra in EXTRA_CELLS if Cell(**extra) not in cells]
-        axes = {name: tuple(dict.fromkeys(getattr(c, name) for c in cells)) for name in AXES}
-        cells.sort(key=lambda c: [AXES[a].index(getattr(c, a)) for a in AXES])
-    return axes, cells
+        cells = [cell_named(name, r) for name in DEFAULT_CELLS for r in DEFAULT_REPLICAS]
+    else:
+        axes = {name: values if full or name not in BASE else (BASE[name],) for name, values in AXES.items()}
+        for flag in axis_flags:
+            name, values = parse_axis(flag)
+            axes[name] = values
+        cells = [Cell(**dict(zip(AXES, values, strict=True))) for values in itertools.product(*axes.values())]
+    cells.sort(key=lambda c: [AXES[a].index(getattr(c, a)) for a in ("tenants", "load", "cache", "engine", "prefill")])
+    used = {name: tuple(dict.fromkeys(getattr(c, name) for c in cells)) for name in AXES}
+    return {name: tuple(v for v in AXES[name] if v in used[name]) for name in AXES}, cells
 
 
 def tenant_shares(tenants: str) -> list[float]:
     """Each tenant's share of the requests (tenant 0 first)."""
-    if tenants == "balanced":
+    if tenants in ("balanced", "chat"):
         return [1 / BALANCED_TENANTS] * BALANCED_TENANTS
     if tenants == "hot":
         return [HOT_SHARE] + [(1 - HOT_SHARE) / (BALANCED_TENANTS - 1)] * (BALANCED_TENANTS - 1)
@@ -127,6 +175,8 @@ class Workload:
     after: list[int | None]  # the previous turn of the request's conversation (None: a first turn)
     tenants: list[int]  # the tenant of each request
     rate: float  # arrivals per simulated second
+    texts: list[str] | None = None  # the prompts as text, when the workload is written as text (chat)
+    block_tokens: int = TRACE_BLOCK  # tokens per entry of a request's hash_ids
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -193,9 +243,22 @@ def conversations(tenants: str, count: int, seed: int) -> tuple[list[TraceReques
     return requests, after, owners
 
 
-def workload(tenants: str, load: str, count: int, seed: int, engines: int, prefill_ms_per_1k: float) -> Workload:
+def workload(
+    tenants: str, load: str, count: int, seed: int, engines: int, prefill_ms_per_1k: float, block_size: int = 16
+) -> Workload:
     """A cell's requests with Poisson arrival times at the load's rate (simulated seconds)."""
-    requests, after, owners = conversations(tenants, count, seed)
+    texts, block_tokens = None, TRACE_BLOCK
+    if tenants == "chat":
+        chats = chat_conversations(count, seed, ModelPrompts(TINY_MODEL_DIR), block_size)
+        requests, after, owners, texts, block_tokens = (
+            chats.requests,
+            chats.after,
+            chats.tenants,
+            chats.texts,
+            block_size,
+        )
+    else:
+        requests, after, owners = conversations(tenants, count, seed)
     rate = arrival_rate(LOAD[load], engines, prefill_ms_per_1k, mean_prompt_tokens(requests))
     gaps = random.Random(f"regimes/arrivals/{seed}")
     at = 0.0
@@ -203,4 +266,4 @@ def workload(tenants: str, load: str, count: int, seed: int, engines: int, prefi
     for request in requests:
         at += gaps.expovariate(1.0)  # unit-rate gaps, scaled: the load only stretches time
         timed.append(replace(request, at_s=at / rate))
-    return Workload(timed, after, owners, rate)
+    return Workload(timed, after, owners, rate, texts, block_tokens)

@@ -44,7 +44,7 @@ from kvroute.bench.replay_workload import (
     tokens_of,
 )
 from kvroute.devstack.embedded_redis import RedisServer
-from kvroute.devstack.peers import SglangRouters
+from kvroute.devstack.peers import GreedyOracle, SglangRouters
 from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
 from router.accounting import degraded_share, lost_during, lost_from_exposition, lost_shares
@@ -54,6 +54,8 @@ from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 
 TIME_WINDOWS = 20  # points of the hit-rate-over-time curve
+GREEDY_ORACLE = "greedy_oracle"  # the reference router that asks the engines (kvroute.devstack.oracle)
+PEERS = ("sglang", GREEDY_ORACLE)  # routers that are not kvroute's, which count no lost tokens
 
 
 @dataclass
@@ -188,6 +190,10 @@ async def _router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterato
         async with SglangRouters(stack.engine_urls, replicas) as sglang:
             yield sglang.urls
         return
+    if router == GREEDY_ORACLE:
+        async with GreedyOracle(stack.engine_urls, replicas) as oracle:
+            yield oracle.urls
+        return
     try:
         yield await stack.start_routers(Policy(router), replicas)
     finally:
@@ -212,7 +218,7 @@ async def replay_on_stack(
     ttft_before = await _engine_ttft(stack)
     async with _router_urls(stack, router, replicas) as urls:
         results = await send_all(urls, requests, prompts, args, after, stream)
-        lost = await router_lost_tokens(urls) if router != "sglang" else None  # fresh routers: from 0
+        lost = await router_lost_tokens(urls) if router not in PEERS else None  # fresh routers: from 0
     done = await stack.requests_per_engine()
     ttft_done = await _engine_ttft(stack)
     per_worker = [b - a for a, b in zip(before, done, strict=True)]
@@ -240,17 +246,28 @@ def prompts_for(requests: list[TraceRequest], text: bool) -> list[Any]:
 
 def _routers(args: argparse.Namespace) -> list[str]:
     routers = [Policy(p).value for p in args.policies.split(",") if p]
-    return routers + ([args.peer] if args.peer else [])
+    return routers + peers_of(args)
+
+
+def peers_of(args: argparse.Namespace) -> list[str]:
+    """``--peer``'s routers (comma-separated: sglang, greedy_oracle)."""
+    return [p.strip() for p in (args.peer or "").split(",") if p.strip()]
 
 
 def fleet_capacity(
-    requests: list[TraceRequest], cache_fraction: float, engines: int, block_size: int, max_output: int
+    requests: list[TraceRequest],
+    cache_fraction: float,
+    engines: int,
+    block_size: int,
+    max_output: int,
+    block_tokens: int = TRACE_BLOCK,
 ) -> tuple[int, int, int]:
     """(fleet capacity in trace blocks, blocks per engine, max model length in tokens) for caches
-    that together hold ``cache_fraction`` of the requests' distinct blocks."""
+    that together hold ``cache_fraction`` of the requests' distinct blocks (``block_tokens``
+    tokens each: the trace's 512, or the engines' block size for a workload hashed as they hash)."""
     distinct = len({h for r in requests for h in r.hash_ids})
     capacity_trace_blocks = max(1, int(distinct * cache_fraction))
-    per_engine_blocks = capacity_trace_blocks * (TRACE_BLOCK // block_size) // engines + 1
+    per_engine_blocks = capacity_trace_blocks * (block_tokens // block_size) // engines + 1
     needed = max(r.input_length + max_output for r in requests) // block_size + 2
     if per_engine_blocks < needed:
         # An engine must fit the largest request: grow the caches and say so (the references use
@@ -261,7 +278,7 @@ def fleet_capacity(
             file=sys.stderr,
         )
         per_engine_blocks = needed
-        capacity_trace_blocks = per_engine_blocks * engines * block_size // TRACE_BLOCK
+        capacity_trace_blocks = per_engine_blocks * engines * block_size // block_tokens
     return capacity_trace_blocks, per_engine_blocks, needed * block_size
 
 
@@ -322,7 +339,7 @@ async def running_routers(flag: str) -> list[str]:
 
 async def run_benchmark(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, Any]:
     urls = await running_routers(args.router_url) if args.router_url else []
-    text = args.prompts == "text" or bool(args.peer)  # the peer takes text only: every run gets text
+    text = args.prompts == "text" or "sglang" in peers_of(args)  # SGLang takes text only: every run gets text
     prompts = prompts_for(requests, text)
     distinct = len({h for r in requests for h in r.hash_ids})
     sizes = args.cache_fraction, args.engines, args.block_size, args.max_output

@@ -118,8 +118,10 @@ def single_token_words(prompts: ModelPrompts, want: int = 256) -> list[str]:
     return words
 
 
-def reference_hit_rates(requests: list[TraceRequest], capacity_blocks: int) -> tuple[float, float]:
-    """(shared LRU cache of ``capacity_blocks`` 512-token blocks, infinite cache) hit rates."""
+def reference_hit_rates(
+    requests: list[TraceRequest], capacity_blocks: int, block_tokens: int = TRACE_BLOCK
+) -> tuple[float, float]:
+    """(shared LRU cache of ``capacity_blocks`` blocks of ``block_tokens`` tokens, infinite cache) hit rates."""
     lru: OrderedDict[int, None] = OrderedDict()
     seen: set[int] = set()
     prompt = lru_hits = infinite_hits = 0
@@ -127,9 +129,9 @@ def reference_hit_rates(requests: list[TraceRequest], capacity_blocks: int) -> t
         prompt += request.input_length
         cap = request.input_length - 1
         depth = next((i for i, h in enumerate(request.hash_ids) if h not in lru), len(request.hash_ids))
-        lru_hits += min(depth * TRACE_BLOCK, cap)
+        lru_hits += min(depth * block_tokens, cap)
         depth = next((i for i, h in enumerate(request.hash_ids) if h not in seen), len(request.hash_ids))
-        infinite_hits += min(depth * TRACE_BLOCK, cap)
+        infinite_hits += min(depth * block_tokens, cap)
         for hash_id in request.hash_ids:
             lru[hash_id] = None
             lru.move_to_end(hash_id)

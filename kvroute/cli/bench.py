@@ -113,6 +113,17 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+REPLAY_PEERS = ("sglang", "greedy_oracle")
+
+
+def _peers(text: str) -> str:
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in REPLAY_PEERS]
+    if unknown or not peers:
+        raise argparse.ArgumentTypeError(f"--peer takes some of {','.join(REPLAY_PEERS)}, got {text!r}")
+    return ",".join(dict.fromkeys(peers))
+
+
 def _replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="?", help="a Mooncake-format trace (JSON lines: timestamp, input_length, hash_ids)")
     p.add_argument(
@@ -140,9 +151,10 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--peer",
-        choices=["sglang"],
-        help="also run the SGLang router (cache_aware) on the same engines; "
-        "sends text prompts to every router (sglang-router from $KVROUTE_SGLANG_PYTHON or python3)",
+        type=_peers,
+        help="also run these routers on the same engines (comma-separated): sglang, the SGLang router "
+        "(cache_aware; text prompts to every router; sglang-router from $KVROUTE_SGLANG_PYTHON or python3); "
+        "greedy_oracle, a reference that asks each engine what it holds now and takes the longest match",
     )
     p.add_argument(
         "--prompts",
@@ -167,24 +179,26 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
         "--axis",
         action="append",
         metavar="NAME=V1,V2",
-        help="the values of one axis (repeatable): tenants=balanced,hot,zipf load=light,heavy,overload "
-        "cache=tight,loose client=stream,nostream prompts=ids,text replicas=1,4; the others keep the "
-        "default grid's values (default grid: tenants x load at cache=tight client=stream prompts=ids "
-        "replicas=1, plus two cells varying the other axes)",
+        help="the values of one axis (repeatable): tenants=balanced,hot,zipf,chat load=light,heavy,overload "
+        "cache=tight,loose,tiny client=stream,nostream prompts=ids,text replicas=1,2,4 engine=full,minimal "
+        "prefill=serial,parallel; with --axis the grid is tenants x load at cache=tight client=stream "
+        "prompts=ids replicas=1 engine=full prefill=serial, each flag replacing one axis's values "
+        "(default grid, without --axis: ten cells at 1, 2 and 4 replicas, docs/benchmarks.md)",
     )
-    p.add_argument("--full", action="store_true", help="every value of every axis (144 cells: hours)")
+    p.add_argument("--full", action="store_true", help="every value of every axis (2,592 cells: days)")
     p.add_argument(
         "--policies",
-        default="kv,round_robin,least_loaded,prefix,sglang",
-        help="comma-separated policies (sglang: text cells only, with $KVROUTE_SGLANG_PYTHON)",
+        default="kv,round_robin,least_loaded,prefix,greedy_oracle,sglang",
+        help="comma-separated policies (greedy_oracle: the reference that asks each engine what it holds; "
+        "sglang: text cells only, with $KVROUTE_SGLANG_PYTHON)",
     )
-    p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="one workload seed (default: the seeds 1,2,3,4)")
     p.add_argument(
         "--seeds",
         metavar="S1,S2",
-        help="several workload seeds (overrides --seed): every cell runs once per seed and each policy "
-        "is judged on the geometric mean of its ratios to the best over the seeds (one run of a "
-        "tight cell can be off by 2x)",
+        help="workload seeds (default 1,2,3,4; overrides --seed): every cell runs once per seed and each "
+        "policy is judged on the geometric mean of its ratios to the best over the seeds (one run of a "
+        "tight cell can be off by 2x); the tables and the heat map give each figure's range over them",
     )
     p.add_argument("--requests-per-cell", type=positive_int, default=160, help="requests per run (default 160)")
     p.add_argument(
@@ -203,6 +217,13 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="engines' batch limit (default 64)")
     p.add_argument("--block-size", type=positive_int, default=16, help="engine block size (default 16)")
+    p.add_argument(
+        "--prefill-context-ns",
+        type=float,
+        default=0.0,
+        help="engines' attention term: a chunk of N new tokens after P computed takes this many ns x N x "
+        "(P + N/2) more (default 0; 5.4 scales an H200's measured 2.0 to these engines' 50 ms per 1k tokens)",
+    )
     p.add_argument("--max-output", type=positive_int, default=8, help="cap output tokens (default 8)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", help="write a heat map PNG here")

@@ -75,3 +75,39 @@ class SglangRouters:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class GreedyOracle:
+    """The greedy oracle (:mod:`kvroute.devstack.oracle`) over ``worker_urls``: one process, which
+    every "replica" of a run shares (it knows everything; its ``urls`` repeat its one URL)."""
+
+    worker_urls: list[str]
+    replicas: int = 1
+    urls: list[str] = field(default_factory=list)
+    _process: subprocess.Popen[bytes] | None = None
+    _log: str = ""
+
+    async def __aenter__(self) -> GreedyOracle:
+        port = free_port()
+        command = [sys.executable, "-m", "kvroute.devstack.oracle", "--port", str(port)]
+        command += ["--worker-urls", *self.worker_urls]
+        self._process, self._log = start_logged(command, "oracle")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                await wait_healthy(session, url + "/health", self._process, self._log, 60.0, name="the greedy oracle")
+        except BaseException:
+            self.stop()
+            raise
+        self.urls = [url] * self.replicas
+        return self
+
+    def stop(self) -> None:
+        if self._process is not None:
+            stop_processes([self._process])
+            remove_files([self._log])
+            self._process = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()

@@ -86,9 +86,11 @@ async def whole_completion(session: aiohttp.ClientSession, url: str, path: str, 
     return reply
 
 
-async def metric_value(session: aiohttp.ClientSession, base_url: str, name: str) -> float | None:
+async def metric_value(
+    session: aiohttp.ClientSession, base_url: str, name: str, path: str = "/metrics"
+) -> float | None:
     """The first sample called ``name`` on ``base_url``'s Prometheus page (None: no such sample)."""
-    async with session.get(base_url + "/metrics") as response:
+    async with session.get(base_url + path) as response:
         text = await response.text()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -148,8 +150,10 @@ class Stack:
         block_size: int = 16,
         timing: TimingModel | None = None,
         max_model_len: int = 4096,
+        engine_metrics: str = "full",
     ) -> None:
         self.redis = redis
+        self._engine_metrics = engine_metrics  # the engines' --metrics: full, or minimal (three gauges)
         self.engines = engines
         self._num_blocks = num_blocks
         self._block_size = block_size
@@ -195,7 +199,11 @@ class Stack:
         command += ["--max-model-len", str(self._max_model_len), *scheduler_flags(t)]
         command += ["--prefill-ms-per-1k-tokens", str(t.prefill_ms_per_1k_tokens)]
         command += ["--decode-ms-per-step", str(t.decode_ms_per_step), "--step-overhead-ms", str(t.step_overhead_ms)]
-        command += ["--speedup", str(t.speedup)]
+        command += ["--speedup", str(t.speedup), "--metrics", self._engine_metrics]
+        if t.prefill_context_ns:
+            command += ["--prefill-context-ns", str(t.prefill_context_ns)]
+        if t.parallel_prefill:
+            command += ["--parallel-prefill"]
         child = self._start(f"simulated engine {number}", command)
         return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
 
@@ -203,6 +211,8 @@ class Stack:
         command = [sys.executable, "-m", "worker_agent", "--engine-url", engine.url]
         command += ["--events", f"tcp://127.0.0.1:{engine.events_port}"]
         command += ["--replay", f"tcp://127.0.0.1:{engine.replay_port}", "--topic", "kv"]
+        # as an operator would: an engine with --metrics minimal does not say its block size
+        command += ["--block-size", str(self._block_size)]
         command += ["--redis-url", self.redis.url, "--prefix", self.redis.prefix, "--log-level", "WARNING"]
         return self._start(f"agent of {engine.name}", command)
 
@@ -308,11 +318,12 @@ class Stack:
         return [int(n) for n in await self.engine_metric("vllm:request_success_total")]
 
     async def engine_metric(self, name: str) -> list[float]:
-        """Each engine's sample called ``name`` now (0 where it has none)."""
+        """Each engine's sample called ``name`` now (0 where it has none), from its whole metric set
+        (``/debug/metrics``: an engine started with ``--metrics minimal`` exports little on /metrics)."""
         values = []
         async with aiohttp.ClientSession() as session:
             for engine in self.running:
-                values.append(await metric_value(session, engine.url, name) or 0.0)
+                values.append(await metric_value(session, engine.url, name, "/debug/metrics") or 0.0)
         return values
 
     async def cache_census(self) -> CacheCensus:

@@ -53,6 +53,8 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
         "24",
         "--engines",
         "2",
+        "--seed",
+        "1",
         "--json",
         str(out),
         "--chart",
@@ -94,6 +96,8 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
         "client": ["stream", "nostream"],
         "prompts": ["text"],
         "replicas": ["1"],
+        "engine": ["full"],
+        "prefill": ["serial"],
     }
     assert [c["metric"] for c in report["cells"]] == ["ttft", "latency"]
     for cell in report["cells"]:
@@ -158,3 +162,35 @@ def test_the_sglang_column_on_text_cells_only(tmp_path):
     assert [[r["policy"] for r in c["runs"]] for c in report["cells"]] == [["kv"], ["kv", "sglang"]]
     assert all(r["failed"] == 0 and r["hit_rate"] > 0 for c in report["cells"] for r in c["runs"])
     assert report["summary"]["sglang"]["cells"] == 1
+
+
+@pytest.mark.slow
+def test_prose_on_engines_that_report_little_against_the_greedy_oracle_over_two_seeds(tmp_path):
+    """The chat tenants as text on tiny caches, engines that export three gauges, prefills in
+    parallel, at one and two replicas: kv and the greedy oracle (run once per seed, shared by the
+    replica counts), judged across the seeds with each figure's range."""
+    out, png = tmp_path / "regimes.json", tmp_path / "regimes.png"
+    flags = ["--axis", "tenants=chat", "--axis", "load=light", "--axis", "cache=tiny", "--axis", "client=nostream"]
+    flags += ["--axis", "prompts=text", "--axis", "engine=minimal", "--axis", "prefill=parallel"]
+    flags += ["--axis", "replicas=1,2", "--policies", "kv,greedy_oracle", "--seeds", "1,2"]
+    flags += ["--requests-per-cell", "24", "--engines", "2", "--json", str(out), "--chart", str(png)]
+    result = regimes(*flags, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["cells"]]
+    assert names == [f"chat/light/tiny/nostream/text/r{r}/minimal/parallel" for s in (1, 2) for r in (1, 2)]
+    for cell in report["cells"]:
+        assert 1.0 <= cell["prompts_per_engine"] <= 2.0 and cell["engine_kv_tokens"] > cell["mean_prompt_tokens"]
+        oracle = next(r for r in cell["runs"] if r["policy"] == "greedy_oracle")
+        assert oracle["lost_share"] is None and oracle["failed"] == 0 and oracle["hit_rate"] > 0
+    for seed in (0, 2):  # the oracle ran once per seed: the two replica counts share its figures
+        one, two = (
+            next(r for r in report["cells"][seed + k]["runs"] if r["policy"] == "greedy_oracle") for k in (0, 1)
+        )
+        assert one["ttft_mean_ms"] == two["ttft_mean_ms"] and (one["replicas"], two["replicas"]) == (1, 2)
+    across = report["across_seeds"]
+    assert [c["seeds"] for c in across] == [[1, 2], [1, 2]]
+    for run in (r for c in across for r in c["runs"]):
+        low, high = run["spread"]["of_lru"]
+        assert low <= run["of_lru"] <= high and run["runs"] == 2
+    assert "seeds' range" in result.stdout and png.stat().st_size > 1000

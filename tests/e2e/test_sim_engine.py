@@ -263,3 +263,36 @@ async def test_probes_log_at_debug_and_requests_at_info(sim, caplog):
     await post(sim.url, {"prompt": "hello", "max_tokens": 1})
     levels = {getattr(r, FIELDS)["path"]: r.levelno for r in caplog.records if r.name == "sim_engine.access"}
     assert levels == {"/health": logging.DEBUG, "/metrics": logging.DEBUG, "/v1/completions": logging.INFO}
+
+
+async def test_debug_match_answers_the_prefix_hit_a_prompt_would_get_now(sim):
+    status, before = await post(sim.url, {"prompt": PROMPT}, "/debug/match")
+    assert status == 200 and before == {"prompt_tokens": 64, "cached_tokens": 0, "running": 0, "waiting": 0}
+    await post(sim.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
+    _, after = await post(sim.url, {"prompt": PROMPT + [7] * 20}, "/debug/match")
+    assert after["cached_tokens"] == 64  # the cached blocks, whole
+    status, reply = await post(sim.url, {"model": "tiny", "prompt": PROMPT + [7] * 20, "max_tokens": 1})
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == after["cached_tokens"]
+    _, salted = await post(sim.url, {"prompt": PROMPT, "cache_salt": "other"}, "/debug/match")
+    assert salted["cached_tokens"] == 0
+    chat = {"messages": [{"role": "user", "content": "hello there"}]}
+    status, answer = await post(sim.url, chat, "/debug/match")
+    assert status == 200 and answer["prompt_tokens"] > 0
+    status, error = await post(sim.url, {"prompt": 5}, "/debug/match")
+    assert status == 400 and "prompt" in error["error"]["message"]
+
+
+async def test_minimal_metrics_export_only_the_three_gauges():
+    async with running_engine(settings(metrics="minimal")) as engine, aiohttp.ClientSession() as session:
+        await post(engine.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
+        async with session.get(engine.url + "/metrics") as r:
+            public = {f.name for f in text_string_to_metric_families(await r.text())}
+        async with session.get(engine.url + "/debug/metrics") as r:
+            everything = {s.name: s.value for f in text_string_to_metric_families(await r.text()) for s in f.samples}
+    assert public == {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    assert everything["vllm:request_success_total"] == 1 and "vllm:cache_config_info" in everything
+
+
+def test_a_metrics_mode_that_does_not_exist_is_named():
+    with pytest.raises(ValueError, match="--metrics must be one of full, minimal"):
+        settings(metrics="some")

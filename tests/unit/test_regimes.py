@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections import Counter
 
 import pytest
 
-from kvroute.bench.regimes import across_seeds, relative_to_best, render, seeds_from, summarize_policies
+from kvroute.bench.regimes import (
+    DEFAULT_SEEDS,
+    across_seeds,
+    cache_fraction,
+    relative_to_best,
+    render,
+    seeds_from,
+    summarize_policies,
+)
 from kvroute.bench.regimes_workload import (
     AXES,
     CACHE,
-    EXTRA_CELLS,
+    DEFAULT_CELLS,
+    DEFAULT_REPLICAS,
     LOAD,
     SLOTS,
+    TINY_PROMPTS,
     TURNS,
     Cell,
     arrival_rate,
@@ -61,7 +72,10 @@ def test_the_arrival_rate_follows_the_load_formula(load):
     assert len(times) / times[-1] == pytest.approx(expected, rel=0.05)  # Poisson at that rate
 
 
-@pytest.mark.parametrize("tenants", AXES["tenants"])
+BLOCK_TENANTS = [t for t in AXES["tenants"] if t != "chat"]  # built from 512-token blocks
+
+
+@pytest.mark.parametrize("tenants", BLOCK_TENANTS)
 def test_tenants_request_shares_follow_the_axis(tenants):
     _, _, owners = conversations(tenants, 20_000, seed=1)
     shares = tenant_shares(tenants)
@@ -106,7 +120,7 @@ def test_the_hot_tenant_sends_long_unique_suffixes_on_its_prefix():
     assert len(one_shots) > 200 and len(set(suffixes)) == len(suffixes)
 
 
-@pytest.mark.parametrize("cache", AXES["cache"])
+@pytest.mark.parametrize("cache", ["tight", "loose"])
 def test_the_cache_capacity_follows_the_cache_axis(cache):
     wl = workload("zipf", "heavy", 400, 1, 4, 50)
     distinct = len({h for r in wl.requests for h in r.hash_ids})
@@ -118,23 +132,43 @@ def test_the_cache_capacity_follows_the_cache_axis(cache):
     assert (lru == infinite) == (cache == "loose")
 
 
+@pytest.mark.parametrize("tenants", ["balanced", "chat"])
+def test_a_tiny_cache_holds_one_or_two_mean_prompts_per_engine(tenants):
+    wl = workload(tenants, "light", 160, 1, 4, 50)
+    fraction = cache_fraction("tiny", wl, engines=4)
+    _, per_engine, _ = fleet_capacity(wl.requests, fraction, 4, 16, 8, wl.block_tokens)
+    prompts_held = (per_engine - 1) * 16 / wl.mean_prompt_tokens
+    largest = max(r.input_length for r in wl.requests)
+    # TINY_PROMPTS mean prompts, or what the largest request needs when that is more
+    assert TINY_PROMPTS * 0.97 <= prompts_held <= max(TINY_PROMPTS * 1.03, (largest + 8 + 32) / wl.mean_prompt_tokens)
+    assert 1.0 <= prompts_held <= 2.0
+
+
 def test_the_default_grid_and_axis_flags():
     axes, cells = grid([], full=False)
-    assert len(cells) == 9 + len(EXTRA_CELLS)
-    assert {(c.tenants, c.load) for c in cells} >= {(t, lo) for t in AXES["tenants"] for lo in AXES["load"]}
-    assert axes["cache"] == ("tight", "loose")
-    keys = [(c.tenants, c.load, c.cache) for c in cells]
+    assert len(cells) == len(DEFAULT_CELLS) * len(DEFAULT_REPLICAS) and DEFAULT_REPLICAS == ("1", "2", "4")
+    assert {c.name.replace(f"/r{c.replicas}", "") for c in cells} == set(DEFAULT_CELLS)
+    assert axes["replicas"] == ("1", "2", "4") and axes["engine"] == ("full", "minimal")
+    # engines that export three gauges, non-streaming clients, caches of one or two prompts, text
+    # and token ids, prefills in parallel and one at a time: all in the default grid
+    assert {"tiny", "tight", "loose"} <= set(axes["cache"]) and set(axes["client"]) == {"stream", "nostream"}
+    assert {(c.prompts, c.cache) for c in cells if c.engine == "minimal"} >= {("text", "tiny"), ("ids", "tiny")}
+    assert set(axes["prefill"]) == {"serial", "parallel"}
+    keys = [c.engine_setting for c in cells]
     assert all(keys.index(k) == i or keys[i - 1] == k for i, k in enumerate(keys))  # shared engines adjacent
     axes, cells = grid(["load=heavy", "tenants=hot,balanced", "replicas=1,4"], full=False)
     assert [c.name for c in cells] == [
-        "hot/heavy/tight/stream/ids/r1",
-        "hot/heavy/tight/stream/ids/r4",
         "balanced/heavy/tight/stream/ids/r1",
         "balanced/heavy/tight/stream/ids/r4",
+        "hot/heavy/tight/stream/ids/r1",
+        "hot/heavy/tight/stream/ids/r4",
     ]
     assert axes["load"] == ("heavy",) and axes["client"] == ("stream",)
+    _, cells = grid(["engine=minimal", "prefill=parallel", "tenants=chat", "load=light"], full=False)
+    assert [c.name for c in cells] == ["chat/light/tight/stream/ids/r1/minimal/parallel"]
     _, cells = grid([], full=True)
-    assert len(cells) == 3 * 3 * 2 * 2 * 2 * 2 and cells[0] == Cell("balanced", "light", "tight", "stream", "ids", "1")
+    sizes = [len(values) for values in AXES.values()]
+    assert len(cells) == math.prod(sizes) and cells[0] == Cell("balanced", "light", "tight", "stream", "ids", "1")
 
 
 @pytest.mark.parametrize(
@@ -228,6 +262,23 @@ def test_several_seeds_are_judged_on_the_geometric_mean_of_each_cells_ratios():
 @pytest.mark.parametrize(("flag", "expected"), [(None, [7]), ("3,1,3", [3, 1]), (" 2 ", [2])])
 def test_seeds_flag(flag, expected):
     assert seeds_from(argparse.Namespace(seed=7, seeds=flag)) == expected
+
+
+def test_four_seeds_unless_told():
+    assert seeds_from(argparse.Namespace(seed=None, seeds=None)) == list(DEFAULT_SEEDS) and len(DEFAULT_SEEDS) >= 4
+
+
+def test_the_merged_run_gives_each_figures_range_over_the_seeds():
+    def cell(seed: int, kv: float, hit: float) -> dict:
+        runs = [run("kv", kv, kv, hit), run("prefix", 100, 100, 0.5)]
+        for r in runs:
+            r["of_lru"] = r["hit_rate"] / 0.5
+        relative_to_best(runs)
+        return {"name": "c", "metric": "ttft", "seed": seed, "runs": runs}
+
+    kv = across_seeds([cell(1, 100, 0.5), cell(2, 150, 0.4), cell(3, 300, 0.45)])[0]["runs"][0]
+    assert kv["spread"]["ttft_vs_best"] == [1.0, 3.0] and kv["spread"]["ttft_mean_ms"] == [100, 300]
+    assert kv["spread"]["of_lru"] == [0.8, 1.0]
 
 
 @pytest.mark.parametrize("flag", ["1,two", ","])

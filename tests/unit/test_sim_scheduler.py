@@ -201,3 +201,65 @@ def test_the_command_line_names_and_the_old_alias():
     args = ["--max-num-batched-tokens", "0", "--decode-ms-per-token", "0.25", "--events-endpoint", "none"]
     timing = settings_from_args(parser.parse_args(args)).timing
     assert (timing.max_num_batched_tokens, timing.decode_ms_per_token) == (0, 0.25)
+
+
+def test_attention_makes_a_chunk_after_a_long_context_cost_more():
+    timing = TimingModel(prefill_ms_per_1k_tokens=18.5, prefill_context_ns=2.0)
+    # the H200 figure of issue 37: 992 new tokens after 31,776 cached
+    linear = 992 * 18.5 / 1000
+    assert timing.chunk_ms(992, 31_776) == pytest.approx(linear + 2.0 * 992 * (31_776 + 496) / 1e6)
+    assert timing.chunk_ms(992, 31_776) > 4 * timing.chunk_ms(992, 0) * 0.9
+    assert TimingModel(prefill_ms_per_1k_tokens=18.5).chunk_ms(992, 31_776) == pytest.approx(linear)
+
+
+def test_a_steps_prefill_time_sums_its_chunks_with_their_contexts():
+    timing = TimingModel(
+        prefill_ms_per_1k_tokens=1000, prefill_context_ns=1e6, max_num_batched_tokens=16, max_num_seqs=8
+    )
+    engine = SimEngine(64, BS, timing, max_model_len=4096)
+    engine.submit(SimRequest("a", prompt(12), max_tokens=1))
+    plan, _ = step(engine)  # 12 tokens from 0: 12 ms + 1 ms x 12 x 6
+    assert plan.prefill_ms == pytest.approx(12 + 12 * 6)
+    engine.submit(SimRequest("b", prompt(24, base=500), max_tokens=1))
+    engine.submit(SimRequest("c", prompt(8, base=900), max_tokens=1))
+    plan, _ = step(engine)  # a is done; b's first 16 tokens from 0, and the budget is spent
+    assert [n for _, n in plan.scheduled] == [16] and plan.prefill_ms == pytest.approx(16 + 16 * 8)
+    plan, _ = step(engine)  # b's last 8 after 16 computed, and c's 8 from 0
+    assert [n for _, n in plan.scheduled] == [8, 8]
+    assert plan.prefill_ms == pytest.approx((8 + 8 * (16 + 4)) + (8 + 8 * 4))
+    assert timing.step_seconds(plan.prefill_tokens, 0, plan.prefill_ms) > timing.step_seconds(plan.prefill_tokens, 0)
+
+
+def test_parallel_prefill_gives_each_request_its_budget_and_takes_the_longest_chunk():
+    timing = TimingModel(prefill_ms_per_1k_tokens=1000, max_num_batched_tokens=8, max_num_seqs=8, parallel_prefill=True)
+    engine = SimEngine(64, BS, timing, max_model_len=4096)
+    for name, base in (("a", 10), ("b", 300), ("c", 600)):
+        engine.submit(SimRequest(name, prompt(10, base), max_tokens=1))
+    plan, _ = step(engine)
+    assert [n for _, n in plan.scheduled] == [8, 8, 8] and plan.prefill_tokens == 24
+    assert plan.prefill_ms == pytest.approx(8)  # in parallel: one chunk's time, not three
+    plan, _ = step(engine)
+    assert [n for _, n in plan.scheduled] == [2, 2, 2] and plan.prefill_ms == pytest.approx(2)
+    serial = SimEngine(64, BS, TimingModel(prefill_ms_per_1k_tokens=1000, max_num_batched_tokens=8, max_num_seqs=8))
+    for name, base in (("a", 10), ("b", 300)):
+        serial.submit(SimRequest(name, prompt(10, base), max_tokens=1))
+    plan, _ = step(serial)
+    assert [n for _, n in plan.scheduled] == [8] and plan.prefill_ms == pytest.approx(8)
+
+
+def test_the_prefix_hit_now_is_what_admission_would_give():
+    engine = make_engine(budget=0)
+    engine.submit(SimRequest("a", prompt(17), max_tokens=1))
+    step(engine)
+    assert engine.cached_prefix_tokens(prompt(17)) == 16  # at most prompt length - 1, whole blocks
+    assert engine.cached_prefix_tokens(prompt(30)) == 16 and engine.cached_prefix_tokens(prompt(9, base=99)) == 0
+    assert engine.cached_prefix_tokens(prompt(17), salt="tenant") == 0  # a salt is another chain
+
+
+def test_the_timing_flags():
+    parser = build_parser()
+    args = ["--prefill-context-ns", "2.5", "--parallel-prefill", "--events-endpoint", "none"]
+    timing = settings_from_args(parser.parse_args(args)).timing
+    assert (timing.prefill_context_ns, timing.parallel_prefill) == (2.5, True)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        TimingModel(prefill_context_ns=-1)
