@@ -61,6 +61,11 @@ class BlockMirror:
         self._children: dict[int, set[int]] = {}
         self._indexed: set[int] = set()
         self._root: dict[int, int] = {}  # indexed block -> its chain's first block
+        self.held = 0  # physical blocks with a hash: every copy counted
+        # The most physical blocks held when the engine evicted one (None: it never has). An
+        # engine evicts a cached block only once no never-used block is left, so this is its
+        # cache's size, less the blocks in use that are not full yet (see inferred_capacity).
+        self.eviction_peak: int | None = None
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -109,17 +114,33 @@ class BlockMirror:
         ancestors) and how many blocks were not held at all."""
         subs: list[IndexSub] = []
         missing = 0
+        if blocks:
+            self.eviction_peak = max(self.eviction_peak or 0, self.held)
         for block in blocks:
             copies = self._copies.get(block)
             if copies is None:
                 missing += 1
             elif copies > 1:
                 self._copies[block] = copies - 1
+                self.held -= 1
             else:
                 self._drop(block, subs)
+                self.held -= 1
         return subs, missing
 
+    def inferred_capacity(self, running: int) -> int | None:
+        """The engine's cache size in blocks as its evictions show it, for an engine that does not
+        report it (no ``vllm:cache_config_info``): the most blocks held at an eviction, plus one
+        partly filled block per running request and vLLM's null block. A lower bound that reaches
+        the size once the cache has been full with few requests running; None before any eviction
+        (the cache has had room all along)."""
+        if self.eviction_peak is None:
+            return None
+        return self.eviction_peak + running + 1
+
     def clear(self) -> None:
+        """Forget every block (the engine's cache was cleared); its size, as evictions showed it, stays."""
+        self.held = 0
         self._capped.clear()
         self._copies.clear()
         self._parent.clear()
@@ -138,6 +159,7 @@ class BlockMirror:
         return out
 
     def _store_one(self, block: int, parent: int | None, adds: list[IndexAdd]) -> bool:
+        self.held += 1
         copies = self._copies.get(block)
         if copies is not None:
             # Parent links come from the first store; chained hashes make later ones equal.

@@ -282,8 +282,12 @@ class RedisWorker:
         if self._explicit_limit is None and load.capacity_blocks:
             self.mirror.limit = capacity_limit(load.capacity_blocks)
         args: list[str | int] = [self.gid, load.running, load.waiting, repr(load.kv_usage)]
-        if load.capacity_blocks:
-            args.append(load.capacity_blocks)
+        # An engine that does not say its cache size (an older vLLM, another engine) shows it by
+        # its evictions: the routers' cost needs it to know what a prompt will evict. Only a
+        # reported size limits the mirror (an inferred one is a lower bound).
+        capacity = load.capacity_blocks or self.mirror.inferred_capacity(load.running)
+        if capacity:
+            args.append(capacity)
         status = await self._scripts.run("load", [self.keys.worker(self.worker_id)], args)
         return HeartbeatStatus(decode(status))
 

@@ -184,6 +184,7 @@ class SimFleet:
     speedup: float = 20.0
     max_running: int = 64
     agent_args: list[str] = field(default_factory=list)  # more flags for every agent
+    engine_metrics: str = "full"  # the engines' --metrics: full, or minimal (three gauges)
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -203,6 +204,7 @@ class SimFleet:
                 num_blocks=self.num_blocks,
                 block_size=self.block_size,
                 timing=TimingModel(speedup=self.speedup, max_running=self.max_running),
+                metrics=self.engine_metrics,
             )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())

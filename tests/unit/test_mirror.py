@@ -132,3 +132,46 @@ def test_a_block_left_out_by_the_limit_joins_when_stored_again_with_room():
     mirror.limit = 4
     adds, skipped = mirror.store([StoredRun(1, (2, 3))])
     assert [a.block for a in adds] == [2, 3] and skipped == 0 and mirror.over_limit == 2
+
+
+def _feed(mirror: BlockMirror, events: list[dict]) -> None:
+    from kvindex.types import RemovedBlocks
+
+    for event in events:
+        if event["type"] == "BlockStored":
+            mirror.apply([StoredRun(event["parent_block_hash"], tuple(event["block_hashes"]))])
+        elif event["type"] == "BlockRemoved":
+            mirror.apply([RemovedBlocks(tuple(event["block_hashes"]))])
+
+
+@given(st.integers(20, 120), st.lists(st.integers(5, 70), min_size=12, max_size=40), st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_an_engines_evictions_show_its_cache_size(num_blocks, lengths, seed):
+    """A simulated engine's (vLLM's block pool) event stream: before it evicts, no size is
+    inferred; after, the inferred size is a lower bound within a few blocks of the truth."""
+    import random
+
+    from sim_engine.engine import SimEngine, SimRequest, TimingModel
+
+    engine = SimEngine(num_blocks, 4, TimingModel(max_num_batched_tokens=0, max_num_seqs=4))
+    mirror = BlockMirror()
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, 2000) for _ in range(40)] for _ in range(3)]
+    evicted = False
+    for i, length in enumerate(lengths):
+        tokens = (rng.choice(prefixes) + [rng.randrange(10, 2000) for _ in range(length)])[: (num_blocks - 1) * 4 - 8]
+        engine.submit(SimRequest(f"r{i}", tokens, max_tokens=2))
+        while engine.running or engine.waiting:
+            plan = engine.schedule()
+            events = engine.pool.take_events()
+            evicted |= any(e["type"] == "BlockRemoved" for e in events)
+            _feed(mirror, events)
+            engine.complete(plan)
+            inferred = mirror.inferred_capacity(len(engine.running))
+            assert (inferred is None) == (not evicted)
+            if inferred is not None:
+                assert inferred <= num_blocks + len(engine.running)
+    if evicted:
+        # one request at a time: at an eviction, every block but the null block and the running
+        # request's partly filled ones holds a hash
+        assert mirror.inferred_capacity(0) >= num_blocks - 2
