@@ -57,6 +57,8 @@ def _explain(decision: Decision) -> dict[str, Any]:
                 "cost": round(s.cost, 6),
                 "busy": s.busy,
                 "pending_blocks": s.candidate.pending_blocks,
+                "held_blocks": s.candidate.held_blocks,
+                "hit_blocks": s.hit_blocks,
                 "cached_blocks": s.candidate.cached_blocks,
                 "prefill_tokens": s.prefill_tokens,
                 "predicted_ttft_ms": round(s.ttft_s * 1000, 3),

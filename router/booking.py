@@ -16,7 +16,8 @@ The single owner of a request's load lifecycle:
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
    and its expectation ended (the retry books the next worker).
 4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
-   released. Used as a context manager, so no path can forget it.
+   released, and an expectation still standing ends. Used as a context manager, so no path can
+   forget it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class Booking:
         self._held: dict[str, InflightLoad] = {}  # worker id -> what is booked there now
         self._sent_at: dict[str, float] = {}  # worker id -> when the try started
         self._timer: asyncio.TimerHandle | None = None
+        # worker id -> when its expectation lapses (monotonic), once settled; unsettled: at most its TTL
+        self._settled_at: dict[str, float] = {}
         # A whole reply's (prefill tokens waited for, seconds), learned from once its length is known.
         self._whole: dict[str, tuple[float, float]] = {}
 
@@ -66,6 +69,7 @@ class Booking:
         load = InflightLoad(1, decision.prompt_tokens, uncached)
         self._release(candidate.worker_id)  # a second try on the same worker books once
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
+        self._load.hold(decision.model, candidate.worker_id, decision.expected_blocks())
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
         if self._learner is not None:
@@ -121,11 +125,20 @@ class Booking:
 
     def _settle(self, worker_id: str, within_s: float) -> None:
         decision = self._decision
+        self._settled_at[worker_id] = time.monotonic() + within_s
         self._load.settle_expected(decision.model, worker_id, decision.expected_blocks(), within_s)
 
     def close(self) -> None:
+        """The request ended: what is booked is released, and its expectation ends now wherever it
+        still stands. Its blocks reached the index with its prefill, a step or more before its
+        last token; standing longer, it hid from every decision what later requests there evicted
+        (on caches of one or two prompts, whole-checkpoint predictions where the engine had
+        nothing: docs/router.md)."""
         self._cancel_timer()
+        now = time.monotonic()
         for worker_id in list(self._held):
+            if self._settled_at.get(worker_id, now + 1.0) > now:
+                self._settle(worker_id, 0.0)
             self._release(worker_id)
 
     def _cancel_timer(self) -> None:
@@ -137,6 +150,7 @@ class Booking:
         held = self._held.pop(worker_id, None)
         if held is not None:
             self._load.release(self._decision.model, worker_id, held)
+            self._load.unhold(self._decision.model, worker_id, self._decision.expected_blocks())
 
     def __enter__(self) -> Booking:
         return self

@@ -66,8 +66,14 @@ class Decision:
         return len(self.chain)
 
     def predicted_cached_tokens(self, candidate: Candidate | None = None) -> int:
+        """The cached tokens the engine will report: the matched blocks predicted to survive
+        until the prompt is scheduled there (:func:`router.scoring.surviving_blocks`)."""
         chosen = candidate or self.choice.chosen
-        return predicted_cached_tokens(chosen.matched_blocks, self.prompt_tokens, self.block_size)
+        return predicted_cached_tokens(self.hit_blocks(chosen), self.prompt_tokens, self.block_size)
+
+    def hit_blocks(self, candidate: Candidate) -> int:
+        scored = next((s for s in self.choice.ranked if s.candidate.worker_id == candidate.worker_id), None)
+        return scored.hit_blocks if scored is not None else candidate.matched_blocks
 
     def scored(self, candidate: Candidate) -> Scored:
         return next(s for s in self.choice.ranked if s.candidate.worker_id == candidate.worker_id)
@@ -84,8 +90,8 @@ class Decision:
         if self.degraded:
             return None
         chosen = candidate or self.choice.chosen
-        matched = (s.candidate.matched_blocks for s in self.choice.ranked)
-        return split(self.prompt_tokens, self.block_size, self.prompt_blocks, matched, chosen.matched_blocks, reported)
+        hits = (s.hit_blocks for s in self.choice.ranked)
+        return split(self.prompt_tokens, self.block_size, self.prompt_blocks, hits, self.hit_blocks(chosen), reported)
 
     def shared_prefix(self) -> tuple[int, int, int] | None:
         """(block hash, tokens, holders) of the deepest checkpoint of the prompt that the
@@ -247,12 +253,18 @@ class Decider:
             )
 
     def _with_recent(self, model: str, chain: list[int], candidates: list[Candidate]) -> list[Candidate]:
-        """Candidates with the prefixes this replica's own recent bookings expect on them."""
+        """Candidates with the prefixes this replica's own recent bookings expect on them, and
+        those its requests in flight hold there (pinned: no eviction takes them)."""
         depth: dict[str, int] = defaultdict(int)
+        held: dict[str, int] = defaultdict(int)
         for d in checkpoints(len(chain)):
             worker_id = self._replica_load.expected_worker(model, chain[d - 1])
             if worker_id is not None:
                 depth[worker_id] = max(depth[worker_id], d)
+            for holder in self._replica_load.holders(model, chain[d - 1]) or ():
+                held[holder] = max(held[holder], d)
+        if held:
+            candidates = [replace(c, held_blocks=held[c.worker_id]) if c.worker_id in held else c for c in candidates]
         if not depth:
             return candidates
         return [_expecting(c, depth[c.worker_id]) for c in candidates]

@@ -272,6 +272,14 @@ SCHEMAS: dict[str, Any] = {
                         "cost": {"type": "number", "description": "seconds: the predicted TTFT and cache pressure"},
                         "busy": {"type": "boolean"},
                         "pending_blocks": {"type": "integer"},
+                        "held_blocks": {
+                            "type": "integer",
+                            "description": "leading blocks of the prompt this replica's requests in flight there hold",
+                        },
+                        "hit_blocks": {
+                            "type": "integer",
+                            "description": "matched blocks predicted still cached when the prompt is scheduled there",
+                        },
                         "cached_blocks": {"type": "integer"},
                         "prefill_tokens": {"type": "integer"},
                         "predicted_ttft_ms": {"type": "number"},

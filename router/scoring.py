@@ -83,6 +83,7 @@ class Candidate:
     engine: WorkerLoad | None = None
     pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
     cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
+    held_blocks: int = 0  # leading blocks of this prompt that requests in flight there hold (pinned)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Scored:
     busy: bool
     prefill_tokens: float = 0.0  # the prefill it would wait for there (ahead + own): what TTFT is fitted on
     ttft_s: float = 0.0  # the predicted time to first token there
+    hit_blocks: int = 0  # of its matched blocks, those predicted still cached when it is scheduled
 
 
 @dataclass(frozen=True)
@@ -110,17 +112,44 @@ def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size:
     return min(matched_blocks * block_size, (prompt_tokens - 1) // block_size * block_size)
 
 
+def surviving_blocks(candidate: Candidate, block_size: int) -> int:
+    """How many of ``candidate``'s matched blocks will still be cached when the engine schedules
+    this prompt there: the index says what the cache holds now, not what the requests in flight
+    there will have evicted by then.
+
+    A request is scheduled once those ahead of it are (first come, first served), and each holds
+    its whole prompt while it runs; vLLM evicts the least recently used free blocks to make room
+    for them. So the matched blocks that requests in flight there hold themselves (the same
+    prefix: pinned) survive, and of the others at most what the cache has room for beside the
+    prompts in flight: ``capacity - 1 - (their blocks)``. Taken as the most recently used (the
+    match of a conversation's last turn usually is), they are the last to go. A cache whose size
+    is not known, or with room for everything, keeps the whole match."""
+    matched = candidate.matched_blocks
+    engine = candidate.engine
+    capacity = engine.capacity_blocks if engine else None
+    inflight = candidate.inflight
+    if not capacity or matched <= 0 or inflight.requests <= 0:
+        return matched
+    pinned = min(matched, max(candidate.pending_blocks, candidate.held_blocks))
+    # blocks of the prompts in flight there (each one's last block partly filled), null block aside
+    room = capacity - 1 - inflight.prompt_tokens // block_size - inflight.requests
+    return pinned + min(matched - pinned, max(room, 0))
+
+
 @dataclass(frozen=True)
 class Terms:
-    """A candidate's cost terms, in tokens (see the module's docstring)."""
+    """A candidate's cost terms, in tokens (see the module's docstring); ``hit_blocks`` the
+    matched blocks predicted to survive until it is scheduled (:func:`surviving_blocks`)."""
 
     own: float
     ahead: float
     evicted: float
+    hit_blocks: int = 0
 
 
 def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: CostModel) -> Terms:
-    own_blocks = max(prompt_blocks - candidate.matched_blocks, 0)
+    hit_blocks = min(surviving_blocks(candidate, block_size), prompt_blocks)
+    own_blocks = max(prompt_blocks - hit_blocks, 0)
     # Prefill queued there delays this prompt, except the part that computes this prompt's own
     # prefix (a burst of one prompt shares that work instead of queueing behind it).
     booked_ahead = max(candidate.inflight.uncached_tokens - candidate.pending_blocks * block_size, 0)
@@ -132,7 +161,7 @@ def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: Cost
         filling = candidate.inflight.uncached_tokens // block_size  # being computed: cached soon
         free = max(capacity - candidate.cached_blocks - filling, 0)
         evicted_blocks = max(own_blocks - free, 0)
-    return Terms(own_blocks * block_size, max(booked_ahead, engine_ahead), evicted_blocks * block_size)
+    return Terms(own_blocks * block_size, max(booked_ahead, engine_ahead), evicted_blocks * block_size, hit_blocks)
 
 
 def queued_requests(ahead_tokens: float, model: CostModel) -> float:
@@ -197,7 +226,7 @@ def score(
     ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra)
     behind = requests_behind(t.ahead, model, t.own) if marginal else 0.0
     cost = ttft + params.per_token_s * (behind * weights.prefill * t.own + reuse * t.evicted)
-    return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft)
+    return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft, t.hit_blocks)
 
 
 def cost(
@@ -269,11 +298,14 @@ def choose(
 
 
 def _near_ties_at_random(ranked: list[Scored], tiebreak: dict[str, float]) -> list[Scored]:
-    """Move the candidate with the lowest random tiebreak among those whose cost is within
-    ``TIE_WITHIN`` of the best (and as busy) to the front."""
+    """Move the candidate that keeps the most of the prompt cached among those whose cost is
+    within ``TIE_WITHIN`` of the best (and as busy) to the front; among equal hits, the one with
+    the lowest random tiebreak. When the time is a wash, the cache decides: a prompt that leaves
+    its prefix for an equally fast worker duplicates it there and evicts that worker's own (on
+    caches of one or two prompts, each such move made the next conversation move in turn)."""
     best = ranked[0]
     ties = [s for s in ranked if s.busy == best.busy and s.cost <= best.cost * (1 + TIE_WITHIN)]
-    pick = min(ties, key=lambda s: tiebreak[s.candidate.worker_id])
+    pick = min(ties, key=lambda s: (-s.hit_blocks, tiebreak[s.candidate.worker_id]))
     return ranked if pick is best else [pick, *(s for s in ranked if s is not pick)]
 
 

@@ -155,10 +155,12 @@ def _merged_run(policy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     ratios = {key: geomean(key) for key in ("ttft_vs_best", "p90_vs_best", "hit_vs_best")}
     figures = {key: mean(key) for key in ("ttft_mean_ms", "ttft_p90_ms", "hit_rate", "of_lru")}
+    exact = [r["prediction_exact"] for r in runs if r.get("prediction_exact") is not None]
     # the range over the seeds of each figure and ratio: how far one seed can be from the mean
     spread = {key: [min(r[key] for r in runs), max(r[key] for r in runs)] for key in (*ratios, *figures)}
     failed = sum(r["failed"] for r in runs)
-    return {"policy": policy, **figures, **ratios, "failed": failed, "runs": len(runs), "spread": spread}
+    merged = {"policy": policy, **figures, **ratios, "failed": failed, "runs": len(runs), "spread": spread}
+    return {**merged, "prediction_exact": round(sum(exact) / len(exact), 4) if exact else None}
 
 
 # ------------------------------------------------------------------------------------- running
@@ -201,6 +203,8 @@ def _run_figures(run: Any, results: list[dict[str, Any]], time_scale: float) -> 
         # None for the SGLang router, which counts none
         "lost_share": run.lost_share,
         "degraded_share": run.degraded_share,  # decisions made without Redis, of all (None: a peer)
+        # predicted cached tokens == the engine's, of the requests (None: a router that predicts none)
+        "prediction_exact": run.prediction_exact,
     }
 
 
@@ -339,13 +343,14 @@ def render(report: dict[str, Any]) -> str:
                 f"{r['hit_vs_best']:.2f}",
                 r["failed"],
                 shares_text(r.get("lost_share"), r.get("degraded_share")),
+                "n/a" if r.get("prediction_exact") is None else f"{r['prediction_exact']:.1%}",
             ]
             for r in cell["runs"]
         ]
-        # the new column last: the columns that were there keep their places
+        # new columns last: the columns that were there keep their places
         headers = [
             *("policy", "mean ms", "p90 ms", "hit rate", "of LRU", "ttft/best", "p90/best", "hit/best"),
-            *("failed", "lost load/stale/cold"),
+            *("failed", "lost load/stale/cold", "predicted exact"),
         ]
         blocks.append(text_table(headers, rows) + "\n")
     if several:
@@ -375,11 +380,13 @@ def render_across(cells: list[dict[str, Any]]) -> str:
             f"{r['of_lru']:.1%}",
             span(r, "of_lru", ".0%"),
             r["failed"],
+            "n/a" if r.get("prediction_exact") is None else f"{r['prediction_exact']:.1%}",
         ]
         for cell in cells
         for r in cell["runs"]
     ]
-    headers = ["cell", "policy", "ttft/best", "seeds' range", "p90/best", "mean ms", "of LRU", "seeds' range", "failed"]
+    headers = ["cell", "policy", "ttft/best", "seeds' range", "p90/best", "mean ms", "of LRU", "seeds' range"]
+    headers += ["failed", "predicted exact"]
     return "across seeds (geometric means of the ratios, mean figures):\n" + text_table(headers, rows) + "\n"
 
 

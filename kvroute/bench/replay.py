@@ -76,6 +76,9 @@ class RunResult:
     lost_share: dict[str, float] | None = None
     # Decisions its routers made without Redis (round robin past their budget), of all; None for a peer.
     degraded_share: float | None = None
+    # Requests whose predicted cached tokens (x-kvroute-cached-tokens) equalled the engine's report,
+    # of those predicted; None for a router that predicts nothing (SGLang's)
+    prediction_exact: float | None = None
     repeat: int = 0  # which of --repeats this run is (from 0)
 
 
@@ -101,7 +104,10 @@ async def _one(
     if reply.status != 200:
         return {"failed": True}
     ttft = reply.ttft_s if stream else reply.latency_s
-    return {"failed": False, "ttft": ttft, "usage": reply.usage or {}, "worker": reply.worker}
+    usage = reply.usage or {}
+    # the router's predicted cached tokens (x-kvroute-cached-tokens; None from a router that sends none)
+    predicted = reply.predicted_cached_tokens if reply.predicted_known else None
+    return {"failed": False, "ttft": ttft, "usage": usage, "worker": reply.worker, "predicted": predicted}
 
 
 async def send_all(
@@ -169,6 +175,8 @@ def summarize(
     window = max(1, len(done) // TIME_WINDOWS)
     over_time = [sum(cached[i : i + window]) / max(sum(prompt[i : i + window]), 1) for i in range(0, len(done), window)]
     mean_share = sum(per_worker) / max(len(per_worker), 1)
+    predicted = [(r["predicted"], cached_tokens(r["usage"])) for r in done if r.get("predicted") is not None]
+    exact = sum(1 for p, c in predicted if p == c) / len(predicted) if predicted else None
     return RunResult(
         router=router,
         replicas=replicas,
@@ -181,6 +189,7 @@ def summarize(
         busiest_worker_vs_mean=max(per_worker, default=0) / max(mean_share, 1e-9),
         ttft_ms=[round(t, 2) for t in ttfts],
         hit_rate_over_time=[round(h, 4) for h in over_time],
+        prediction_exact=None if exact is None else round(exact, 4),
     )
 
 

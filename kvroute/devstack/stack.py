@@ -47,12 +47,16 @@ class StreamedReply:
     worker: str = ""  # x-kvroute-worker
     predicted_cached_tokens: int = 0  # x-kvroute-cached-tokens
     latency_s: float = 0.0  # time to the end of the reply
+    predicted_known: bool = False  # the router sent x-kvroute-cached-tokens
 
 
 def _reply(response: aiohttp.ClientResponse) -> StreamedReply:
     headers = response.headers  # peers (SGLang's router) send neither of kvroute's headers
     predicted = int(headers.get("x-kvroute-cached-tokens", 0))
-    return StreamedReply(200, worker=headers.get("x-kvroute-worker", ""), predicted_cached_tokens=predicted)
+    known = "x-kvroute-cached-tokens" in headers
+    return StreamedReply(
+        200, worker=headers.get("x-kvroute-worker", ""), predicted_cached_tokens=predicted, predicted_known=known
+    )
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> StreamedReply:

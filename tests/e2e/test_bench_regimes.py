@@ -19,6 +19,7 @@ RUN_KEYS = {
     "ttft_p90_ms",
     "hit_rate",
     "of_lru",
+    "prediction_exact",
     "ttft_vs_best",
     "p90_vs_best",
     "hit_vs_best",
@@ -82,6 +83,8 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
             "failed",
             "lost",
             "load/stale/cold",
+            "predicted",
+            "exact",
         ]
         assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["kv", "round_robin"]
     assert "latency (not streamed: time to the whole reply)" in result.stdout
@@ -109,6 +112,7 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
             shares = run["lost_share"]  # the router's own split of the cacheable tokens it lost
             assert set(shares) == {"load_tradeoff", "stale_index", "cold"} and all(0 <= v <= 1 for v in shares.values())
             assert 0 <= run["degraded_share"] <= 1  # decisions made without Redis, counted by the routers
+            assert 0 <= run["prediction_exact"] <= 1  # x-kvroute-cached-tokens == the engine's cached tokens
             assert run["requests"] == 24 and run["failed"] == 0 and run["replicas"] == 1
             assert 0 < run["hit_rate"] <= cell["infinite_cache_hit_rate"] + 0.01
             assert run["of_lru"] == pytest.approx(run["hit_rate"] / cell["lru_reference_hit_rate"], abs=0.01)
@@ -183,6 +187,7 @@ def test_prose_on_engines_that_report_little_against_the_greedy_oracle_over_two_
         assert 1.0 <= cell["prompts_per_engine"] <= 2.0 and cell["engine_kv_tokens"] > cell["mean_prompt_tokens"]
         oracle = next(r for r in cell["runs"] if r["policy"] == "greedy_oracle")
         assert oracle["lost_share"] is None and oracle["failed"] == 0 and oracle["hit_rate"] > 0
+        assert 0 <= oracle["prediction_exact"] <= 1  # the oracle says what the engines held when it asked
     for seed in (0, 2):  # the oracle ran once per seed: the two replica counts share its figures
         one, two = (
             next(r for r in report["cells"][seed + k]["runs"] if r["policy"] == "greedy_oracle") for k in (0, 1)

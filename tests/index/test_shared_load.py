@@ -291,3 +291,33 @@ async def test_a_replica_alone_finds_a_newcomer_within_a_tenth_of_a_second(redis
         assert await shared.totals(unique_name) == {"w": InflightLoad(1, 10, 10)}
     finally:
         await load.stop([unique_name])
+
+
+async def test_a_request_that_ends_ends_its_expectation_and_what_it_held(redis_client, unique_name):
+    """Booking.close: a whole reply's expectation (which would stand until its predicted prefill
+    plus as long again) ends when the request ends, for this replica and, through Redis, the
+    others; the prefix it held on its worker is held no longer."""
+    from kvindex.scripts import Scripts
+    from router.booking import Booking
+    from router.decide import Decision, checkpoints
+    from router.load import ReplicaLoad
+    from router.scoring import Candidate, ScoringWeights, choose
+
+    shared = SharedLoad(redis_client, KeySchema(), "r")
+    load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
+    await _another_replica(redis_client, unique_name)
+    await load.renew_all([unique_name])
+    chain = sequence_hashes(list(range(8 * 16)), 16)
+    choice = choose([Candidate("w", "http://w")], len(chain), 16, ScoringWeights())
+    decision = Decision(unique_name, 8 * 16, 16, chain, choice, False, 0.0)
+    booking = Booking(decision, load, streamed=False)
+    booking.attempt(choice.chosen)
+    depths = checkpoints(len(chain))
+    assert [load.expected_worker(unique_name, chain[d - 1]) for d in depths] == ["w"] * len(depths)
+    assert all(load.holders(unique_name, chain[d - 1]) == {"w": 1} for d in depths)
+    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    assert await shared.expected(unique_name, [chain[-1]]) == ["w"]
+    booking.close()
+    assert load.expected_worker(unique_name, chain[-1]) is None and load.holders(unique_name, chain[-1]) is None
+    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    assert await shared.expected(unique_name, [chain[-1]]) == [None]

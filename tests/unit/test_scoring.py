@@ -263,3 +263,52 @@ def test_the_busy_share_counts_workers_with_prefill_queued():
     ]
     assert busy_share(cands) == pytest.approx(0.5)
     assert busy_share([]) == 0
+
+
+def _engine(capacity: int | None) -> WorkerLoad:
+    return WorkerLoad(running=1, waiting=0, kv_usage=0.5, capacity_blocks=capacity)
+
+
+def test_matched_blocks_survive_only_what_the_prompts_in_flight_leave_room_for():
+    from router.scoring import surviving_blocks
+
+    # 100 blocks, a prompt of 60 blocks in flight there: 100 - 1 - 60 - 1 = 38 blocks of room
+    competitor = InflightLoad(requests=1, prompt_tokens=60 * 16, uncached_tokens=60 * 16)
+    at_risk = Candidate("w", "http://w", 50, competitor, _engine(100))
+    assert surviving_blocks(at_risk, 16) == 38
+    # the same prefix held by the request in flight (pinned) survives whole; room for the rest
+    assert surviving_blocks(replace(at_risk, held_blocks=20), 16) == 20 + 30
+    assert surviving_blocks(replace(at_risk, pending_blocks=45), 16) == 45 + 5
+    # nothing in flight, an unknown cache size, or room for all: the whole match
+    assert surviving_blocks(replace(at_risk, inflight=NO_LOAD), 16) == 50
+    assert surviving_blocks(replace(at_risk, engine=_engine(None)), 16) == 50
+    assert surviving_blocks(replace(at_risk, engine=_engine(1000)), 16) == 50
+    # a cache full of prompts in flight keeps only what they hold
+    crowded = InflightLoad(requests=2, prompt_tokens=120 * 16, uncached_tokens=0)
+    assert surviving_blocks(replace(at_risk, inflight=crowded, held_blocks=8), 16) == 8
+
+
+def test_the_cost_and_the_prediction_count_only_the_surviving_blocks():
+    competitor = InflightLoad(requests=1, prompt_tokens=60 * 16, uncached_tokens=0)
+    at_risk = Candidate("w", "http://w", 50, competitor, _engine(100))
+    scored = choose([at_risk], 64, 16, W).ranked[0]
+    assert scored.hit_blocks == 38
+    assert scored.prefill_tokens == (64 - 38) * 16  # its own prefill: what does not survive
+
+
+def test_near_ties_keep_the_prompt_where_more_of_it_stays_cached():
+    """Costs within TIE_WITHIN are ties; among them the cache decides, then chance (so cold
+    prompts of a burst still spread)."""
+    model = CostModel()
+    warm = cand("warm", 3, InflightLoad(requests=1, prompt_tokens=0, uncached_tokens=40))
+    cold = cand("cold", 0)
+    costs = [cost(c, 100, 16, W, model) for c in (warm, cold)]
+    assert costs[1] <= costs[0] <= costs[1] * 1.05  # a tie, the cold one a hair cheaper
+    assert {choose([warm, cold], 100, 16, W, rng=random.Random(seed)).chosen.worker_id for seed in range(20)} == {
+        "warm"
+    }
+    picks = Counter(
+        choose([cand("a"), cand("b"), cand("c")], 100, 16, W, rng=random.Random(seed)).chosen.worker_id
+        for seed in range(300)
+    )
+    assert len(picks) == 3 and min(picks.values()) > 60

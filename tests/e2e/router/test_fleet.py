@@ -40,10 +40,17 @@ async def test_flushall_during_traffic_fails_no_request(fleet, redis_server):
         await wait_for_workers(router, fleet.count)
         traffic = Traffic(router.url).start()
         await traffic.served_more(20)
+        # The agents are held while Redis is flushed, so that the router sees the empty index
+        # before they re-register (an agent whose engine stores a block re-registers at once, so
+        # otherwise the test would depend on who is faster: a refresh or the next request).
+        for agent in fleet.agents:
+            agent.process.send_signal(signal.SIGSTOP)
         await client.flushall()
 
         await _retained(router)
         await traffic.served_more(20)
+        for agent in fleet.agents:
+            agent.process.send_signal(signal.SIGCONT)
         await _redis_shows_workers_again(router, fleet.count)
         await traffic.served_more(20)
         await traffic.stop()
