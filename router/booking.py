@@ -4,20 +4,21 @@ The single owner of a request's load lifecycle:
 
 1. :meth:`Booking.attempt` before each try on a worker: its in-flight load (one request, its
    prompt tokens, its uncached tokens) is booked on that worker, and the prompt's checkpoint
-   blocks are marked "expected" there: this replica sees them at once, until the first byte (or
-   the failure) and the index's lag after it; the others see them through Redis, for twice the
-   predicted TTFT plus that lag (what the index needs to get them).
+   blocks are marked "expected" there, for this replica at once and for the others through
+   Redis, for as long as the request is in flight: first the blocks its prefill computes (a
+   burst of one prompt shares that work), then the blocks it holds (a running request's blocks
+   cannot be evicted, so a prompt sharing them keeps them wherever the cache is full).
 2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
-   uncached tokens no longer queue ahead of other prompts on that worker, this replica's
-   expectation ends after the index's lag, and the time it took teaches the TTFT model
-   (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
+   uncached tokens no longer queue ahead of other prompts on that worker, and the time it took
+   teaches the TTFT model (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
    its last token, so its prefill is released when it is predicted to be done instead; its time
    teaches the model once :meth:`Booking.replied` says how many tokens the reply decoded.
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
    and its expectation ended (the retry books the next worker).
 4. :meth:`Booking.close` when the request ends, however it ends: whatever is still booked is
-   released, and an expectation still standing ends. Used as a context manager, so no path can
-   forget it.
+   released and its expectation ends, for every replica: from then on the index alone says what
+   the worker holds (an expectation that outlived its request hid what later requests evicted).
+   Used as a context manager, so no path can forget it.
 """
 
 from __future__ import annotations
@@ -32,14 +33,12 @@ from router.scoring import Candidate
 from router.shared_load import InflightLoad
 from router.ttft import TtftLearner
 
-# An expectation stands in for blocks a prefill is computing, until the engine's KV events put
-# them in the index: past that it is a promise of blocks the worker's full cache may have evicted
-# since (kept a fixed 2 s, on a tight cache, it made most of the prefix tokens the index promised
-# and the engines did not have: docs/router.md). The replica that booked it ends it once the first
-# byte is seen, after the index's lag, for every replica (settle.lua): the others cannot see that
-# byte, and a deadline guessed for them (twice the predicted TTFT, tried) ended it early wherever
-# a queue grew longer than predicted, so that four replicas duplicated prefixes one did not.
-INDEX_LAG_S = 0.2  # engine step -> KV event -> agent -> Redis: milliseconds; generous for a busy agent
+# An expectation stands in for the blocks a request computes and then holds on its worker. Past
+# the request it is a promise of blocks the worker's full cache may have evicted since (kept a
+# fixed 2 s, on a tight cache, it made most of the prefix tokens the index promised and the
+# engines did not have; ended at the first byte plus the index's lag, the other replicas lost
+# sight of prefixes still pinned there: docs/router.md). The replica that booked it ends it when
+# the request ends, for every replica (settle.lua): the others cannot see that end.
 
 
 class Booking:
@@ -53,8 +52,6 @@ class Booking:
         self._held: dict[str, InflightLoad] = {}  # worker id -> what is booked there now
         self._sent_at: dict[str, float] = {}  # worker id -> when the try started
         self._timer: asyncio.TimerHandle | None = None
-        # worker id -> when its expectation lapses (monotonic), once settled; unsettled: at most its TTL
-        self._settled_at: dict[str, float] = {}
         # A whole reply's (prefill tokens waited for, seconds), learned from once its length is known.
         self._whole: dict[str, tuple[float, float]] = {}
 
@@ -69,7 +66,6 @@ class Booking:
         load = InflightLoad(1, decision.prompt_tokens, uncached)
         self._release(candidate.worker_id)  # a second try on the same worker books once
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
-        self._load.hold(decision.model, candidate.worker_id, decision.expected_blocks())
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
         if self._learner is not None:
@@ -78,9 +74,7 @@ class Booking:
             self._cancel_timer()
             predicted_ttft_s = decision.scored(candidate).ttft_s
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(
-                predicted_ttft_s, self._predicted_prefilled, candidate.worker_id, predicted_ttft_s
-            )
+            self._timer = loop.call_later(predicted_ttft_s, self._release_prefill, candidate.worker_id)
 
     def prefilled(self, candidate: Candidate) -> None:
         """The reply's first byte arrived."""
@@ -92,7 +86,6 @@ class Booking:
                 self._learner.observe(candidate.worker_id, waited, seconds)
             else:
                 self._whole[candidate.worker_id] = (waited, seconds)
-        self._settle(candidate.worker_id, INDEX_LAG_S)
         self._release_prefill(candidate.worker_id)
 
     def replied(self, candidate: Candidate, usage: dict | None) -> None:
@@ -104,12 +97,6 @@ class Booking:
             waited, seconds = whole
             self._learner.observe(candidate.worker_id, waited, seconds, whole_reply=True, completion_tokens=completion)
 
-    def _predicted_prefilled(self, worker_id: str, predicted_ttft_s: float) -> None:
-        """A whole reply's prefill is predicted done: its booked prefill is released, and its
-        expectation ends after as long again (a queue longer than predicted) and the index's lag."""
-        self._settle(worker_id, predicted_ttft_s + INDEX_LAG_S)
-        self._release_prefill(worker_id)
-
     def _release_prefill(self, worker_id: str) -> None:
         held = self._held.get(worker_id)
         if held is None or not held.uncached_tokens:
@@ -120,25 +107,17 @@ class Booking:
 
     def failed(self, candidate: Candidate) -> None:
         self._cancel_timer()
-        self._settle(candidate.worker_id, 0.0)
+        self._settle(candidate.worker_id)
         self._release(candidate.worker_id)
 
-    def _settle(self, worker_id: str, within_s: float) -> None:
+    def _settle(self, worker_id: str) -> None:
         decision = self._decision
-        self._settled_at[worker_id] = time.monotonic() + within_s
-        self._load.settle_expected(decision.model, worker_id, decision.expected_blocks(), within_s)
+        self._load.settle_expected(decision.model, worker_id, decision.expected_blocks(), 0.0)
 
     def close(self) -> None:
-        """The request ended: what is booked is released, and its expectation ends now wherever it
-        still stands. Its blocks reached the index with its prefill, a step or more before its
-        last token; standing longer, it hid from every decision what later requests there evicted
-        (on caches of one or two prompts, whole-checkpoint predictions where the engine had
-        nothing: docs/router.md)."""
         self._cancel_timer()
-        now = time.monotonic()
         for worker_id in list(self._held):
-            if self._settled_at.get(worker_id, now + 1.0) > now:
-                self._settle(worker_id, 0.0)
+            self._settle(worker_id)
             self._release(worker_id)
 
     def _cancel_timer(self) -> None:
@@ -150,7 +129,6 @@ class Booking:
         held = self._held.pop(worker_id, None)
         if held is not None:
             self._load.release(self._decision.model, worker_id, held)
-            self._load.unhold(self._decision.model, worker_id, self._decision.expected_blocks())
 
     def __enter__(self) -> Booking:
         return self

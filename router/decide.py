@@ -120,13 +120,15 @@ class IndexView:
 
 
 def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
-    """``candidate`` with the prefix it is expected to hold soon (a recent decision sent it there)
-    counted as matched; the part beyond what it holds now is being prefilled there by requests in
-    flight, work this prompt shares rather than waits behind (``Candidate.pending_blocks``)."""
+    """``candidate`` with the prefix a request in flight there computes or holds (an expectation
+    lasts as long as its request): held, it is pinned there (``Candidate.held_blocks``, which no
+    eviction takes); beyond what the index lists, it is being prefilled there, work this prompt
+    shares rather than waits behind (``Candidate.pending_blocks``)."""
+    held = max(candidate.held_blocks, expected_depth)
     if expected_depth <= candidate.matched_blocks:
-        return candidate
+        return replace(candidate, held_blocks=held) if held != candidate.held_blocks else candidate
     pending = expected_depth - candidate.matched_blocks + candidate.pending_blocks
-    return replace(candidate, matched_blocks=expected_depth, pending_blocks=pending)
+    return replace(candidate, matched_blocks=expected_depth, pending_blocks=pending, held_blocks=held)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -253,18 +255,12 @@ class Decider:
             )
 
     def _with_recent(self, model: str, chain: list[int], candidates: list[Candidate]) -> list[Candidate]:
-        """Candidates with the prefixes this replica's own recent bookings expect on them, and
-        those its requests in flight hold there (pinned: no eviction takes them)."""
+        """Candidates with the prefixes this replica's own requests in flight expect on them."""
         depth: dict[str, int] = defaultdict(int)
-        held: dict[str, int] = defaultdict(int)
         for d in checkpoints(len(chain)):
             worker_id = self._replica_load.expected_worker(model, chain[d - 1])
             if worker_id is not None:
                 depth[worker_id] = max(depth[worker_id], d)
-            for holder in self._replica_load.holders(model, chain[d - 1]) or ():
-                held[holder] = max(held[holder], d)
-        if held:
-            candidates = [replace(c, held_blocks=held[c.worker_id]) if c.worker_id in held else c for c in candidates]
         if not depth:
             return candidates
         return [_expecting(c, depth[c.worker_id]) for c in candidates]

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,9 +93,6 @@ class ReplicaLoad:
         self._leased: set[str] = set()  # models this replica holds a lease for
         # (model, block hash) -> (worker id, monotonic deadline): this replica's own expectations.
         self._recent: dict[tuple[str, int], tuple[str, float]] = {}
-        # (model, checkpoint block) -> {worker id: requests in flight there whose prompt has it}:
-        # the prefixes this replica's requests hold (pinned) on each worker until they end.
-        self._holding: dict[tuple[str, int], Counter[str]] = {}
 
     def book(self, model: str, worker_id: str, load: InflightLoad, expected: Sequence[int] = ()) -> None:
         """Book ``load`` on ``worker_id``, and mark ``expected`` blocks there until
@@ -130,24 +127,6 @@ class ReplicaLoad:
         if blocks and not self.shared.alone(model):
             self._expects.append(Expectation(model, worker_id, list(blocks), math.ceil(within_s * 1000), settled=True))
             self._changed()
-
-    def hold(self, model: str, worker_id: str, blocks: Sequence[int], count: int = 1) -> None:
-        """A request in flight on ``worker_id`` holds ``blocks`` (its prompt's checkpoints) there
-        until it ends; ``count`` -1 when it does (:meth:`unhold`)."""
-        for block in blocks:
-            holders = self._holding.setdefault((model, block), Counter())
-            holders[worker_id] += count
-            if holders[worker_id] <= 0:
-                del holders[worker_id]
-                if not holders:
-                    del self._holding[(model, block)]
-
-    def unhold(self, model: str, worker_id: str, blocks: Sequence[int]) -> None:
-        self.hold(model, worker_id, blocks, -1)
-
-    def holders(self, model: str, block: int) -> Counter[str] | None:
-        """The workers where this replica's requests in flight hold ``block``."""
-        return self._holding.get((model, block))
 
     def expected_worker(self, model: str, block: int) -> str | None:
         """The worker this replica recently sent a prompt with ``block`` to, while that is fresh."""

@@ -274,7 +274,7 @@ SCHEMAS: dict[str, Any] = {
                         "pending_blocks": {"type": "integer"},
                         "held_blocks": {
                             "type": "integer",
-                            "description": "leading blocks of the prompt this replica's requests in flight there hold",
+                            "description": "leading blocks of the prompt that requests in flight there compute or hold",
                         },
                         "hit_blocks": {
                             "type": "integer",

@@ -83,7 +83,7 @@ class Candidate:
     engine: WorkerLoad | None = None
     pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
     cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
-    held_blocks: int = 0  # leading blocks of this prompt that requests in flight there hold (pinned)
+    held_blocks: int = 0  # leading blocks of this prompt that requests in flight there compute or hold
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def surviving_blocks(candidate: Candidate, block_size: int) -> int:
     inflight = candidate.inflight
     if not capacity or matched <= 0 or inflight.requests <= 0:
         return matched
-    pinned = min(matched, max(candidate.pending_blocks, candidate.held_blocks))
+    pinned = min(matched, candidate.held_blocks)
     # blocks of the prompts in flight there (each one's last block partly filled), null block aside
     room = capacity - 1 - inflight.prompt_tokens // block_size - inflight.requests
     return pinned + min(matched - pinned, max(room, 0))

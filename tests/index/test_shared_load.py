@@ -293,10 +293,10 @@ async def test_a_replica_alone_finds_a_newcomer_within_a_tenth_of_a_second(redis
         await load.stop([unique_name])
 
 
-async def test_a_request_that_ends_ends_its_expectation_and_what_it_held(redis_client, unique_name):
-    """Booking.close: a whole reply's expectation (which would stand until its predicted prefill
-    plus as long again) ends when the request ends, for this replica and, through Redis, the
-    others; the prefix it held on its worker is held no longer."""
+async def test_an_expectation_lasts_as_long_as_its_request(redis_client, unique_name):
+    """A booking's expectation stands while its request is in flight, past its first byte (its
+    blocks are pinned there), and ends when the request ends, for this replica and, through
+    Redis, the others."""
     from kvindex.scripts import Scripts
     from router.booking import Booking
     from router.decide import Decision, checkpoints
@@ -314,10 +314,13 @@ async def test_a_request_that_ends_ends_its_expectation_and_what_it_held(redis_c
     booking.attempt(choice.chosen)
     depths = checkpoints(len(chain))
     assert [load.expected_worker(unique_name, chain[d - 1]) for d in depths] == ["w"] * len(depths)
-    assert all(load.holders(unique_name, chain[d - 1]) == {"w": 1} for d in depths)
     load.carried(await Scripts(redis_client).call_many(load.carry()))
     assert await shared.expected(unique_name, [chain[-1]]) == ["w"]
+    booking.prefilled(choice.chosen)  # the first byte: the request still holds its blocks
+    load.carried(await Scripts(redis_client).call_many(load.carry() or []))
+    assert load.expected_worker(unique_name, chain[-1]) == "w"
+    assert await shared.expected(unique_name, [chain[-1]]) == ["w"]
     booking.close()
-    assert load.expected_worker(unique_name, chain[-1]) is None and load.holders(unique_name, chain[-1]) is None
+    assert load.expected_worker(unique_name, chain[-1]) is None
     load.carried(await Scripts(redis_client).call_many(load.carry()))
     assert await shared.expected(unique_name, [chain[-1]]) == [None]

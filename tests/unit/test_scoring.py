@@ -278,7 +278,8 @@ def test_matched_blocks_survive_only_what_the_prompts_in_flight_leave_room_for()
     assert surviving_blocks(at_risk, 16) == 38
     # the same prefix held by the request in flight (pinned) survives whole; room for the rest
     assert surviving_blocks(replace(at_risk, held_blocks=20), 16) == 20 + 30
-    assert surviving_blocks(replace(at_risk, pending_blocks=45), 16) == 45 + 5
+    assert surviving_blocks(replace(at_risk, held_blocks=45), 16) == 45 + 5
+    assert surviving_blocks(replace(at_risk, held_blocks=80), 16) == 50  # never more than matched
     # nothing in flight, an unknown cache size, or room for all: the whole match
     assert surviving_blocks(replace(at_risk, inflight=NO_LOAD), 16) == 50
     assert surviving_blocks(replace(at_risk, engine=_engine(None)), 16) == 50
