@@ -15,6 +15,12 @@ more than the engine had; unknown without R) and ``cold = cacheable - B`` (no wo
 When the engine had more than predicted, ``unpredicted = max(0, R - C)``; then
 ``cacheable - R = cold + load_tradeoff + stale_index - unpredicted``.
 
+*Regret* judges the choice afterwards: a request regrets its worker when another alive worker
+was predicted to hold more of its prompt (``O``, the best of the others) than the chosen engine
+reported serving from cache (``O > R``), by ``O - R`` tokens. A routing that loses (stale
+predictions, needless moves) shows as a rising share of regretted requests, whatever the
+workload's own cold share.
+
 Everything here is pure (time is passed in), so that the rules are unit-tested on their own.
 """
 
@@ -47,6 +53,13 @@ class Split:
     lost_stale: int | None
     cold: int
     unpredicted: int | None
+    best_other: int = 0  # O: the most cached tokens any other alive worker was predicted to hold
+
+    @property
+    def regret(self) -> int | None:
+        """Tokens another worker was predicted to hold beyond what the chosen engine served from
+        cache (0: no regret); None when the engine did not report."""
+        return None if self.reported is None else max(0, self.best_other - self.reported)
 
     def lost(self) -> dict[str, int]:
         """The lost tokens by reason (stale counts 0 while unknown)."""
@@ -69,9 +82,11 @@ def split(
     matched_blocks: Iterable[int],
     chosen_blocks: int,
     reported: int | None = None,
+    other_blocks: Iterable[int] = (),
 ) -> Split:
     """The accounting of one decision: ``matched_blocks`` of every alive candidate (the chosen one
-    included), ``chosen_blocks`` the chosen worker's, ``reported`` the engine's cached tokens."""
+    included), ``chosen_blocks`` the chosen worker's, ``reported`` the engine's cached tokens,
+    ``other_blocks`` the other candidates' (for regret)."""
 
     def tokens(blocks: int) -> int:
         return predicted_cached_tokens(min(blocks, prompt_blocks), prompt_tokens, block_size)
@@ -79,11 +94,13 @@ def split(
     cacheable = tokens(prompt_blocks)
     chosen = tokens(chosen_blocks)
     best = max([chosen, *(tokens(b) for b in matched_blocks)])
+    best_other = max((tokens(b) for b in other_blocks), default=0)
     stale = unpredicted = None
     if reported is not None:
         reported = max(0, reported)
         stale, unpredicted = max(0, chosen - reported), max(0, reported - chosen)
-    return Split(prompt_tokens, cacheable, best, chosen, reported, best - chosen, stale, cacheable - best, unpredicted)
+    lost_load, cold = best - chosen, cacheable - best
+    return Split(prompt_tokens, cacheable, best, chosen, reported, lost_load, stale, cold, unpredicted, best_other)
 
 
 @dataclass
@@ -106,6 +123,8 @@ class Bucket:
     reported_predicted: int = 0
     lost_stale: int = 0
     unpredicted: int = 0
+    regretted: int = 0  # reported requests another worker was predicted to serve better
+    regret_tokens: int = 0
 
     def add_split(self, s: Split) -> None:
         self.accounted += 1
@@ -122,6 +141,8 @@ class Bucket:
             self.reported_predicted += s.chosen_match
             self.lost_stale += s.lost_stale or 0
             self.unpredicted += s.unpredicted or 0
+            self.regretted += int(bool(s.regret))
+            self.regret_tokens += s.regret or 0
 
     def merge(self, other: Bucket) -> None:
         for item in fields(self):
@@ -145,6 +166,8 @@ def summary(bucket: Bucket, seconds: float) -> dict[str, object]:
             "cold": _share(bucket.cold, bucket.cacheable),
         },
         "decisions_per_s": round(bucket.decisions / seconds, 3) if seconds > 0 else None,
+        # of the requests whose engine reported, those another worker was predicted to serve better
+        "regret_share": _share(bucket.regretted, bucket.reported_requests),
     }
 
 

@@ -131,6 +131,9 @@ def _account(state: RouterState, decision: Decision, found: Split | None) -> Non
             state.metrics.lost_prefix_tokens.labels(reason).inc(tokens)
     state.metrics.cacheable_tokens.labels(decision.model).inc(found.cacheable)
     state.metrics.best_match_tokens.labels(decision.model).inc(found.best_match)
+    if found.regret:
+        state.metrics.regretted_requests.labels(decision.model).inc()
+        state.metrics.regret_tokens.labels(decision.model).inc(found.regret)
     if (prefix := decision.shared_prefix()) is not None:
         state.prefixes.note(decision.model, *prefix, now=now)
 

@@ -167,6 +167,10 @@ _WINDOW_SUMS = {
         "predicted_hit_rate": _NUMBER,
         "lost_share": {**_SHARES, "description": "each reason's lost tokens / cacheable tokens"},
         "decisions_per_s": _NUMBER,
+        "regret_share": {
+            **_NUMBER,
+            "description": "of the requests whose engine reported, those another worker was predicted to serve better",
+        },
     },
 }
 DASHBOARD_SCHEMAS: dict[str, Any] = {

@@ -90,8 +90,10 @@ class Decision:
         if self.degraded:
             return None
         chosen = candidate or self.choice.chosen
-        hits = (s.hit_blocks for s in self.choice.ranked)
-        return split(self.prompt_tokens, self.block_size, self.prompt_blocks, hits, self.hit_blocks(chosen), reported)
+        hits = [s.hit_blocks for s in self.choice.ranked]
+        others = [s.hit_blocks for s in self.choice.ranked if s.candidate.worker_id != chosen.worker_id]
+        blocks = self.prompt_tokens, self.block_size, self.prompt_blocks
+        return split(*blocks, hits, self.hit_blocks(chosen), reported, others)
 
     def shared_prefix(self) -> tuple[int, int, int] | None:
         """(block hash, tokens, holders) of the deepest checkpoint of the prompt that the

@@ -43,6 +43,9 @@ class RouterMetrics:
     cacheable_tokens: Counter
     best_match_tokens: Counter
     alive_workers: Gauge
+    regretted_requests: Counter
+    regret_tokens: Counter
+    regret_ratio: Gauge
 
 
 def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
@@ -119,6 +122,26 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
             PREFIX + "best_match_tokens",
             "The best predicted cached tokens any alive worker had, of requests routed with the index",
             ["model"],
+            registry=r,
+        ),
+        regretted_requests=Counter(
+            PREFIX + "regretted_requests",
+            "Requests routed with the index whose engine served fewer cached tokens than another alive worker "
+            "was predicted to hold (regret: the choice was, afterwards, not the best)",
+            ["model"],
+            registry=r,
+        ),
+        regret_tokens=Counter(
+            PREFIX + "regret_tokens",
+            "The prompt tokens of regretted requests another worker was predicted to hold beyond what "
+            "the chosen engine served from cache",
+            ["model"],
+            registry=r,
+        ),
+        regret_ratio=Gauge(
+            PREFIX + "regret_ratio",
+            "Of the last 5 minutes' requests whose engine reported cached tokens, the share regretted "
+            "(read at scrape time; 0 when none reported)",
             registry=r,
         ),
         alive_workers=Gauge(

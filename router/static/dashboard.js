@@ -103,7 +103,8 @@ function renderChart(series) {
     }
   });
   // The prediction is drawn last, dashed: where it equals the engines' figure both stay visible.
-  for (const [field, color, dash] of [["hit_rate", "var(--hit)", ""], ["predicted_hit_rate", "var(--pred)", "5 3"]]) {
+  const lines = [["hit_rate", "var(--hit)", ""], ["predicted_hit_rate", "var(--pred)", "5 3"], ["regret_share", "var(--regret)", "2 2"]];
+  for (const [field, color, dash] of lines) {
     const points = series
       .map((bucket, i) => (bucket[field] === null ? null : (pad + (i + 0.5) * step).toFixed(1) + "," + y(bucket[field]).toFixed(1)))
       .filter((p) => p !== null);
@@ -128,6 +129,7 @@ function renderAccounting(acc) {
   for (const node of document.querySelectorAll(".window")) node.textContent = Math.round(acc.window_s / 60) + " min";
   $("hit-rate").textContent = pct(total.hit_rate);
   $("predicted-hit-rate").textContent = pct(total.predicted_hit_rate);
+  $("regret").textContent = pct(total.regret_share);
   for (const reason of REASONS) $("lost-" + reason).textContent = pct(total.lost_share[reason]);
   $("tokens").textContent =
     " · window: " + num(total.accounted) + " requests, " + num(total.cacheable) + " cacheable tokens, predicted " +

@@ -145,3 +145,26 @@ def test_a_routers_degraded_decisions_are_a_share_of_all_its_decisions():
     assert degraded_share(lost) == 0.05
     assert shares_text(lost_shares(lost), degraded_share(lost)) == "0.0/0.0/0.0%, 5.0% degraded"
     assert shares_text(lost_shares(lost), 0.0) == "0.0/0.0/0.0%"
+
+
+def test_regret_is_another_worker_predicted_to_serve_more_than_the_engine_did():
+    # the chosen worker was predicted 1 block and served it; another held 4: a load trade-off regretted
+    traded = split(100, BS, 6, [4, 1], chosen_blocks=1, reported=16, other_blocks=[4])
+    assert (traded.best_other, traded.regret) == (64, 48)
+    # the best worker chosen, and it served what it promised: no regret
+    assert split(100, BS, 6, [4, 1], chosen_blocks=4, reported=64, other_blocks=[1]).regret == 0
+    # the best chosen but its index was stale, and another held 2 blocks: regretted by what it lacked
+    assert split(100, BS, 6, [4, 2], chosen_blocks=4, reported=0, other_blocks=[2]).regret == 32
+    # unknown without the engine's report
+    assert split(100, BS, 6, [4, 1], chosen_blocks=1, other_blocks=[4]).regret is None
+
+
+def test_the_window_gives_the_share_of_regretted_requests():
+    window = RollingWindow(bucket_s=10, buckets=3)
+    window.note_split(1.0, split(100, BS, 6, [4, 1], chosen_blocks=1, reported=16, other_blocks=[4]))
+    window.note_split(2.0, split(100, BS, 6, [4, 1], chosen_blocks=4, reported=64, other_blocks=[1]))
+    window.note_split(3.0, split(100, BS, 6, [4], chosen_blocks=4, other_blocks=[]))  # not reported
+    total, seconds = window.total(3.0)
+    assert (total.regretted, total.regret_tokens, total.reported_requests) == (1, 48, 2)
+    assert summary(total, seconds)["regret_share"] == 0.5
+    assert summary(Bucket(), 0.0)["regret_share"] is None

@@ -50,6 +50,17 @@ async def _lost_tokens(router: RunningRouter) -> dict[str, float]:
     }
 
 
+async def _samples(router: RunningRouter, *names: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as session, session.get(router.url + "/metrics") as response:
+        text = await response.text()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found
+
+
 async def _shared_prefix_traffic(router: RunningRouter, requests: int) -> str:
     """One request that makes a worker compute PREFIX, then ``requests`` more sharing it; the owner."""
     status, _, _ = await complete(router.url, [*PREFIX, 1])
@@ -110,6 +121,15 @@ async def test_round_robin_gives_up_matches_and_says_so(fleet, redis_server):
         # PREFIX only on the owner: 160 tokens given up for load.
         lost = await _lost_tokens(rr)
         assert lost["load_tradeoff"] >= 160 and lost["cold"] == 160
+        # and the requests sent away from the owner are regretted: the owner held PREFIX, the
+        # engine they went to served none of it
+        regret = await _samples(rr, "kvroute_router_regretted_requests_total", "kvroute_router_regret_ratio")
+        assert regret["kvroute_router_regretted_requests_total"] >= 1
+        assert 0 < regret["kvroute_router_regret_ratio"] <= 1
+        _, accounting = await _get(rr.url + "/dashboard/api/accounting")
+        total = accounting["total"]
+        assert total["regretted"] == regret["kvroute_router_regretted_requests_total"]
+        assert total["regret_share"] == round(total["regretted"] / total["reported_requests"], 4)
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
@@ -190,6 +210,8 @@ async def test_a_real_browser_renders_the_workers_and_the_hit_rate(router, tmp_p
         assert worker.worker_id in dom
     hit_rate = re.search(r'id="hit-rate"[^>]*>([^<]*)<', dom)
     assert hit_rate and re.fullmatch(r"\d{1,3}\.\d%", hit_rate.group(1)), hit_rate
+    regret = re.search(r'id="regret"[^>]*>([^<]*)<', dom)  # every request went to the owner: none regretted
+    assert regret and regret.group(1) == "0.0%", regret
     shot = tmp_path / "dashboard.png"
     await _chromium(browser, "--hide-scrollbars", "--window-size=1280,1000", f"--screenshot={shot}", page)
     assert shot.stat().st_size > 10_000
