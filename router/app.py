@@ -122,8 +122,8 @@ def create_app(state: RouterState, admission: Admission | None = None) -> web.Ap
         state.metrics.alive_workers.clear()  # read at scrape time (the fleet refreshes every second)
         for model in state.fleet.known_models():
             state.metrics.alive_workers.labels(model).set(len(state.fleet.alive(model)))
-        window, _ = state.window.total(time.monotonic())
-        state.metrics.regret_ratio.set(window.regretted / window.reported_requests if window.reported_requests else 0)
+        recent = state.window.total(time.monotonic())[0]
+        state.metrics.regret_ratio.set(recent.regretted / recent.reported_requests if recent.reported_requests else 0)
         response = web.Response(body=generate_latest(state.metrics.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
