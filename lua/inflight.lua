@@ -3,14 +3,14 @@
 -- Read-only. The caller declares the hashes of the replicas it knows to be live (lease.lua's
 -- reply); a replica whose lease has run out counts for nothing, even before its hash expires.
 --
--- Bounded whatever the data: at most 64 replicas, and at most 16384 fields are read in all (3
+-- Bounded whatever the data: at most 64 replicas, and at most 16384 fields are read in all (up to 4
 -- per worker per replica); a replica whose hash would go over what is left is skipped (say a
 -- router that wrote garbage fields), so a call stays around a millisecond.
 --
 -- KEYS[1] replicas  ZSET  replica id -> lease deadline (ms)
 -- KEYS[2..] the in-flight HASH of each replica named in ARGV, in order
 -- ARGV[1..] replica ids
--- Returns a flat array field, total, field, total ... (fields '<r|t|u>:<worker id>').
+-- Returns a flat array field, total, field, total ... (fields '<r|t|u|a>:<worker id>').
 local replicas_key = KEYS[1]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)

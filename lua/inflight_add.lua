@@ -3,7 +3,7 @@
 -- A hash this creates gets the replica hashes' expiry (a replica killed before its next lease
 -- must not leave it behind for good); an existing one keeps the expiry its lease gave it.
 --
--- KEYS[1] inflight  HASH  this replica's load (fields '<r|t|u>:<worker id>')
+-- KEYS[1] inflight  HASH  this replica's load (fields '<r|t|u|a>:<worker id>')
 -- ARGV[1] expire_ms (> 0)   ARGV[2..] field, delta pairs (integers)
 -- Returns the number of fields changed.
 local inflight_key, expire_ms = KEYS[1], tonumber(ARGV[1])

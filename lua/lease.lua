@@ -4,7 +4,7 @@
 -- periods), so a killed replica leaves nothing behind and no script touches another's hash.
 --
 -- KEYS[1] replicas  ZSET  replica id -> lease deadline (ms, server clock)
--- KEYS[2] inflight  HASH  this replica's load (fields '<r|t|u>:<worker id>')
+-- KEYS[2] inflight  HASH  this replica's load (fields '<r|t|u|a>:<worker id>')
 -- ARGV[1] replica id   ARGV[2] lease ttl_ms (> 0)   ARGV[3] expire_ms (>= ttl_ms)
 -- ARGV[4..] field, value pairs of the snapshot (counts > 0 only)
 -- Returns {expired replicas forgotten (at most 100 per call), live replica id, ...}: readers

@@ -52,8 +52,9 @@ class Booking:
         self._held: dict[str, InflightLoad] = {}  # worker id -> what is booked there now
         self._sent_at: dict[str, float] = {}  # worker id -> when the try started
         self._timer: asyncio.TimerHandle | None = None
-        # A whole reply's (prefill tokens waited for, seconds), learned from once its length is known.
-        self._whole: dict[str, tuple[float, float]] = {}
+        # A whole reply's (prefill tokens waited for, their attention work, seconds), learned from
+        # once its length is known.
+        self._whole: dict[str, tuple[float, float, float]] = {}
 
     @property
     def held(self) -> dict[str, InflightLoad]:
@@ -63,7 +64,8 @@ class Booking:
     def attempt(self, candidate: Candidate) -> None:
         decision = self._decision
         uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
-        load = InflightLoad(1, decision.prompt_tokens, uncached)
+        attention = round(decision.scored(candidate).own_attention)
+        load = InflightLoad(1, decision.prompt_tokens, uncached, attention)
         self._release(candidate.worker_id)  # a second try on the same worker books once
         self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
         self._held[candidate.worker_id] = load
@@ -80,12 +82,13 @@ class Booking:
         """The reply's first byte arrived."""
         sent_at = self._sent_at.get(candidate.worker_id)
         if self._learner is not None and sent_at is not None:
-            waited = self._decision.scored(candidate).prefill_tokens
+            scored = self._decision.scored(candidate)
+            waited, attention = scored.prefill_tokens, scored.attention
             seconds = time.perf_counter() - sent_at
             if self._streamed:
-                self._learner.observe(candidate.worker_id, waited, seconds)
+                self._learner.observe(candidate.worker_id, waited, seconds, attention=attention)
             else:
-                self._whole[candidate.worker_id] = (waited, seconds)
+                self._whole[candidate.worker_id] = (waited, attention, seconds)
         self._release_prefill(candidate.worker_id)
 
     def replied(self, candidate: Candidate, usage: dict | None) -> None:
@@ -94,14 +97,21 @@ class Booking:
         whole = self._whole.pop(candidate.worker_id, None)
         completion = (usage or {}).get("completion_tokens")
         if self._learner is not None and whole is not None and isinstance(completion, int):
-            waited, seconds = whole
-            self._learner.observe(candidate.worker_id, waited, seconds, whole_reply=True, completion_tokens=completion)
+            waited, attention, seconds = whole
+            self._learner.observe(
+                candidate.worker_id,
+                waited,
+                seconds,
+                whole_reply=True,
+                completion_tokens=completion,
+                attention=attention,
+            )
 
     def _release_prefill(self, worker_id: str) -> None:
         held = self._held.get(worker_id)
-        if held is None or not held.uncached_tokens:
+        if held is None or not (held.uncached_tokens or held.attention):
             return
-        done = InflightLoad(0, 0, held.uncached_tokens)
+        done = InflightLoad(0, 0, held.uncached_tokens, held.attention)
         self._load.release(self._decision.model, worker_id, done)
         self._held[worker_id] = held + (-done)
 

@@ -205,6 +205,12 @@ SCHEMAS: dict[str, Any] = {
                 "description": "the decode time per completion token learned from whole replies "
                 "(null: not learned; their prefill rate and base exclude it)",
             },
+            "prefill_context_ns": {
+                "type": "number",
+                "description": "attention's share of prefill learned: ns per new token per token of context "
+                "(a chunk of N new tokens after P computed takes this x N x (P + N/2) beyond its linear cost; 0: "
+                "not seen)",
+            },
             "typical_uncached_tokens": {"type": "number"},
             "reuse": {"type": "number", "description": "share of prompt tokens the engines reported cached"},
             "utilization": {"type": "number", "description": "share of workers with prefill queued at decisions"},

@@ -2,7 +2,9 @@
 
 The cost of sending a prompt to a worker is the time to its first token there, predicted:
 
-    base + per_token * ( own prefill        uncached tokens of this prompt on that worker, counted
+    base + per_context * (attention work of own prefill and prefill ahead: N * (P + N / 2) / 1000
+                          for N new tokens after P computed; a long context's miss costs more)
+         + per_token * ( own prefill        uncached tokens of this prompt on that worker, counted
                                              1 + (requests it will delay there: those queued
                                              there, and those arriving while it is computed)
                                              times (see :func:`requests_behind`)
@@ -33,6 +35,7 @@ from enum import StrEnum
 from kvindex.types import WorkerLoad
 from router.shared_load import InflightLoad
 from router.ttft import CostModel
+from router.ttft_fit import attention_work
 
 NO_LOAD = InflightLoad()
 MAX_CONGESTION = 8.0
@@ -94,6 +97,8 @@ class Scored:
     prefill_tokens: float = 0.0  # the prefill it would wait for there (ahead + own): what TTFT is fitted on
     ttft_s: float = 0.0  # the predicted time to first token there
     hit_blocks: int = 0  # of its matched blocks, those predicted still cached when it is scheduled
+    attention: float = 0.0  # the attention work of that prefill (ahead + own; router.ttft_fit.attention_work)
+    own_attention: float = 0.0  # of it, its own prefill's (booked there with it)
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,8 @@ class Terms:
     ahead: float
     evicted: float
     hit_blocks: int = 0
+    own_attention: float = 0.0  # its own prefill's attention work: own tokens after the hit ones
+    ahead_attention: float = 0.0  # the prefill ahead's, as booked
 
 
 def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: CostModel) -> Terms:
@@ -161,7 +168,12 @@ def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: Cost
         filling = candidate.inflight.uncached_tokens // block_size  # being computed: cached soon
         free = max(capacity - candidate.cached_blocks - filling, 0)
         evicted_blocks = max(own_blocks - free, 0)
-    return Terms(own_blocks * block_size, max(booked_ahead, engine_ahead), evicted_blocks * block_size, hit_blocks)
+    own, uncached_ahead = own_blocks * block_size, candidate.inflight.uncached_tokens
+    # the booked attention, less the share of the shared prefix's prefill (as the tokens ahead)
+    ahead_attention = candidate.inflight.attention * booked_ahead / uncached_ahead if uncached_ahead > 0 else 0.0
+    own_attention = attention_work(own, hit_blocks * block_size)
+    ahead = max(booked_ahead, engine_ahead)
+    return Terms(own, ahead, evicted_blocks * block_size, hit_blocks, own_attention, ahead_attention)
 
 
 def queued_requests(ahead_tokens: float, model: CostModel) -> float:
@@ -223,10 +235,14 @@ def score(
     waiting = candidate.engine.waiting if candidate.engine else 0
     extra = weights.active * candidate.inflight.prompt_tokens + weights.queue * waiting * model.typical_uncached_tokens
     reuse = model.reuse if weights.cache_pressure is None else weights.cache_pressure
-    ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra)
+    attention = weights.prefill * t.own_attention + weights.queued * t.ahead_attention
+    ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra, attention)
     behind = requests_behind(t.ahead, model, t.own) if marginal else 0.0
-    cost = ttft + params.per_token_s * (behind * weights.prefill * t.own + reuse * t.evicted)
-    return Scored(candidate, cost, is_busy(candidate, weights), t.own + t.ahead, ttft, t.hit_blocks)
+    own_s = params.per_token_s * t.own + params.per_context_s * t.own_attention  # its own prefill's time
+    cost = ttft + behind * weights.prefill * own_s + params.per_token_s * reuse * t.evicted
+    own_attention, waited_attention = t.own_attention, t.own_attention + t.ahead_attention
+    busy = is_busy(candidate, weights)
+    return Scored(candidate, cost, busy, t.own + t.ahead, ttft, t.hit_blocks, waited_attention, own_attention)
 
 
 def cost(

@@ -35,22 +35,27 @@ class InflightLoad:
     requests: int = 0
     prompt_tokens: int = 0
     uncached_tokens: int = 0
+    # the attention work of those uncached tokens' prefills (router.ttft_fit.attention_work):
+    # prefill ahead after a long context takes longer than as many tokens cold
+    attention: int = 0
 
     def __add__(self, other: InflightLoad) -> InflightLoad:
         return InflightLoad(
             self.requests + other.requests,
             self.prompt_tokens + other.prompt_tokens,
             self.uncached_tokens + other.uncached_tokens,
+            self.attention + other.attention,
         )
 
     def __neg__(self) -> InflightLoad:
-        return InflightLoad(-self.requests, -self.prompt_tokens, -self.uncached_tokens)
+        return InflightLoad(-self.requests, -self.prompt_tokens, -self.uncached_tokens, -self.attention)
 
     def fields(self, worker_id: str) -> dict[str, int]:
         return {
             "r:" + worker_id: self.requests,
             "t:" + worker_id: self.prompt_tokens,
             "u:" + worker_id: self.uncached_tokens,
+            "a:" + worker_id: self.attention,
         }
 
 
@@ -76,7 +81,7 @@ def parse_totals(reply: Sequence[bytes | str]) -> dict[str, InflightLoad]:
         raw = reply[i + 1]
         value = raw.decode() if isinstance(raw, bytes) else str(raw)
         parts[worker][kind] = int(float(value))
-    totals = {w: InflightLoad(p.get("r", 0), p.get("t", 0), p.get("u", 0)) for w, p in parts.items()}
+    totals = {w: InflightLoad(p.get("r", 0), p.get("t", 0), p.get("u", 0), p.get("a", 0)) for w, p in parts.items()}
     return {w: load for w, load in totals.items() if load != InflightLoad()}
 
 

@@ -1,12 +1,15 @@
 """What the router learns online about each worker's time to first token (pure: no I/O).
 
-A worker's TTFT is modelled as ``base + per_token * prefill_tokens``, where ``prefill_tokens`` is
-the prefill work the request waits for on that worker: the uncached tokens booked there ahead of
-it plus its own uncached tokens. Both are fitted by exponentially weighted least squares over the
-router's own observations (the time from sending a streamed request to its first byte, with the
-prefill tokens it was predicted to wait for): ``base`` over the whole fleet, ``per_token`` per
+A worker's TTFT is modelled as ``base + per_token * prefill_tokens + per_context * attention``,
+where ``prefill_tokens`` is the prefill work the request waits for on that worker (the uncached
+tokens booked there ahead of it plus its own uncached tokens) and ``attention`` that prefill's
+attention work (:func:`router.ttft_fit.attention_work`: new tokens after a long context cost more
+than cold ones). They are fitted by exponentially weighted least squares (:mod:`router.ttft_fit`)
+over the router's own observations (the time from sending a streamed request to its first byte,
+with the prefill it was predicted to wait for): ``base`` over the whole fleet, the rates per
 worker, shrunk towards the fleet's while a worker has few observations; the fleet's towards a
-prior while it has none.
+prior while it has none (``per_context`` 0: time linear in tokens, until contexts vary enough
+to tell the term apart).
 
 Requests that are not streamed show their first byte only with their last, so their time is the
 whole reply's: prefill wait plus the decode of the reply's tokens. It is fitted on both, the
@@ -33,7 +36,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms matters until learned
+from router.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
+
+__all__ = ["PRIOR_PER_TOKEN_S", "SUM_FIELDS", "CostModel", "GroupChange", "GroupKey", "TtftLearner", "TtftParams"]
+
 HALF_LIFE = 200.0  # observations after which an old one weighs half
 SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observations
 # A worker's learned rate within this share of the typical (median) worker's is taken for the
@@ -43,9 +49,6 @@ SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observa
 # "fastest" took 1.6-1.8x the mean requests (1.08x with the fleet's rate for all;
 # docs/benchmarks.md). A slower GPU is further off.
 SAME_RATE_WITHIN = 0.25
-MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not identifiable
-MIN_SPREAD_OUTPUT = 1.0  # below this spread of reply lengths the decode rate is not identifiable
-MAX_CORRELATION = 0.98  # prefill and reply sizes this collinear cannot be told apart: prefill only
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
 # Once many observations are held, one more moves the fit by ~1/n: the model is fitted again after
@@ -53,97 +56,25 @@ PRIOR_UTILIZATION = 0.5
 # not at each decision, where refitting was ~6% of a router's CPU at full rate.
 REFIT_SHARE = 64.0
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
-SUM_FIELDS = ("n", "x", "y", "z", "xx", "xy", "zz", "xz", "zy")
 
 
-@dataclass(frozen=True)
-class TtftParams:
-    base_s: float = 0.0
-    per_token_s: float = PRIOR_PER_TOKEN_S
-
-    def seconds(self, prefill_tokens: float) -> float:
-        return self.base_s + self.per_token_s * prefill_tokens
-
-
-@dataclass(frozen=True)
-class _Fit:
-    """A least-squares fit: TTFT parameters, and the decode time per reply token (whole replies)."""
-
-    params: TtftParams
-    decode_per_token_s: float | None = None
+def _distinct_rates(own: TtftParams, typical: TtftParams) -> TtftParams:
+    """A worker's rates (per token and per unit of attention work) with the fleet's base, or the
+    typical worker's where its per-token rate is within ``SAME_RATE_WITHIN`` of it."""
+    if abs(own.per_token_s - typical.per_token_s) <= SAME_RATE_WITHIN * typical.per_token_s:
+        return typical
+    return TtftParams(typical.base_s, own.per_token_s, own.per_context_s)
 
 
-@dataclass
-class _Sums:
-    """Exponentially weighted sums for a least-squares fit of ``y`` (seconds) on ``x`` (prefill
-    tokens) and, for whole replies, ``z`` (completion tokens; always 0 for first bytes)."""
-
-    n: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    z: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-    zz: float = 0.0
-    xz: float = 0.0
-    zy: float = 0.0
-    since_sync: int = 0  # observations added since the model was last shared (router.model_sync)
-
-    def add(self, x: float, y: float, decay: float, z: float = 0.0) -> None:
-        self.since_sync += 1
-        self.n = self.n * decay + 1
-        self.x = self.x * decay + x
-        self.y = self.y * decay + y
-        self.z = self.z * decay + z
-        self.xx = self.xx * decay + x * x
-        self.xy = self.xy * decay + x * y
-        self.zz = self.zz * decay + z * z
-        self.xz = self.xz * decay + x * z
-        self.zy = self.zy * decay + z * y
-
-    def vector(self) -> tuple[float, ...]:
-        return tuple(getattr(self, name) for name in SUM_FIELDS)
-
-    def set_vector(self, values: tuple[float, ...]) -> None:
-        for name, value in zip(SUM_FIELDS, values, strict=True):
-            setattr(self, name, value)
-
-    def fit(self, prior: TtftParams) -> _Fit:
-        """Least squares on the prefill tokens, and on the completion tokens where they vary
-        enough to be told apart; the prior's slope where the prefill sizes barely vary or their
-        effect is below the noise; no coefficient negative (a term the data says nothing about
-        is left out)."""
-        if self.n < 1:
-            return _Fit(prior)
-        n = self.n
-        mx, my, mz = self.x / n, self.y / n, self.z / n
-        cxx, czz = self.xx / n - mx * mx, self.zz / n - mz * mz
-        cxy, czy, cxz = self.xy / n - mx * my, self.zy / n - mz * my, self.xz / n - mx * mz
-        x_varies, z_varies = cxx > MIN_SPREAD_TOKENS**2, czz > MIN_SPREAD_OUTPUT**2
-        slope, decode = prior.per_token_s, None
-        slope_seen = x_varies  # else the prior's slope stands
-        if x_varies and z_varies and cxz * cxz < MAX_CORRELATION**2 * cxx * czz:
-            det = cxx * czz - cxz * cxz
-            joint_slope, joint_decode = (cxy * czz - czy * cxz) / det, (czy * cxx - cxy * cxz) / det
-            if min(joint_slope, joint_decode) >= 0:
-                slope, decode = joint_slope, joint_decode
-            elif joint_decode > 0:
-                # The prefill's effect is lost in the noise (small prompts on a fast engine):
-                # the decode alone, the prefill at the prior's rate, as when sizes barely vary.
-                slope_seen = False
-        if decode is None and z_varies and not slope_seen:
-            decode = max((czy - slope * cxz) / czz, 0.0)
-        elif decode is None and slope_seen:
-            slope = max(cxy / cxx, 0.0)
-        base = max(my - slope * mx - (decode or 0.0) * mz, 0.0)
-        return _Fit(TtftParams(base, slope), decode)
-
-
-def _distinct_rate(per_token_s: float, typical: float, fleet: TtftParams) -> float:
-    """A worker's rate, or the fleet's where it is within ``SAME_RATE_WITHIN`` of ``typical``."""
-    if abs(per_token_s - typical) <= SAME_RATE_WITHIN * typical:
-        return fleet.per_token_s
-    return per_token_s
+def _typical(own_rates: dict[str, TtftParams], fleet: TtftParams) -> TtftParams:
+    """The typical worker's rates: the median worker's, and the median attention rate of the
+    workers within ``SAME_RATE_WITHIN`` of it. Not the fleet's own fit, which a few slower
+    engines (a larger model, an older GPU) pull toward them."""
+    if not own_rates:
+        return fleet
+    median = statistics.median(r.per_token_s for r in own_rates.values())
+    alike = [r for r in own_rates.values() if abs(r.per_token_s - median) <= SAME_RATE_WITHIN * median]
+    return TtftParams(fleet.base_s, median, statistics.median(r.per_context_s for r in alike or own_rates.values()))
 
 
 def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
@@ -151,6 +82,7 @@ def _blend(own: TtftParams, weight: float, other: TtftParams) -> TtftParams:
     return TtftParams(
         share * own.base_s + (1 - share) * other.base_s,
         share * own.per_token_s + (1 - share) * other.per_token_s,
+        share * own.per_context_s + (1 - share) * other.per_context_s,
     )
 
 
@@ -206,10 +138,10 @@ class TtftLearner:
     def __init__(self, prior: TtftParams | None = None) -> None:
         self._prior = prior or TtftParams()
         self._decay = 1 - 1 / HALF_LIFE
-        self._workers: dict[str, _Sums] = {}
-        self._fleet = _Sums()
-        self._whole_workers: dict[str, _Sums] = {}  # whole replies of requests not streamed
-        self._whole_fleet = _Sums()
+        self._workers: dict[str, Sums] = {}
+        self._fleet = Sums()
+        self._whole_workers: dict[str, Sums] = {}  # whole replies of requests not streamed
+        self._whole_fleet = Sums()
         self._typical = _Average(512.0)
         self._reuse = _Average(0.5)
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
@@ -233,16 +165,18 @@ class TtftLearner:
         seconds: float,
         whole_reply: bool = False,
         completion_tokens: int = 0,
+        attention: float = 0.0,
     ) -> None:
         """A request to ``worker_id`` waited ``seconds`` for its first byte, having been predicted
-        to wait for ``prefill_tokens`` of prefill there; ``whole_reply``: it was not streamed, so
-        its first byte came with its last, after decoding its ``completion_tokens``."""
-        if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0:
+        to wait for ``prefill_tokens`` of prefill there, of ``attention`` work
+        (:func:`router.ttft_fit.attention_work`); ``whole_reply``: it was not streamed, so its
+        first byte came with its last, after decoding its ``completion_tokens``."""
+        if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0 or attention < 0:
             return
         workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
         output = completion_tokens if whole_reply else 0
-        workers.setdefault(worker_id, _Sums()).add(prefill_tokens, seconds, self._decay, output)
-        fleet.add(prefill_tokens, seconds, self._decay, output)
+        workers.setdefault(worker_id, Sums()).add(prefill_tokens, seconds, self._decay, output, attention)
+        fleet.add(prefill_tokens, seconds, self._decay, output, attention)
         self._unfitted += 1
 
     def note_request(self, uncached_tokens: float) -> None:
@@ -290,15 +224,13 @@ class TtftLearner:
         else:
             self._refit_from(self._workers, self._fleet)
 
-    def _refit_from(self, workers: dict[str, _Sums], sums: _Sums) -> None:
+    def _refit_from(self, workers: dict[str, Sums], sums: Sums) -> None:
         fleet = _blend(sums.fit(self._prior).params, sums.n, self._prior)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
-        own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet).per_token_s for w, own in workers.items()}
-        # The median, not the fleet's own fit, which is pulled toward its slowest engines.
-        typical = statistics.median(own_rates.values()) if own_rates else fleet.per_token_s
-        rates = {w: TtftParams(fleet.base_s, _distinct_rate(rate, typical, fleet)) for w, rate in own_rates.items()}
+        own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet) for w, own in workers.items()}
+        rates = {w: _distinct_rates(rate, _typical(own_rates, fleet)) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
     @property
@@ -312,7 +244,7 @@ class TtftLearner:
 
     # --- one model for every replica (router.model_sync shares it through Redis) ------------
 
-    def _fixed_groups(self) -> dict[GroupKey, _Sums | _Average]:
+    def _fixed_groups(self) -> dict[GroupKey, Sums | _Average]:
         return {
             ("a", "typical"): self._typical,
             ("a", "reuse"): self._reuse,
@@ -321,19 +253,19 @@ class TtftLearner:
             ("W", ""): self._whole_fleet,
         }
 
-    def _groups(self) -> dict[GroupKey, _Sums | _Average]:
+    def _groups(self) -> dict[GroupKey, Sums | _Average]:
         groups = self._fixed_groups()
         groups.update({("s", worker): sums for worker, sums in self._workers.items()})
         groups.update({("w", worker): sums for worker, sums in self._whole_workers.items()})
         return groups
 
-    def _group(self, key: GroupKey, fixed: dict[GroupKey, _Sums | _Average]) -> _Sums | _Average | None:
+    def _group(self, key: GroupKey, fixed: dict[GroupKey, Sums | _Average]) -> Sums | _Average | None:
         kind, name = key
         if kind in ("s", "w") and name:
-            return (self._workers if kind == "s" else self._whole_workers).setdefault(name, _Sums())
+            return (self._workers if kind == "s" else self._whole_workers).setdefault(name, Sums())
         return fixed.get(key)
 
-    def _decay_of(self, group: _Sums | _Average) -> float:
+    def _decay_of(self, group: Sums | _Average) -> float:
         return group.decay if isinstance(group, _Average) else self._decay
 
     def changes(self) -> list[GroupChange]:
@@ -386,6 +318,7 @@ class TtftLearner:
             {
                 "id": worker_id,
                 "prefill_tokens_per_s": _rate(model.params(worker_id)),
+                "prefill_context_ns": round(model.params(worker_id).per_context_s * 1e6, 4),
                 "observations": round(self._workers[worker_id].n, 1) if worker_id in self._workers else 0.0,
                 "whole_reply_observations": round(self._whole_workers[worker_id].n, 1)
                 if worker_id in self._whole_workers
@@ -400,6 +333,8 @@ class TtftLearner:
             "observations": round(self._fleet.n, 1),
             "whole_reply_observations": round(self._whole_fleet.n, 1),
             "decode_ms_per_token": _ms(self._whole_fleet.fit(self._prior).decode_per_token_s),
+            # attention's share of prefill: ns per new token per token of context (0: not seen)
+            "prefill_context_ns": round(model.fleet.per_context_s * 1e6, 4),
             "typical_uncached_tokens": round(model.typical_uncached_tokens, 1),
             "reuse": round(model.reuse, 4),
             "utilization": round(model.utilization, 4),

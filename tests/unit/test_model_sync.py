@@ -117,10 +117,10 @@ def test_parse_model_takes_complete_groups_of_numbers_and_skips_the_rest():
     reply = [1, *flat, "a:reuse", "0.25", "a:typical", "nan", "S:n", "3", "x:junk", "1", "a:utilization", "high"]
     applied, groups = parse_model([x.encode() if isinstance(x, str) else x for x in reply])
     assert applied is True
-    assert groups == {("s", "http://w:8000"): tuple(float(i + 1) for i in range(9)), ("a", "reuse"): (0.25,)}
+    assert groups == {("s", "http://w:8000"): tuple(float(i + 1) for i in range(len(sums))), ("a", "reuse"): (0.25,)}
 
 
 def test_field_names_keep_worker_ids_with_colons_whole():
     assert field_names(("a", "reuse")) == ["a:reuse"]
     assert field_names(("S", ""))[0] == "S:n"
-    assert field_names(("w", "h:1"))[-1] == "w:zy:h:1"
+    assert field_names(("w", "h:1"))[-1] == "w:wy:h:1"
