@@ -260,7 +260,7 @@ def _routers(args: argparse.Namespace) -> list[str]:
 
 def peers_of(args: argparse.Namespace) -> list[str]:
     """``--peer``'s routers (comma-separated: sglang, greedy_oracle)."""
-    return [p.strip() for p in (args.peer or "").split(",") if p.strip()]
+    return list(dict.fromkeys(p.strip() for p in (args.peer or "").split(",") if p.strip()))
 
 
 def fleet_capacity(
@@ -301,6 +301,9 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.router_url and args.peer:
         raise StartupError("--peer needs the self-started stack, not --router-url")
+    unknown = [p for p in peers_of(args) if p not in PEERS]
+    if unknown or (args.peer is not None and not peers_of(args)):
+        raise StartupError(f"--peer takes some of {','.join(PEERS)}, got {args.peer!r}")
     if args.router_url and args.repeats > 1:
         raise StartupError(
             "--repeats needs the self-started stack (its caches are emptied between runs), not --router-url"

@@ -113,17 +113,6 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-REPLAY_PEERS = ("sglang", "greedy_oracle")
-
-
-def _peers(text: str) -> str:
-    peers = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in peers if p not in REPLAY_PEERS]
-    if unknown or not peers:
-        raise argparse.ArgumentTypeError(f"--peer takes some of {','.join(REPLAY_PEERS)}, got {text!r}")
-    return ",".join(dict.fromkeys(peers))
-
-
 def _replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="?", help="a Mooncake-format trace (JSON lines: timestamp, input_length, hash_ids)")
     p.add_argument(
@@ -151,7 +140,6 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--peer",
-        type=_peers,
         help="also run these routers on the same engines (comma-separated): sglang, the SGLang router "
         "(cache_aware; text prompts to every router; sglang-router from $KVROUTE_SGLANG_PYTHON or python3); "
         "greedy_oracle, a reference that asks each engine what it holds now and takes the longest match",

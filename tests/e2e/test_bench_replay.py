@@ -159,3 +159,28 @@ def test_bench_replay_with_the_sglang_peer(tmp_path):
         ("sglang", 2),
     ]
     assert report["prompts"] == "text" and all(r["failed"] == 0 and r["hit_rate"] > 0 for r in report["runs"])
+
+
+@pytest.mark.slow
+def test_bench_replay_with_the_greedy_oracle_beside_kv(tmp_path):
+    """--peer greedy_oracle: the reference that asks each engine what it holds runs on the same
+    engines as kv, with token ids (it takes them as well as text), and predicts what it saw."""
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
+        for i in range(24)
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "replay.json"
+    flags = ["--engines", "2", "--cache-fraction", "1.0", "--replicas", "1", "--peer", "greedy_oracle"]
+    command = [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), *flags, "--json", str(out)]
+    command += ["--chart", str(tmp_path / "replay.png")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["prompts"] == "token ids"
+    assert [r["router"] for r in report["runs"]] == ["kv", "round_robin", "greedy_oracle"]
+    oracle = report["runs"][-1]
+    assert oracle["failed"] == 0 and oracle["lost_share"] is None and 0 <= oracle["prediction_exact"] <= 1
+    # the same engines, all prefixes fit: the oracle is at the shared-LRU reference, give or take
+    assert oracle["of_lru_reference"] > 0.8

@@ -145,6 +145,7 @@ def test_a_lookup_of_an_unknown_model_says_what_to_do(redis_server, unique_name)
         (["missing.jsonl"], "cannot read the trace missing.jsonl: No such file or directory"),
         (["--synthetic", "multi-turn", "--cache-fraction", "2"], "0 < --cache-fraction <= 1 are required"),
         (["--synthetic", "multi-turn", "--peer", "sglang", "--router-url", "http://x"], "--peer needs"),
+        (["--synthetic", "multi-turn", "--peer", "sglang,oracle"], "--peer takes some of sglang,greedy_oracle"),
         (["--synthetic", "multi-turn", "--router-url", "localhost:8080"], "must list http:// or https:// URLs"),
         (["--synthetic", "multi-turn", "--repeats", "2", "--router-url", "http://x"], "--repeats needs"),
         (
