@@ -397,6 +397,7 @@ async def _run_on_stack(
         decode_ms_per_step=5,
         max_running=args.max_running,
         speedup=args.time_scale,
+        prefill_context_ns=getattr(args, "prefill_context_ns", 0.0),
     )
     runs = []
     with RedisServer() as server:
