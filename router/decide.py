@@ -26,6 +26,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.scripts import ScriptCall
 from kvindex.types import WorkerRecord
 from router.accounting import Split, split
+from router.activity import WorkerActivity
 from router.fleet import Fleet
 from router.load import ReplicaLoad
 from router.lookups import BudgetExpired, Lookups
@@ -190,6 +191,7 @@ class Decider:
         self.hash_memo = PrefixHashMemo()
         self.hasher = PromptHasher(self.hash_memo)
         self.learners: dict[str, TtftLearner] = {}  # per model (router.model_sync shares them)
+        self.activity = WorkerActivity()  # when each worker was last seen busy (ties among equals)
 
     def learner_for(self, model: str) -> TtftLearner:
         """What this replica learned of ``model``'s engines (a new one starts from the priors)."""
@@ -230,6 +232,8 @@ class Decider:
         if not dry_run:
             self._leave_degraded()
         candidates = self._with_recent(model, chain, self._candidates(model, view, workers))
+        if self._policy is Policy.KV:
+            candidates = self.activity.note(candidates, record=not dry_run)
         learner = self.learner_for(model)
         if not dry_run:
             learner.note_busy(busy_share(candidates))

@@ -47,6 +47,10 @@ MAX_OWN_DELAYED = 1.0  # arrivals a prefill delays while it is computed (request
 # only after its decision), where a random pick spreads them. Real differences (a slower GPU,
 # a queue, a cached prefix) are larger.
 TIE_WITHIN = 0.05
+# Ties are drawn with weights by idle time (a shared LRU's eviction, at random): a worker busy a
+# moment ago keeps this small weight, and idle times beyond the bound weigh the same.
+MIN_IDLE_WEIGHT_S = 0.05
+MAX_IDLE_WEIGHT_S = 60.0
 
 
 class Policy(StrEnum):
@@ -87,6 +91,7 @@ class Candidate:
     pending_blocks: int = 0  # of matched_blocks, those requests in flight there are prefilling now
     cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
     held_blocks: int = 0  # leading blocks of this prompt that requests in flight there compute or hold
+    idle_s: float | None = None  # since it was last seen busy (None: not seen busy since this replica started)
 
 
 @dataclass(frozen=True)
@@ -315,14 +320,28 @@ def choose(
 
 def _near_ties_at_random(ranked: list[Scored], tiebreak: dict[str, float]) -> list[Scored]:
     """Move the candidate that keeps the most of the prompt cached among those whose cost is
-    within ``TIE_WITHIN`` of the best (and as busy) to the front; among equal hits, the one with
-    the lowest random tiebreak. When the time is a wash, the cache decides: a prompt that leaves
-    its prefix for an equally fast worker duplicates it there and evicts that worker's own (on
-    caches of one or two prompts, each such move made the next conversation move in turn)."""
+    within ``TIE_WITHIN`` of the best (and as busy) to the front; among equal hits, one drawn at
+    random, the longer a worker has been idle the likelier. When the time is a wash, the cache
+    decides: a prompt that leaves its prefix for an equally fast worker duplicates it there and
+    evicts that worker's own (on caches of one or two prompts, each such move made the next
+    conversation move in turn); and a prompt that evicts anyway had better evict what was used
+    longest ago (a shared LRU's choice), not the conversation a worker served a moment ago, whose
+    next turn is likely on its way. At random, so that replicas deciding a burst of cold prompts
+    at once do not all send theirs to the same worker."""
     best = ranked[0]
     ties = [s for s in ranked if s.busy == best.busy and s.cost <= best.cost * (1 + TIE_WITHIN)]
-    pick = min(ties, key=lambda s: (-s.hit_blocks, tiebreak[s.candidate.worker_id]))
+    most = max(s.hit_blocks for s in ties)
+    kept = [s for s in ties if s.hit_blocks == most]
+    # a weighted draw from one uniform number each (the largest u ** (1 / weight) wins with
+    # probability in proportion to its weight)
+    pick = max(kept, key=lambda s: tiebreak[s.candidate.worker_id] ** (1 / _idle_weight(s.candidate)))
     return ranked if pick is best else [pick, *(s for s in ranked if s is not pick)]
+
+
+def _idle_weight(candidate: Candidate) -> float:
+    """A tie's weight in the draw: its idle time, bounded (never seen busy: the bound)."""
+    idle = MAX_IDLE_WEIGHT_S if candidate.idle_s is None else min(candidate.idle_s, MAX_IDLE_WEIGHT_S)
+    return idle + MIN_IDLE_WEIGHT_S
 
 
 def _sample_first(ranked: list[Scored], temperature: float, rng: random.Random) -> list[Scored]:

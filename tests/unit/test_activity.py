@@ -1,0 +1,62 @@
+"""When each worker was last seen busy, and the draw among near-equal workers it weighs (pure)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from kvindex.types import WorkerLoad
+from router.activity import WorkerActivity
+from router.scoring import Candidate, ScoringWeights, choose
+from router.shared_load import InflightLoad
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_time_runs_from_the_last_decision_that_saw_the_worker_busy():
+    clock = Clock()
+    activity = WorkerActivity(clock)
+    booked = Candidate("a", "http://a", inflight=InflightLoad(1, 100, 0))
+    running = Candidate("b", "http://b", engine=WorkerLoad(running=1, waiting=0, kv_usage=0.1))
+    idle = Candidate("c", "http://c")
+    assert [c.idle_s for c in activity.note([booked, running, idle])] == [0.0, 0.0, None]
+    clock.now += 3.0
+    quiet_a, quiet_b = Candidate("a", "http://a"), Candidate("b", "http://b")
+    assert [c.idle_s for c in activity.note([quiet_a, quiet_b, idle])] == [3.0, 3.0, None]
+    # a dry run (/debug/route) sees a busy worker as busy but records nothing
+    clock.now += 1.0
+    assert activity.note([booked], record=False)[0].idle_s == 0.0
+    assert activity.note([quiet_a])[0].idle_s == 4.0
+
+
+def test_among_equal_costs_the_worker_idle_longest_is_the_likeliest_pick():
+    """Three cold, equally fast workers: one busy a moment ago, one idle 2 s, one 20 s. The draw
+    follows the idle times (a shared LRU's eviction, at random: a burst does not herd)."""
+    workers = [
+        Candidate(name, f"http://{name}", idle_s=idle) for name, idle in (("fresh", 0.0), ("2s", 2.0), ("20s", 20.0))
+    ]
+    picks = Counter(
+        choose(workers, 64, 16, ScoringWeights(), rng=random.Random(seed)).chosen.worker_id for seed in range(2000)
+    )
+    assert picks["20s"] > 5 * picks["2s"] > 5 * picks["fresh"] > 0
+    assert 0.85 < picks["20s"] / 2000 < 0.95  # 20.05 / (0.05 + 2.05 + 20.05)
+    # a worker never seen busy weighs as the bound: with two of them, each about half
+    unknown = [Candidate(n, f"http://{n}") for n in ("x", "y")]
+    halves = Counter(
+        choose(unknown, 64, 16, ScoringWeights(), rng=random.Random(s)).chosen.worker_id for s in range(400)
+    )
+    assert min(halves.values()) > 150
+
+
+def test_the_cache_still_comes_before_idleness():
+    warm = Candidate("warm", "http://warm", matched_blocks=1, idle_s=0.0)  # 1 of 64 blocks: a tie in cost
+    cold = Candidate("cold", "http://cold", idle_s=60.0)
+    assert {
+        choose([warm, cold], 64, 16, ScoringWeights(), rng=random.Random(s)).chosen.worker_id for s in range(50)
+    } == {"warm"}
