@@ -18,14 +18,20 @@ from router.scoring import Policy
 from tests.support import ROOT
 
 
-@pytest.mark.slow
-def test_bench_replay_runs_a_trace_slice(tmp_path):
+def _small_trace(tmp_path):
+    """24 requests over a shared first block and three second blocks."""
     trace = tmp_path / "trace.jsonl"
     rows = [
         {"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
         for i in range(24)
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
+    return trace
+
+
+@pytest.mark.slow
+def test_bench_replay_runs_a_trace_slice(tmp_path):
+    trace = _small_trace(tmp_path)
     out = tmp_path / "replay.json"
     result = subprocess.run(
         [
@@ -165,12 +171,7 @@ def test_bench_replay_with_the_sglang_peer(tmp_path):
 def test_bench_replay_with_the_greedy_oracle_beside_kv(tmp_path):
     """--peer greedy_oracle: the reference that asks each engine what it holds runs on the same
     engines as kv, with token ids (it takes them as well as text), and predicts what it saw."""
-    trace = tmp_path / "trace.jsonl"
-    rows = [
-        {"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1 + i % 3, 10 + i]}
-        for i in range(24)
-    ]
-    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    trace = _small_trace(tmp_path)
     out = tmp_path / "replay.json"
     flags = ["--engines", "2", "--cache-fraction", "1.0", "--replicas", "1", "--peer", "greedy_oracle"]
     command = [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), *flags, "--json", str(out)]
