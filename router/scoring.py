@@ -133,16 +133,28 @@ def surviving_blocks(candidate: Candidate, block_size: int) -> int:
     prefix: pinned) survive, and of the others at most what the cache has room for beside the
     prompts in flight: ``capacity - 1 - (their blocks)``. Taken as the most recently used (the
     match of a conversation's last turn usually is), they are the last to go. A cache whose size
-    is not known, or with room for everything, keeps the whole match."""
+    is not known, or with room for everything, keeps the whole match.
+
+    Prompts in flight that share a prefix share its blocks, so their summed length overstates
+    what they hold (fifty requests on one 3k-token system prompt hold it once). Where the sum is
+    more than the cache holds at all, it is bounded by the engine's own KV usage (the blocks
+    running requests hold, as its agent last scraped it: up to a second or so old) plus the
+    prefill still to come (booked uncached tokens: blocks not allocated yet). Below that, the sum
+    stands: a usage scraped before the last requests were admitted would say the cache is free."""
     matched = candidate.matched_blocks
     engine = candidate.engine
     capacity = engine.capacity_blocks if engine else None
     inflight = candidate.inflight
-    if not capacity or matched <= 0 or inflight.requests <= 0:
+    if not capacity or engine is None or matched <= 0 or inflight.requests <= 0:
         return matched
     pinned = min(matched, candidate.held_blocks)
     # blocks of the prompts in flight there (each one's last block partly filled), null block aside
-    room = capacity - 1 - inflight.prompt_tokens // block_size - inflight.requests
+    held = inflight.prompt_tokens // block_size + inflight.requests
+    if held >= capacity:  # certainly shared blocks counted more than once
+        # (the usage counts the running requests' partly filled blocks already)
+        used = round(engine.kv_usage * capacity) + -(-inflight.uncached_tokens // block_size)
+        held = min(held, used)
+    room = capacity - 1 - held
     return pinned + min(matched - pinned, max(room, 0))
 
 

@@ -284,9 +284,18 @@ def test_matched_blocks_survive_only_what_the_prompts_in_flight_leave_room_for()
     assert surviving_blocks(replace(at_risk, inflight=NO_LOAD), 16) == 50
     assert surviving_blocks(replace(at_risk, engine=_engine(None)), 16) == 50
     assert surviving_blocks(replace(at_risk, engine=_engine(1000)), 16) == 50
-    # a cache full of prompts in flight keeps only what they hold
+    # a cache full of prompts in flight keeps only what they hold, as far as the engine's usage says
     crowded = InflightLoad(requests=2, prompt_tokens=120 * 16, uncached_tokens=0)
-    assert surviving_blocks(replace(at_risk, inflight=crowded, held_blocks=8), 16) == 8
+    full = WorkerLoad(running=2, waiting=0, kv_usage=0.99, capacity_blocks=100)
+    assert surviving_blocks(replace(at_risk, inflight=crowded, held_blocks=8, engine=full), 16) == 8
+    # fifty prompts in flight sharing one long prefix (summed, 25 times the cache) hold half of it:
+    # room for the rest of the match
+    shared = InflightLoad(requests=50, prompt_tokens=50 * 50 * 16, uncached_tokens=2 * 16)
+    half = WorkerLoad(running=50, waiting=0, kv_usage=0.5, capacity_blocks=100)
+    assert surviving_blocks(replace(at_risk, inflight=shared, held_blocks=20, engine=half), 16) == 20 + 30
+    # below the cache's size the sum stands (a usage scraped before they were admitted says nothing)
+    stale = WorkerLoad(running=0, waiting=0, kv_usage=0.0, capacity_blocks=100)
+    assert surviving_blocks(replace(at_risk, engine=stale), 16) == 38
 
 
 def test_the_cost_and_the_prediction_count_only_the_surviving_blocks():
