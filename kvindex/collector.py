@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvindex import calls as lua
 from kvindex.cluster import RedisClient
 from kvindex.codec import unpack_hashes
 from kvindex.keys import BucketKeys, ModelKeys
@@ -44,12 +45,12 @@ async def collect(client: RedisClient, scripts: Scripts, keys: ModelKeys, budget
     retired = await _retire_dead(client, scripts, keys, min(budget, MAX_DEAD_PER_CALL), grace_ms)
     work = _Work(budget)
     finished = 0
-    due = await scripts.run("alive", [keys.retired], ["due", min(budget, MAX_DUE_PER_CALL)])
+    due = await scripts.run(lua.alive(keys.retired, "due", min(budget, MAX_DUE_PER_CALL)))
     for gid in (decode(g) for g in due[1:]):
         if work.budget <= 0:
             break
         if await _collect_gid(client, scripts, keys, gid, work):
-            finished += await scripts.run("gc_finish", [keys.gids, keys.retired, keys.gid_buckets(gid)], [gid])
+            finished += await scripts.run(lua.gc_finish(keys, gid))
     if work.gone_keys:
         await client.hincrby(keys.meta, "block_keys", -work.gone_keys)
     pending = await client.zcard(keys.retired)
@@ -57,15 +58,13 @@ async def collect(client: RedisClient, scripts: Scripts, keys: ModelKeys, budget
 
 
 async def _retire_dead(client: RedisClient, scripts: Scripts, keys: ModelKeys, limit: int, grace_ms: int) -> int:
-    dead = [decode(g) for g in (await scripts.run("alive", [keys.alive], ["dead", limit, grace_ms]))[1:]]
+    dead = [decode(g) for g in (await scripts.run(lua.alive(keys.alive, "dead", limit, grace_ms)))[1:]]
     if not dead:
         return 0
     owners = [decode(w) if w is not None else None for w in await client.hmget(keys.gids, dead)]
     # A gid nobody owns still leaves `alive`; its record slot is the bare prefix, never a record.
     records = [keys.worker(owner) if owner else keys.worker_prefix for owner in owners]
-    return int(
-        await scripts.run("gc_retire", [keys.workers, keys.gids, keys.alive, keys.retired, *records], [grace_ms, *dead])
-    )
+    return await scripts.run(lua.gc_retire(keys, grace_ms, dead, records))
 
 
 async def _collect_gid(client: RedisClient, scripts: Scripts, keys: ModelKeys, gid: str, work: _Work) -> bool:
@@ -93,14 +92,10 @@ async def _collect_bucket(client: RedisClient, scripts: Scripts, bucket: BucketK
         take = min(work.budget, cursor // 8)
         chunk = await client.getrange(bucket.log(gid), cursor - 8 * take, cursor - 1) if take else b""
         block_keys = [bucket.block(h) for h in unpack_hashes(chunk if isinstance(chunk, bytes) else chunk.encode())]
-        status, removed, gone, _ = await scripts.run(
-            "gc_bucket",
-            [bucket.state(gid), bucket.log(gid), *block_keys],
-            [gid, cursor, DEAD_TTL_MS, bucket.block_prefix],
-        )
+        status, removed, gone, _ = await scripts.run(lua.gc_bucket(bucket, gid, cursor, DEAD_TTL_MS, block_keys))
         work.removed += int(removed)
         work.gone_keys += int(gone)
         work.budget -= max(take, 1)
-        if decode(status) == "done":
+        if status == "done":
             return True
     return False

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import secrets
 
+from kvindex import calls as lua
 from kvindex.cluster import RedisClient
 from kvindex.keys import KeySchema, ModelKeys
-from kvindex.replies import decode
 from kvindex.scripts import Scripts
 from kvindex.types import Registration, WorkerInfo
 
@@ -39,14 +39,11 @@ async def register_worker(
     """register.lua (a fresh, empty generation under a random gid; any previous one is retired),
     then the model joins the ``models`` set."""
     keys = schema.for_model(worker.model)
-    record = keys.worker(worker.worker_id)  # validates the id
     for _ in range(MAX_GID_DRAWS):
         status, gid, epoch = await scripts.run(
-            "register",
-            [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record],
-            [worker.worker_id, worker.url, worker.model, worker.block_size, worker.dp_rank, ttl_ms, new_gid()],
+            lua.register(keys, worker.worker_id, worker.url, worker.block_size, worker.dp_rank, ttl_ms, new_gid())
         )
-        if decode(status) == "ok":
+        if status == "ok":
             await client.sadd(schema.models, worker.model)
             return Registration(int(gid), int(epoch))
     raise GidDrawsExhaustedError(f"Redis refused {MAX_GID_DRAWS} random gids for worker {worker.worker_id!r}")
@@ -56,14 +53,9 @@ async def retire(scripts: Scripts, keys: ModelKeys, worker_id: str, mode: str, g
     """clear.lua: ``keep`` (a fresh empty gid) or ``leave`` (the record goes); gid '' = any.
     Returns ``[status, new gid]``."""
     for _ in range(MAX_GID_DRAWS):
-        args: list[str | int] = [worker_id, gid, mode]
-        if mode == "keep":
-            args.append(new_gid())
-        reply: list[object] = await scripts.run(
-            "clear", [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)], args
-        )
-        if decode(reply[0]) != "taken":  # type: ignore[arg-type]
-            return reply
+        reply = await scripts.run(lua.clear(keys, worker_id, gid, mode, new_gid() if mode == "keep" else None))
+        if reply[0] != "taken":
+            return list(reply)
     raise GidDrawsExhaustedError(f"Redis refused {MAX_GID_DRAWS} random gids for worker {worker_id!r}")
 
 
@@ -74,13 +66,7 @@ async def stage_generation(
     None when that registration is gone (Redis lost data) or was taken over."""
     for _ in range(MAX_GID_DRAWS):
         staged = new_gid()
-        status = decode(
-            await scripts.run(
-                "stage",
-                [keys.gids, keys.alive, keys.retired, keys.worker(worker_id)],
-                [worker_id, gid, staged, stage_ttl_ms],
-            )
-        )
+        status = await scripts.run(lua.stage(keys, worker_id, gid, staged, stage_ttl_ms))
         if status == "ok":
             return staged
         if status != "taken":
@@ -93,9 +79,5 @@ async def swap_generation(
 ) -> Registration | None:
     """swap.lua: the staged gid (holding ``blocks``) becomes current and ``gid`` is retired, in
     one step; None when the registration or the stage is gone."""
-    status, epoch = await scripts.run(
-        "swap",
-        [keys.workers, keys.alive, keys.retired, keys.worker(worker_id)],
-        [worker_id, gid, staged, ttl_ms, blocks],
-    )
-    return Registration(staged, int(epoch)) if decode(status) == "ok" else None
+    status, epoch = await scripts.run(lua.swap(keys, worker_id, gid, staged, ttl_ms, blocks))
+    return Registration(staged, int(epoch)) if status == "ok" else None

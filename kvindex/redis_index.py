@@ -15,8 +15,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from kvindex import calls as lua
 from kvindex.cluster import RedisClient
-from kvindex.codec import KeyRun
 from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
@@ -155,7 +155,7 @@ class RedisIndex:
         they run on two shards at once: the model's and the chain's bucket's."""
         keys = self.keys(model)
         prefix = keys.bucket_of_chain(chain[0]).block_prefix if chain else ""
-        return [("alive", [keys.alive], []), ("match", KeyRun(prefix, chain), [])]
+        return [lua.alive(keys.alive), lua.match(prefix, chain)]
 
     async def match_result(self, model: str, alive_reply: Any, match_reply: Any) -> dict[str, int]:
         """The replies of :meth:`match_calls` -> {alive worker id: matched blocks}."""
@@ -182,7 +182,7 @@ class RedisIndex:
         return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
 
     async def _alive_gids(self, model: str) -> set[int]:
-        return set(gid_list((await self._scripts.run("alive", [self.keys(model).alive], []))[1]))
+        return set(gid_list((await self._scripts.run(lua.alive(self.keys(model).alive)))[1]))
 
     async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
         """Alive workers that hold ``block`` in the index, each with 1 (the index records who
@@ -235,7 +235,7 @@ class RedisIndex:
     async def workers(self, model: str) -> list[WorkerRecord]:
         keys = self.keys(model)
         worker_ids = sorted(decode(w) for w in await self._client.hkeys(keys.workers))
-        now, *alive = await self._scripts.run("alive", [keys.alive], ["all"])
+        now, *alive = await self._scripts.run(lua.alive(keys.alive, "all"))
         async with self._client.pipeline(transaction=False) as pipe:
             for worker_id in worker_ids:
                 pipe.hgetall(keys.worker(worker_id))

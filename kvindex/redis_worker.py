@@ -20,9 +20,10 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from kvindex import calls as lua
 from kvindex.bucket_writes import BucketCall, GenerationWrites, bucket_of_op, plan_calls, waves
 from kvindex.cluster import RedisClient
-from kvindex.codec import KeyRun, encode_ops, pack_hashes
+from kvindex.codec import encode_ops, pack_hashes
 from kvindex.errors import NotRegisteredError, StaleGenerationError
 from kvindex.generations import register_worker, retire, stage_generation, swap_generation
 from kvindex.keys import KeySchema
@@ -251,9 +252,8 @@ class RedisWorker:
         self._check_open()
         if ttl_ms is not None:
             self.ttl_ms = ttl_ms
-        keys = [self.keys.worker(self.worker_id), self.keys.alive]
-        status = await self._scripts.run("heartbeat", keys, [self.gid, self.ttl_ms])
-        return HeartbeatStatus(decode(status))
+        status = await self._scripts.run(lua.heartbeat(self.keys, self.worker_id, self.gid, self.ttl_ms))
+        return HeartbeatStatus(status)
 
     # --- the block limit ----------------------------------------------------------------------
 
@@ -281,15 +281,12 @@ class RedisWorker:
         self.load = load
         if self._explicit_limit is None and load.capacity_blocks:
             self.mirror.limit = capacity_limit(load.capacity_blocks)
-        args: list[str | int] = [self.gid, load.running, load.waiting, repr(load.kv_usage)]
         # An engine that does not say its cache size (an older vLLM, another engine) shows it by
         # its evictions: the routers' cost needs it to know what a prompt will evict. Only a
         # reported size limits the mirror (an inferred one is a lower bound).
         capacity = load.capacity_blocks or self.mirror.inferred_capacity(load.running)
-        if capacity:
-            args.append(capacity)
-        status = await self._scripts.run("load", [self.keys.worker(self.worker_id)], args)
-        return HeartbeatStatus(decode(status))
+        call = lua.load(self.keys, self.worker_id, self.gid, load.running, load.waiting, load.kv_usage, capacity)
+        return HeartbeatStatus(await self._scripts.run(call))
 
     async def deregister(self) -> None:
         """Leave the index (the worker's entries stop counting at once); closes the handle."""
@@ -337,24 +334,16 @@ class RedisWorker:
         """The gid's block count and the block keys its writes created, into the model's slot;
         tally.lua's status ('ok' while ``writes.gid`` is the worker's current gid)."""
         delta = writes.key_delta
-        status = await self._scripts.run(
-            "tally", [self.keys.worker(self.worker_id), self.keys.meta], [writes.gid, blocks, delta]
-        )
+        status = await self._scripts.run(lua.tally(self.keys, self.worker_id, writes.gid, blocks, delta))
         writes.key_delta -= delta
-        return decode(status)
+        return status
 
     async def _write(self, writes: GenerationWrites, calls: Sequence[BucketCall]) -> None:
         """``calls`` for ``writes.gid``: its new buckets claimed first (claim.lua), then round by
         round, each round's calls concurrently (one per bucket)."""
         new_buckets = writes.unclaimed(calls)
         if new_buckets:
-            status = decode(
-                await self._scripts.run(
-                    "claim",
-                    [self.keys.worker(self.worker_id), self.keys.gid_buckets(writes.gid)],
-                    [writes.gid, *new_buckets],
-                )
-            )
+            status = await self._scripts.run(lua.claim(self.keys, self.worker_id, writes.gid, new_buckets))
             if status != "ok":
                 raise StaleGenerationError(f"worker {self.worker_id!r} is {status} in the index: register again")
             writes.claimed.update(new_buckets)
@@ -363,12 +352,10 @@ class RedisWorker:
             for call, reply in zip(round_calls, replies, strict=True):
                 self._check_applied(writes, call, reply)
 
-    def _apply_call(self, writes: GenerationWrites, call: BucketCall) -> ScriptCall:
-        bucket = self.keys.bucket(call.bucket)
+    def _apply_call(self, writes: GenerationWrites, call: BucketCall) -> ScriptCall[tuple[str, ...]]:
         kinds, blocks, args = encode_ops(call.ops)
         previous, op = writes.next_op(call.bucket)
-        keys = KeyRun(bucket.block_prefix, blocks, lead=[bucket.state(writes.gid), bucket.log(writes.gid)])
-        return ("apply", keys, [writes.gid, previous, op, kinds, *args])
+        return lua.apply(self.keys.bucket(call.bucket), writes.gid, previous, op, kinds, blocks, args)
 
     def _check_applied(self, writes: GenerationWrites, call: BucketCall, reply: object) -> None:
         if isinstance(reply, ResponseError):
@@ -391,10 +378,8 @@ class RedisWorker:
         bucket = self.keys.bucket(bucket_number)
         blocks = [add.block for add in self.mirror.indexed_in_order() if bucket_of_op(add) == bucket_number]
         previous, op = writes.next_op(bucket_number)
-        status, log_entries = await self._scripts.run(
-            "relog", [bucket.state(writes.gid), bucket.log(writes.gid)], [writes.gid, previous, op, pack_hashes(blocks)]
-        )
-        if decode(status) in ("lost", "dead"):
+        status, log_entries = await self._scripts.run(lua.relog(bucket, writes.gid, previous, op, pack_hashes(blocks)))
+        if status in ("lost", "dead"):
             raise StaleGenerationError(f"bucket {bucket_number} of worker {self.worker_id!r} lost writes in Redis")
         writes.ops[bucket_number] = op
         writes.logs[bucket_number] = int(log_entries)

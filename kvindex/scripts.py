@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import (
     AskError,
@@ -30,42 +30,19 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvindex.calls import SPECS, KeyOrArg, ScriptCall
 from kvindex.cluster import RedisClient, is_cluster
 from kvindex.codec import KeyRun
 from kvindex.pipelined import PipelinedConnection
 from kvindex.replies import raise_script_error
 
-SCRIPT_NAMES = (
-    "register",
-    "heartbeat",
-    "apply",
-    "claim",
-    "tally",
-    "load",
-    "clear",
-    "relog",
-    "stage",
-    "swap",
-    "gc_retire",
-    "gc_bucket",
-    "gc_finish",
-    "match",
-    "alive",
-    "lease",
-    "inflight_add",
-    "inflight",
-    "expect",
-    "settle",
-    "expected",
-    "learn",
-)
+SCRIPT_NAMES = tuple(SPECS)
+R = TypeVar("R")
+__all__ = ["READ_ONLY_SCRIPTS", "SCRIPT_NAMES", "KeyOrArg", "ScriptCall", "Scripts", "parsed"]
 
 # Read-only scripts: flagged `#!lua flags=no-writes` and sent as EVALSHA_RO, so that a user whose
 # ACL only lets it read the index can run them, and a replica can serve them.
-READ_ONLY_SCRIPTS = frozenset({"match", "alive", "inflight", "expected"})
-
-KeyOrArg = str | bytes | int
-ScriptCall = tuple[str, Sequence[KeyOrArg], Sequence[KeyOrArg]]  # (script name, keys, args)
+READ_ONLY_SCRIPTS = frozenset(name for name, spec in SPECS.items() if spec.read_only)
 
 
 def lua_dir() -> Path:
@@ -150,7 +127,7 @@ class Scripts:
             if (sha.decode() if isinstance(sha, bytes) else sha) != script.sha:  # pragma: no cover - a broken Redis
                 raise RuntimeError(f"Redis hashed {script.name}.lua as {sha!r}, expected {script.sha}")
 
-    async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+    async def call_many(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         """Several script calls in one round trip (a pipeline, not a transaction). Errors come
         back in the list as exception objects; a missing script is loaded and the batch rerun.
         On a cluster the calls run concurrently, each on the shard of its keys."""
@@ -174,7 +151,7 @@ class Scripts:
                 continue
             return results
 
-    async def _round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
+    async def _round_trip(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         """The commands written together in one write and their replies read in order: on the
         pipelined connection (:mod:`kvindex.pipelined`), else on a connection of the pool."""
         if self._pipelined is None:
@@ -185,7 +162,7 @@ class Scripts:
                 raise result
         return results
 
-    async def _pooled_round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
+    async def _pooled_round_trip(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         """What redis-py's pipeline does, without its per-command bookkeeping (a third of a
         routing decision's CPU). A connection interrupted mid-reply (a timeout, a cancelled
         request) is closed, never reused with replies pending."""
@@ -212,12 +189,13 @@ class Scripts:
             await pool.release(connection)
         return results
 
-    def _pack(self, connection: Any, calls: Sequence[ScriptCall]) -> list[bytes]:
+    def _pack(self, connection: Any, calls: Sequence[ScriptCall[Any]]) -> list[bytes]:
         """The calls as RESP, each in one pass (redis-py's encoder takes ~10 us a call): str
         (UTF-8, redis-py's default, as :class:`KeyRun` keys), bytes and int arguments; a call
         with any other argument goes through redis-py's encoder (``connection.pack_command``)."""
         out: list[bytes] = []
-        for name, keys, args in calls:
+        for call in calls:
+            name, keys, args = call.name, call.keys, call.args
             try:
                 key_part = keys.resp() if isinstance(keys, KeyRun) else b"".join(map(_bulk, keys))
                 arg_part = b"".join(map(_bulk, args))
@@ -228,7 +206,9 @@ class Scripts:
             out.append(b"*%d\r\n%s%s%s%s" % (3 + len(keys) + len(args), head, _bulk(len(keys)), key_part, arg_part))
         return out
 
-    async def call(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
+    async def call(self, call: ScriptCall[Any]) -> Any:
+        """One call, its reply as Redis sent it (see :meth:`run` for the parsed one)."""
+        name, keys, args = call.name, call.keys, call.args
         script = self._scripts[name]
         try:
             return await self._client.execute_command(_command(name), script.sha, len(keys), *keys, *args)
@@ -238,12 +218,13 @@ class Scripts:
             # replica), so the next EVALSHA there finds it.
             return await self._client.execute_command(_evaluation(name), script.source, len(keys), *keys, *args)
 
-    async def _cluster_round_trip(self, calls: Sequence[ScriptCall]) -> list[Any]:
+    async def _cluster_round_trip(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         """The calls as one cluster pipeline: one connection and one round trip per shard that
         has calls (a decision's alive, load and expected reads share the model's shard), the
         shards at once. A call the shard does not know the script for is sent again with it."""
         pipe = self._client.pipeline(transaction=False)
-        for name, keys, args in calls:
+        for call in calls:
+            name, keys, args = call.name, call.keys, call.args
             pipe.execute_command(_command(name), self._scripts[name].sha, len(keys), *keys, *args)
         try:
             results: list[Any] = list(await pipe.execute(raise_on_error=False))
@@ -256,13 +237,13 @@ class Scripts:
             await self._evaluate_on_their_shards(calls, unknown, results)
         redo = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
         if redo:
-            again = await asyncio.gather(*(self._call_or_error(*calls[i]) for i in redo))
+            again = await asyncio.gather(*(self._call_or_error(calls[i]) for i in redo))
             for i, result in zip(redo, again, strict=True):
                 results[i] = result
         return results
 
     async def _evaluate_on_their_shards(
-        self, calls: Sequence[ScriptCall], unknown: list[int], results: list[Any]
+        self, calls: Sequence[ScriptCall[Any]], unknown: list[int], results: list[Any]
     ) -> None:
         """The calls a shard had no script for, sent again with their source (EVAL caches it
         there) as one more pipeline: one connection per shard, as the first try took. Sent one by
@@ -271,7 +252,7 @@ class Scripts:
         self.reloads += 1
         pipe = self._client.pipeline(transaction=False)
         for i in unknown:
-            name, keys, args = calls[i]
+            name, keys, args = calls[i].name, calls[i].keys, calls[i].args
             pipe.execute_command(_evaluation(name), self._scripts[name].source, len(keys), *keys, *args)
         try:
             again: list[Any] = list(await pipe.execute(raise_on_error=False))
@@ -280,18 +261,29 @@ class Scripts:
         for i, result in zip(unknown, again, strict=True):
             results[i] = result
 
-    async def _call_or_error(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
+    async def _call_or_error(self, call: ScriptCall[Any]) -> Any:
         try:
-            return await self.call(name, keys, args)
+            return await self.call(call)
         except ResponseError as exc:
             return exc
 
-    async def run(self, name: str, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
-        """:meth:`call`; a script's own error (``kvroute: ...``) becomes a :class:`~kvindex.errors.KVIndexError`."""
+    async def run(self, call: ScriptCall[R]) -> R:
+        """:meth:`call`, its reply parsed by the call's declaration (:mod:`kvindex.calls`); a
+        script's own error (``kvroute: ...``) becomes a :class:`~kvindex.errors.KVIndexError`."""
         try:
-            return await self.call(name, keys, args)
+            return call.parse(await self.call(call))
         except ResponseError as exc:
             raise_script_error(exc)
+
+
+def parsed(call: ScriptCall[R], reply: Any) -> R:
+    """One reply of :meth:`Scripts.call_many`, parsed by its call's declaration; an error in its
+    place raised (a script's own as a :class:`~kvindex.errors.KVIndexError`)."""
+    if isinstance(reply, ResponseError):
+        raise_script_error(reply)
+    if isinstance(reply, Exception):
+        raise reply
+    return call.parse(reply)
 
 
 def _retrieved(loading: asyncio.Future[None]) -> None:

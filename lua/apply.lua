@@ -22,7 +22,7 @@
 -- KEYS[3..] block keys, segment by segment: an 'a' segment's items, then the parents of its
 --           items flagged 'p' (in order); an 's' segment's items
 -- ARGV[1] gid   ARGV[2] previous op id   ARGV[3] op id (integer > previous)
--- ARGV[4] segment kinds, one char per segment: 'a' or 's'; then per segment, in order:
+-- ARGV[4] segment kinds, one char per segment: 'a' or 's'; ARGV[5..] per segment, in order:
 --   'a': hashes (8 bytes big-endian per item, for the log), parent flags (one char per item:
 --        'r' chain start, 'c' parent is the previous item of the segment, 'p' parent is the
 --        next declared parent key)

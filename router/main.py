@@ -97,9 +97,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         decider.lookups.cancel_safe = index.scripts.cancel_safe  # no task per lookup when cancelling is free
         stack.push_async_callback(decider.lookups.aclose)
         model_sync = ModelSync(
-            index.scripts,
-            schema,
-            settings.replica_id,
+            shared,
             decider.learner_for,
             lambda model: [w.worker_id for w in fleet.alive(model)],
             settings.model_sync_ms / 1000,

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
-from kvindex.keys import KeySchema
 from kvindex.replies import decode
-from kvindex.scripts import Scripts
+from router.shared_load import SharedLoad
 from router.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
 
 log = logging.getLogger(__name__)
@@ -116,18 +115,14 @@ class ModelSync:
 
     def __init__(
         self,
-        scripts: Scripts,
-        schema: KeySchema,
-        replica_id: str,
+        shared: SharedLoad,
         learner_for: Callable[[str], TtftLearner],
         alive_workers: Callable[[str], list[str]],
         period_s: float,
         timeout_s: float = 2.0,
         forget_worker_s: float = FORGET_WORKER_S,
     ) -> None:
-        self._scripts = scripts
-        self._schema = schema
-        self._replica_id = replica_id
+        self._shared = shared
         self._learner_for = learner_for
         self._alive_workers = alive_workers
         self._period_s = period_s
@@ -146,12 +141,7 @@ class ModelSync:
         learner = self._learner_for(model)
         batch = self._unanswered.get(model) or self._next_batch(model, learner)
         self._unanswered[model] = batch
-        keys = self._schema.for_model(model)
-        reply = await self._scripts.run(
-            "learn",
-            [keys.learned, keys.learned_at],
-            [self._replica_id, batch.batch_id, FORGET_REPLICA_MS, MODEL_EXPIRY_MS, *batch.args],
-        )
+        reply = await self._shared.learn(model, batch.batch_id, FORGET_REPLICA_MS, MODEL_EXPIRY_MS, batch.args)
         del self._unanswered[model]
         _, shared = parse_model(reply)
         learner.adopt(batch.changes, shared)

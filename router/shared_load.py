@@ -8,6 +8,11 @@
 * Expected prefixes: right after a routing decision, the prompt's blocks are remembered for a
   moment as "expected" on the chosen worker (``expect.lua``), so a burst of identical prompts
   sees the first one's choice before the engine's KV events reach the index.
+* The learned cost model: each replica folds its batches of learned sums into one shared hash
+  (``learn.lua``, driven by :mod:`router.model_sync`).
+
+Every Redis key and script call of the routers' own state goes through :class:`SharedLoad`;
+the calls are declared in :mod:`kvindex.calls`.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from kvindex import calls as lua
 from kvindex.cluster import RedisClient
 from kvindex.keys import KeySchema, ModelKeys, block_hex
 from kvindex.scripts import ScriptCall, Scripts
@@ -112,11 +118,8 @@ class SharedLoad:
             for field, value in load.fields(worker_id).items():
                 if value > 0:
                     pairs += [field, value]
-        removed, *live = await self._scripts.call(
-            "lease",
-            [keys.replicas, keys.inflight(self.replica_id)],
-            [self.replica_id, ttl_ms, max(ttl_ms * HASH_EXPIRY_LEASES, 10_000), *pairs],
-        )
+        expire_ms = max(ttl_ms * HASH_EXPIRY_LEASES, 10_000)
+        removed, *live = await self._scripts.call(lua.lease(keys, self.replica_id, ttl_ms, expire_ms, pairs))
         self._live[model] = [r.decode() if isinstance(r, bytes) else str(r) for r in live]
         return int(removed)
 
@@ -126,16 +129,15 @@ class SharedLoad:
     async def totals(self, model: str) -> dict[str, InflightLoad]:
         """The summed load now, over the replicas live now (read first: an observer that never
         renews a lease knows of none); routing decisions use :meth:`totals_call` instead."""
-        now, *leases = await self._scripts.call("alive", [self.keys(model).replicas], ["all"])
+        now, *leases = await self._scripts.call(lua.alive(self.keys(model).replicas, "all"))
         self._live[model] = [
             r.decode() if isinstance(r, bytes) else str(r)
             for r, deadline in zip(leases[::2], leases[1::2], strict=True)
             if float(deadline) > int(now)
         ]
-        name, keys, args = self.totals_call(model)
-        return parse_totals(await self._scripts.call(name, keys, args))
+        return parse_totals(await self._scripts.call(self.totals_call(model)))
 
-    def totals_call(self, model: str, others_only: bool = False) -> ScriptCall:
+    def totals_call(self, model: str, others_only: bool = False) -> ScriptCall[Any]:
         """inflight.lua over the replicas live at this replica's last lease (and itself, unless
         ``others_only``: a decision adds its own replica's load from its local truth, which is
         exact, where what Redis holds of it may be a flush behind or ahead). A new replica
@@ -144,7 +146,7 @@ class SharedLoad:
         replicas = list(dict.fromkeys([self.replica_id, *self._live.get(model, ())]))
         if others_only:
             replicas.remove(self.replica_id)
-        return ("inflight", [keys.replicas, *(keys.inflight(r) for r in replicas)], replicas)
+        return lua.inflight(keys, replicas)
 
     async def add_many(self, deltas: Mapping[tuple[str, str], InflightLoad]) -> None:
         """Several (model, worker) load changes in one round trip."""
@@ -160,7 +162,7 @@ class SharedLoad:
 
     def write_calls(
         self, deltas: Mapping[tuple[str, str], InflightLoad], expects: Sequence[Expectation]
-    ) -> list[ScriptCall]:
+    ) -> list[ScriptCall[Any]]:
         """Load changes (inflight_add.lua, one call per model) and expected prefixes
         (expect.lua) as script calls, for one batch."""
         per_model: dict[str, list[str | int]] = defaultdict(list)
@@ -168,11 +170,18 @@ class SharedLoad:
             for field, value in delta.fields(worker_id).items():
                 if value:
                     per_model[model] += [field, value]
-        calls: list[ScriptCall] = [
-            ("inflight_add", [self.keys(model).inflight(self.replica_id)], [HASH_EXPIRY_MS, *pairs])
+        calls: list[ScriptCall[Any]] = [
+            lua.inflight_add(self.keys(model), self.replica_id, HASH_EXPIRY_MS, pairs)
             for model, pairs in per_model.items()
         ]
         return calls + self._expect_calls(expects)
+
+    async def learn(self, model: str, batch_id: str, forget_ms: int, expire_ms: int, rest: Sequence[str | int]) -> Any:
+        """learn.lua: one batch of this replica's learned sums (``rest``: the fields to delete, then
+        the quadruples) folded into the shared model; the model back, as the script returns it."""
+        return await self._scripts.run(
+            lua.learn(self.keys(model), self.replica_id, batch_id, forget_ms, expire_ms, rest)
+        )
 
     async def leave(self, model: str) -> None:
         """Graceful shutdown: this replica's load stops counting at once."""
@@ -190,25 +199,21 @@ class SharedLoad:
         """Remember several decisions' expected prefixes in one round trip."""
         await self.write_many({}, entries)
 
-    def _expect_calls(self, entries: Sequence[Expectation]) -> list[ScriptCall]:
-        calls: list[ScriptCall] = []
-        for model, worker_id, blocks, ttl_ms, settled in entries:
-            if blocks:
-                keys = self.keys(model)
-                args: list[str | int] = [worker_id, ttl_ms, *(block_hex(b) for b in blocks)]
-                calls.append(("settle" if settled else "expect", [keys.expected, keys.expected_deadlines], args))
-        return calls
+    def _expect_calls(self, entries: Sequence[Expectation]) -> list[ScriptCall[Any]]:
+        return [
+            lua.expect(self.keys(model), worker_id, ttl_ms, [block_hex(b) for b in blocks], settle=settled)
+            for model, worker_id, blocks, ttl_ms, settled in entries
+            if blocks
+        ]
 
     async def expected(self, model: str, blocks: Sequence[int]) -> list[str | None]:
         """For each block, the worker it was just routed to (None: none, or lapsed)."""
         if not blocks:
             return []
-        name, keys, args = self.expected_call(model, blocks)
-        return parse_expected(await self._scripts.call(name, keys, args))
+        return parse_expected(await self._scripts.call(self.expected_call(model, blocks)))
 
-    def expected_call(self, model: str, blocks: Sequence[int]) -> ScriptCall:
-        keys = self.keys(model)
-        return ("expected", [keys.expected, keys.expected_deadlines], [block_hex(b) for b in blocks])
+    def expected_call(self, model: str, blocks: Sequence[int]) -> ScriptCall[Any]:
+        return lua.expected(self.keys(model), [block_hex(b) for b in blocks])
 
 
 def parse_expected(reply: Sequence[bytes | str | None]) -> list[str | None]:

@@ -14,15 +14,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import zmq.asyncio
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvindex.calls import SPECS, ScriptCall
 from kvroute.devstack.embedded_redis import free_port
 from sim_engine.kv_events import KVEventPublisher
 
@@ -259,3 +261,9 @@ class SimFleet:
         for context in reversed(self._contexts):
             if context is not None:
                 await context.__aexit__(None, None, None)
+
+
+def raw_call(name: str, keys: Sequence[Any], args: Sequence[Any] = ()) -> ScriptCall[Any]:
+    """A call of script ``name`` as given, unchecked by its declaration (kvindex.calls): for
+    tests that send what no caller would (malformed arguments, keys of their own)."""
+    return ScriptCall(SPECS[name], keys, args)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from redis.asyncio.cluster import RedisCluster
 
+from kvindex import calls as lua
 from kvindex.keys import KeySchema, bucket_of
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
@@ -136,10 +137,10 @@ async def alive_us_per_call(client: RedisCluster, nodes: Nodes, model: str, call
     """Redis CPU of alive.lua alone (the read every match makes on the model's control shard)."""
     index = RedisIndex(client)
     alive = index.keys(model).alive
-    await index.scripts.run("alive", [alive], [])
+    await index.scripts.run(lua.alive(alive))
     await nodes.resetstat()
     for _ in range(calls):
-        await index.scripts.run("alive", [alive], [])
+        await index.scripts.run(lua.alive(alive))
     return sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
 
 

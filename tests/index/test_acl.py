@@ -23,7 +23,7 @@ from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo, WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer
 from router.shared_load import InflightLoad, SharedLoad
-from tests.support import ROOT
+from tests.support import ROOT, raw_call
 
 PASSWORDS = {"router": "router-pw", "agent": "agent-pw", "admin": "admin-pw"}
 CHAIN = (101, 102, 103, 104)
@@ -138,8 +138,9 @@ async def test_the_router_user_runs_a_routing_decisions_reads_and_shared_state(a
     # match.lua read-only (EVALSHA_RO: the router may only read the keys it declares)
     await index.scripts.load_all()  # SCRIPT LOAD, as on NOSCRIPT
     replies = []
-    for name, keys, args in index.match_calls(unique_name, [*CHAIN[:3], 999]):  # alive.lua, match.lua
-        replies.append(await router.evalsha_ro(load_scripts()[name].sha, len(keys), *keys, *args))
+    for call in index.match_calls(unique_name, [*CHAIN[:3], 999]):  # alive.lua, match.lua
+        keys = list(call.keys)
+        replies.append(await router.evalsha_ro(load_scripts()[call.name].sha, len(keys), *keys, *call.args))
     assert await index.match_result(unique_name, *replies) == {"w0": 3}
     shared = SharedLoad(router, schema, "replica-1", index.scripts)
     await shared.renew(unique_name, 5_000, {"w0": InflightLoad(1, 100, 50)})  # lease.lua
@@ -170,12 +171,12 @@ async def test_the_router_user_cannot_write_ownership_or_worker_records_not_even
     await denied(index.register(WorkerInfo("evil", unique_name, "http://attacker:1", 4)))
     await denied(index.evict(unique_name, "w0"))  # clear.lua
     await denied(index.gc(unique_name))
-    await denied(index.scripts.call("heartbeat", [keys.worker("w0"), keys.alive], [gid, 600_000]))
+    await denied(index.scripts.call(raw_call("heartbeat", [keys.worker("w0"), keys.alive], [gid, 600_000])))
     await denied(
-        index.scripts.call(
+        index.scripts.call(raw_call(
             "apply", [bucket.state(gid), bucket.log(gid), bucket.block(2**60)],
             [gid, 10**6, 10**6 + 1, "a", "0" * 8, "r"],
-        )
+        ))
     )  # fmt: skip
     # A script of its own (EVAL is allowed: its commands are checked all the same).
     await denied(router.eval("return redis.call('SADD', KEYS[1], ARGV[1])", 1, block, "123"))

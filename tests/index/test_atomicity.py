@@ -15,7 +15,7 @@ from kvindex.generations import stage_generation, swap_generation
 from kvindex.keys import bucket_of
 from kvindex.redis_index import MAX_ITEMS_PER_CALL, RedisIndex
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo
-from tests.support import wait_until
+from tests.support import raw_call, wait_until
 
 LONG_TTL = 600_000
 
@@ -125,9 +125,11 @@ async def test_a_stage_never_swapped_counts_for_nobody_and_gc_collects_it_in_tim
     bucket = keys.bucket_of_chain(prompt[0])
     kinds, blocks, args = encode_ops(handle.mirror.indexed_in_order())
     block_keys = [bucket.block(h) for h in blocks]
-    await index.scripts.run("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, bucket_of(prompt[0])])
     await index.scripts.run(
-        "apply", [bucket.state(staged), bucket.log(staged), *block_keys], [staged, 0, 1, kinds, *args]
+        raw_call("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, bucket_of(prompt[0])])
+    )
+    await index.scripts.run(
+        raw_call("apply", [bucket.state(staged), bucket.log(staged), *block_keys], [staged, 0, 1, kinds, *args])
     )
     assert await redis_client.sismember(bucket.block(prompt[-1]), str(staged))
     assert await index.match(unique_name, list(prompt)) == {"a": 20}
@@ -150,4 +152,7 @@ async def test_a_registration_during_a_reassert_voids_its_stage(redis_client, un
     current = (await RedisIndex(redis_client).register(WorkerInfo("a", unique_name, "http://a", 16))).gid
     assert await swap_generation(index.scripts, keys, "a", current, staged, LONG_TTL, 0) is None
     # The registration voided the stage: the staged gid can claim no bucket to write into.
-    assert await index.scripts.run("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, 1]) == b"superseded"
+    assert (
+        await index.scripts.run(raw_call("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, 1]))
+        == "superseded"
+    )

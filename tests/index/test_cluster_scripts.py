@@ -11,6 +11,7 @@ from redis.crc import key_slot
 from kvindex.scripts import Scripts
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
+from tests.support import raw_call
 
 BATCHES = 6
 CALLS_PER_BATCH = 3  # a decision's alive, load and expected reads: all on the model's shard
@@ -31,7 +32,7 @@ async def test_a_burst_that_meets_shards_without_the_scripts_needs_no_more_conne
             redis_cluster.client(port).script_flush()
         # Held until every batch is on the wire, so that their replies (NOSCRIPT) come together.
         shard.execute_command("CLIENT", "PAUSE", 300, "ALL")
-        batch = [("alive", [f"{tag}:alive:{n}"], []) for n in range(CALLS_PER_BATCH)]
+        batch = [raw_call("alive", [f"{tag}:alive:{n}"]) for n in range(CALLS_PER_BATCH)]
         replies = await asyncio.gather(*(scripts.call_many(batch) for _ in range(BATCHES)))
         assert not any(isinstance(r, Exception) for rs in replies for r in rs), replies
         assert [[alive[1:] for alive in rs] for rs in replies] == [[[b""]] * CALLS_PER_BATCH] * BATCHES

@@ -14,9 +14,10 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from router.model_sync import ModelSync, field_names
+from router.shared_load import SharedLoad
 from router.ttft import TtftLearner
 from tests.conftest import server_kinds
-from tests.support import wait_until
+from tests.support import raw_call, wait_until
 
 
 class Shared(RedisIndex):
@@ -44,7 +45,8 @@ def _replica(index: RedisIndex, name: str, alive: list[str] | None = None, forge
         return learners.setdefault(model, TtftLearner())
 
     workers = ["fast", "slow"] if alive is None else alive
-    return ModelSync(index.scripts, KeySchema(), name, learner_for, lambda _: workers, 1.0, forget_worker_s=forget_s)
+    shared = SharedLoad(index.client, KeySchema(), name, index.scripts)
+    return ModelSync(shared, learner_for, lambda _: workers, 1.0, forget_worker_s=forget_s)
 
 
 def _learn(learner: TtftLearner, count: int, seed: int) -> None:
@@ -74,11 +76,13 @@ async def test_a_replica_routes_by_what_another_learned(redis_index, unique_name
 async def test_a_batch_sent_again_is_applied_once(redis_index, unique_name):
     keys = KeySchema().for_model(unique_name)
     args = ["r1", "batch-1", 60_000, 60_000, 0, "a:reuse", "0.9", "0.01", "0.5"]
-    first = await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], args)
-    again = await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], args)
+    first = await redis_index.scripts.run(raw_call("learn", [keys.learned, keys.learned_at], args))
+    again = await redis_index.scripts.run(raw_call("learn", [keys.learned, keys.learned_at], args))
     assert first[0] == 1 and again[0] == 0
     assert float(first[2]) == float(again[2]) == pytest.approx(0.5 * 0.9 + 0.01)
-    other = await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], ["r2", "batch-1", *args[2:]])
+    other = await redis_index.scripts.run(
+        raw_call("learn", [keys.learned, keys.learned_at], ["r2", "batch-1", *args[2:]])
+    )
     assert other[0] == 1 and float(other[2]) == pytest.approx((0.5 * 0.9 + 0.01) * 0.9 + 0.01)  # not r1's batch
 
 
@@ -95,8 +99,10 @@ async def test_a_batch_sent_again_is_applied_once(redis_index, unique_name):
 async def test_a_malformed_batch_is_refused_and_changes_nothing(redis_index, unique_name, args, message):
     keys = KeySchema().for_model(unique_name)
     with pytest.raises(KVIndexError, match=message):
-        await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], args)
-    assert await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], ["r", "c", 1000, 1000, 0]) == [1]
+        await redis_index.scripts.run(raw_call("learn", [keys.learned, keys.learned_at], args))
+    assert await redis_index.scripts.run(
+        raw_call("learn", [keys.learned, keys.learned_at], ["r", "c", 1000, 1000, 0])
+    ) == [1]
 
 
 async def test_a_lost_model_is_seeded_again_by_the_replicas(redis_index, unique_name):
@@ -131,11 +137,11 @@ async def test_a_worker_gone_long_enough_is_forgotten_everywhere(redis_index, un
 
 async def test_a_silent_replica_loses_its_batch_marker(redis_index, unique_name):
     keys = KeySchema().for_model(unique_name)
-    await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], ["gone", "b1", 60_000, 60_000, 0])
+    await redis_index.scripts.run(raw_call("learn", [keys.learned, keys.learned_at], ["gone", "b1", 60_000, 60_000, 0]))
     assert await redis_index.client.hget(keys.learned, "@gone") == b"b1"
 
     async def forgotten() -> bool:
-        await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], ["here", "x", 1, 60_000, 0])
+        await redis_index.scripts.run(raw_call("learn", [keys.learned, keys.learned_at], ["here", "x", 1, 60_000, 0]))
         return await redis_index.client.hget(keys.learned, "@gone") is None
 
     await wait_until(forgotten, 5)
@@ -145,5 +151,7 @@ async def test_a_silent_replica_loses_its_batch_marker(redis_index, unique_name)
 async def test_a_hash_too_large_is_not_read_back(redis_index, unique_name):
     keys = KeySchema().for_model(unique_name)
     await redis_index.client.hset(keys.learned, mapping={f"junk{i}": 1 for i in range(65_537)})
-    reply = await redis_index.scripts.run("learn", [keys.learned, keys.learned_at], ["r", "b", 1000, 60_000, 0])
+    reply = await redis_index.scripts.run(
+        raw_call("learn", [keys.learned, keys.learned_at], ["r", "b", 1000, 60_000, 0])
+    )
     assert reply == [1]

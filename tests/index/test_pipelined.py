@@ -24,7 +24,7 @@ from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo
 from kvroute.devstack.embedded_redis import RedisServer
 from tests.index.tls_support import Certificates, TlsRedis, make_certificates
-from tests.support import wait_until
+from tests.support import raw_call, wait_until
 
 
 def pipelined_for(client: Redis) -> PipelinedConnection:
@@ -92,7 +92,7 @@ async def test_script_batches_read_the_same_as_on_a_pooled_connection(redis_serv
         worker = await index.register(WorkerInfo("w0", "tiny", "http://127.0.0.1:9", 4))
         await worker.store([StoredRun(None, (11, 12, 13))])
         _, match = index.match_calls("tiny", [11, 12, 99])
-        calls = [match, ("expected", [f"{unique_name}:e"], []), ("alive", ["a", "b"], ["nonsense"])]
+        calls = [match, raw_call("expected", [f"{unique_name}:e"]), raw_call("alive", ["a", "b"], ["nonsense"])]
         assert scripts.cancel_safe
         pipelined = [comparable(r) for r in await scripts._round_trip(calls)]
         assert pipelined == [comparable(r) for r in await scripts._pooled_round_trip(calls)]
@@ -108,7 +108,7 @@ async def test_a_flushed_script_cache_is_reloaded_through_call_many(redis_server
     try:
         await scripts.load_all()
         await observer.script_flush()
-        (alive,) = await scripts.call_many([("alive", [f"{unique_name}:alive"], [])])
+        (alive,) = await scripts.call_many([raw_call("alive", [f"{unique_name}:alive"])])
         assert not isinstance(alive, Exception) and scripts.reloads == 1
     finally:
         await scripts.aclose()
@@ -141,7 +141,7 @@ async def test_a_burst_that_meets_a_flushed_script_cache_loads_the_scripts_once(
         await observer.script_flush()
         await observer.config_resetstat()
         replies = await asyncio.gather(
-            *(scripts.call_many([("alive", [f"{unique_name}:alive"], [])]) for _ in range(50))
+            *(scripts.call_many([raw_call("alive", [f"{unique_name}:alive"])]) for _ in range(50))
         )
         assert not any(isinstance(r, Exception) for (r,) in replies), replies
         assert await script_loads(observer) == len(SCRIPT_NAMES)  # one load for the 50 callers
@@ -238,14 +238,14 @@ async def test_a_killed_server_fails_the_waiting_requests_and_a_restarted_one_is
         waiting = asyncio.ensure_future(run(connection, ("BLPOP", "kvroute-test:never", 5)))
         await asyncio.sleep(0)  # written before the kill
         await scripts.load_all()
-        await scripts.call_many([("alive", ["kvroute-test:alive"], [])])  # its own connection is up
+        await scripts.call_many([raw_call("alive", ["kvroute-test:alive"])])  # its own connection is up
         server.stop(kill=True)
         with pytest.raises(RedisConnectionError):
             await waiting
         server = RedisServer(port=server.port).start()
         assert await run(connection, ("PING",)) == [b"PONG"]
         # call_many's connection was lost too: reconnected (and the scripts loaded) in one call.
-        (alive,) = await scripts.call_many([("alive", ["kvroute-test:alive"], [])])
+        (alive,) = await scripts.call_many([raw_call("alive", ["kvroute-test:alive"])])
         assert not isinstance(alive, Exception) and scripts.reloads == 1
     finally:
         await connection.aclose()
@@ -299,7 +299,7 @@ async def test_tls_with_the_clients_ca_and_certificate(tls_redis):
     scripts = Scripts(client)
     try:
         assert scripts.cancel_safe
-        (alive,) = await scripts.call_many([("alive", ["kvroute-test:alive"], [])])
+        (alive,) = await scripts.call_many([raw_call("alive", ["kvroute-test:alive"])])
         assert not isinstance(alive, Exception)
         assert await run(pipelined_for(client), ("ECHO", "over tls")) == [b"over tls"]
     finally:
@@ -310,7 +310,7 @@ async def test_tls_with_the_clients_ca_and_certificate(tls_redis):
 def test_arguments_packed_outside_the_fast_path_are_redis_pys_bytes():
     scripts = Scripts(None)  # type: ignore[arg-type]
     packer = Connection()
-    calls = [("alive", ["k"], [1.5, memoryview(b"mv")]), ("alive", ["k", "é"], [True])]
+    calls = [raw_call("alive", ["k"], [1.5, memoryview(b"mv")]), raw_call("alive", ["k", "é"], [True])]
     head = ("EVALSHA_RO", scripts._scripts["alive"].sha)
     assert b"".join(scripts._pack(packer, calls[:1])) == b"".join(packer.pack_command(*head, 1, "k", 1.5, b"mv"))
     with pytest.raises(DataError):  # redis-py refuses a bool: so does the fast path, by falling back

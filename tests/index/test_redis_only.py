@@ -16,6 +16,7 @@ from kvindex.redis_index import RELOG_SLACK, RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo, WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
+from tests.support import raw_call
 
 LONG_TTL = 60_000
 CHAIN = sequence_hashes(list(range(256)), 16)  # 16 blocks
@@ -126,7 +127,7 @@ async def test_malformed_script_arguments_are_rejected_without_changes(
     filled = [str(gid) if a == "{gid}" else a for a in args]
     before = await model_keys(redis_client, unique_name)
     with pytest.raises(ResponseError, match=message):
-        await index.scripts.call(script, key_lists[script], filled)
+        await index.scripts.call(raw_call(script, key_lists[script], filled))
     assert await model_keys(redis_client, unique_name) == before
     assert await index.match(unique_name, CHAIN) == {"a": 4}
 
@@ -279,4 +280,4 @@ async def test_a_load_report_carries_the_engines_cache_size(redis_client, unique
     assert (await index.workers(unique_name))[0].load == WorkerLoad(2, 1, 0.5, capacity_blocks=4096)
     keys = index.keys(unique_name)
     with pytest.raises(ResponseError, match="capacity must be a positive integer"):
-        await index.scripts.call("load", [keys.worker("a")], [handle.gid, 1, 0, "0.5", "1.5"])
+        await index.scripts.call(raw_call("load", [keys.worker("a")], [handle.gid, 1, 0, "0.5", "1.5"]))

@@ -9,6 +9,7 @@ import pytest
 from kvindex.errors import BlockSizeMismatchError
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
+from tests.support import raw_call
 
 LONG_TTL = 60_000
 
@@ -16,13 +17,15 @@ LONG_TTL = 60_000
 async def lease(index: RedisIndex, model: str, replica: str, *pairs: str | int) -> list:
     keys = index.keys(model)
     return await index.scripts.call(
-        "lease", [keys.replicas, keys.inflight(replica)], [replica, LONG_TTL, LONG_TTL, *pairs]
+        raw_call("lease", [keys.replicas, keys.inflight(replica)], [replica, LONG_TTL, LONG_TTL, *pairs])
     )
 
 
 async def inflight_totals(index: RedisIndex, model: str, replicas: list[str]) -> dict[str, float]:
     keys = index.keys(model)
-    flat = await index.scripts.call("inflight", [keys.replicas, *(keys.inflight(r) for r in replicas)], replicas)
+    flat = await index.scripts.call(
+        raw_call("inflight", [keys.replicas, *(keys.inflight(r) for r in replicas)], replicas)
+    )
     return {flat[i].decode(): float(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 

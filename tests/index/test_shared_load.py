@@ -134,7 +134,7 @@ async def test_a_renewal_waits_for_a_batch_carrying_changes_it_includes(redis_cl
     booked = InflightLoad(1, 160, 160)
     load.book(unique_name, "w", booked, expected=[7])
     calls = load.carry()  # the batch's writer: a decision, played here by the test
-    assert [name for name, _, _ in calls] == ["inflight_add", "expect"]
+    assert [call.name for call in calls] == ["inflight_add", "expect"]
     assert load.carry() == [] and not load.idle()  # handed out once; being written
     renewal = asyncio.create_task(load.renew_all([unique_name]))
     done, _ = await asyncio.wait({renewal}, timeout=0.2)
@@ -175,7 +175,7 @@ async def test_a_booking_keeps_its_expectation_until_settled_for_that_worker_onl
     load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7])
     load.book(unique_name, "w2", InflightLoad(1, 160, 160), expected=[9])
     calls = load.carry()
-    assert [(name, args[1]) for name, _, args in calls if name == "expect"] == [("expect", 60_000)] * 2
+    assert [(c.name, c.args[1]) for c in calls if c.name == "expect"] == [("expect", 60_000)] * 2
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 9]) == ["w", "w2"]
     load.settle_expected(unique_name, "w-other", [7], 0.0)  # another worker's prefill
@@ -204,7 +204,7 @@ async def test_settling_ends_only_that_workers_expectation_and_never_extends_one
     settle = Expectation(unique_name, "w", [1, 2, 3], 0, settled=True)
     longer = Expectation(unique_name, "w", [4], 60_000, settled=True)
     calls = shared.write_calls({}, [settle, longer])
-    assert [name for name, _, _ in calls] == ["settle", "settle"]
+    assert [call.name for call in calls] == ["settle", "settle"]
     assert await scripts.call_many(calls) == [2, 0]
     assert await shared.expected(unique_name, [1, 2, 3, 4]) == [None, None, "w2", "w"]
     assert await scripts.call_many(calls) == [0, 0]  # idempotent
@@ -228,7 +228,7 @@ async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, un
     assert await shared.expected(unique_name, [7, 8]) == ["w", "w"]
     load.settle_expected(unique_name, "w", [7, 8], 0.0)
     calls = load.carry()
-    assert [(name, args[1]) for name, _, args in calls] == [("settle", 0)]
+    assert [(c.name, c.args[1]) for c in calls] == [("settle", 0)]
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 8]) == [None, None]
 

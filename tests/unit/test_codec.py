@@ -41,6 +41,7 @@ def test_a_key_run_is_encoded_exactly_as_redis_py_encodes_its_keys():
 
     from kvindex.codec import KeyRun
     from kvindex.scripts import Scripts
+    from tests.support import raw_call
 
     chain = [0, 1, 2**64 - 1, 0xDEADBEEF]
     prefix = KeySchema().for_model("modèle/ünïcode").bucket_of_chain(chain[0]).block_prefix
@@ -49,15 +50,21 @@ def test_a_key_run_is_encoded_exactly_as_redis_py_encodes_its_keys():
     connection = Connection()
     scripts = Scripts(None)  # type: ignore[arg-type]
     calls = [
-        ("alive", ["k"], []),
-        ("match", run, ["extra", 7]),
-        ("match", KeyRun(prefix, []), []),
-        ("apply", KeyRun(prefix, chain, lead=["state:é", "log"]), [1, 0, 1, b"s", 4]),
+        raw_call("alive", ["k"]),
+        raw_call("match", run, ["extra", 7]),
+        raw_call("match", KeyRun(prefix, [])),
+        raw_call("apply", KeyRun(prefix, chain, lead=["state:é", "log"]), [1, 0, 1, b"s", 4]),
     ]
     expected = connection.pack_commands(
         [
-            ("EVALSHA_RO" if name != "apply" else "EVALSHA", scripts._scripts[name].sha, len(keys), *keys, *args)
-            for name, keys, args in calls
+            (
+                "EVALSHA_RO" if c.name != "apply" else "EVALSHA",
+                scripts._scripts[c.name].sha,
+                len(c.keys),
+                *c.keys,
+                *c.args,
+            )
+            for c in calls
         ]
     )
     assert b"".join(scripts._pack(connection, calls)) == b"".join(expected)

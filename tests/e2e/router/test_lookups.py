@@ -17,7 +17,7 @@ from kvindex.scripts import Scripts
 from kvindex.settings import RedisSettings
 from router.lookups import Lookups, _StallGuard
 from tests.e2e.router.support import PREFIX, complete, start_router, wait_for_workers
-from tests.support import wait_until
+from tests.support import raw_call, wait_until
 from tests.support_proxy import LatencyProxy
 
 POOL = 8
@@ -107,7 +107,7 @@ def test_a_router_busy_past_the_budget_still_uses_the_reply_redis_sent_in_time(r
         client = RedisSettings(url=url).client(command_timeouts=False)
         scripts = Scripts(client)
         lookups = Lookups(4, budget_s=0.05, backstop_s=2.0, cancel_safe=scripts.cancel_safe)
-        call = [("alive", ["kvr:{stall}:alive"], [])]
+        call = [raw_call("alive", ["kvr:{stall}:alive"])]
         try:
             assert scripts.cancel_safe == (server == "single")
             await scripts.call_many(call)  # connected, scripts loaded: the next call is one write and one read

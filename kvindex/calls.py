@@ -1,0 +1,258 @@
+"""One typed declaration per Lua script in lua/, and the calls built from them.
+
+Each :class:`ScriptSpec` says what its script's header says (docs/index-schema.md, "Lua scripts"):
+the KEYS and ARGV by position, whether it is read-only (``#!lua flags=no-writes``, sent as
+EVALSHA_RO), and how its reply becomes a Python value. The builder functions below take the key
+schema and typed values and return a :class:`ScriptCall`; every caller (the index, its writers
+and collector, the routers' shared state) builds its calls here, and
+:meth:`kvindex.scripts.Scripts.run` parses a reply with its call's parser. A test checks each
+declaration against its script's header and flag (``tests/unit/test_calls.py``).
+
+Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvindex.codec import KeyRun
+from kvindex.keys import BucketKeys, ModelKeys
+from kvindex.replies import decode
+
+R = TypeVar("R")
+KeyOrArg = str | bytes | int
+
+
+def _raw(reply: Any) -> Any:
+    return reply
+
+
+def _status(reply: Any) -> str:
+    return decode(reply)
+
+
+def _integer(reply: Any) -> int:
+    return int(reply)
+
+
+def _status_and_ints(reply: Any) -> tuple[str, ...]:
+    """``{status, n, ...}``: the status decoded, the rest as they came (callers read ints)."""
+    return (decode(reply[0]), *reply[1:])
+
+
+@dataclass(frozen=True)
+class ScriptSpec(Generic[R]):
+    """A script's declaration. ``keys`` and ``args`` name its KEYS and ARGV by position; a
+    last name ending in ``...`` takes any number more (none included), one ending in ``?`` is
+    optional."""
+
+    name: str
+    keys: tuple[str, ...]
+    args: tuple[str, ...]
+    read_only: bool
+    parse: Callable[[Any], R]
+
+    def call(self, keys: Sequence[KeyOrArg] | KeyRun, args: Sequence[KeyOrArg] = ()) -> ScriptCall[R]:
+        _check_count(self.name, "KEYS", self.keys, len(keys))
+        _check_count(self.name, "ARGV", self.args, len(args))
+        return ScriptCall(self, keys, args)
+
+
+def _check_count(script: str, what: str, names: tuple[str, ...], given: int) -> None:
+    fixed = sum(1 for n in names if not n.endswith(("...", "?")))
+    optional = sum(1 for n in names if n.endswith("?"))
+    variadic = bool(names) and names[-1].endswith("...")
+    if given < fixed or (not variadic and given > fixed + optional):
+        raise ValueError(f"{script}.lua takes {what} {', '.join(names) or 'none'}; {given} given")
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall(Generic[R]):
+    """One call of a script: its declaration, keys and arguments."""
+
+    spec: ScriptSpec[R]
+    keys: Sequence[KeyOrArg] | KeyRun
+    args: Sequence[KeyOrArg]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def parse(self, reply: Any) -> R:
+        return self.spec.parse(reply)
+
+
+def _spec(name: str, keys: str, args: str, parse: Callable[[Any], R], read_only: bool = False) -> ScriptSpec[R]:
+    return ScriptSpec(name, tuple(keys.split()), tuple(args.split()), read_only, parse)
+
+
+# --- the index: registrations and liveness (the model's control slot) ----------------------
+REGISTER = _spec(
+    "register",
+    "meta workers gids alive retired record",
+    "worker_id url model block_size dp_rank ttl_ms gid",
+    _status_and_ints,
+)
+HEARTBEAT = _spec("heartbeat", "record alive", "gid ttl_ms", _status)
+LOAD = _spec("load", "record", "gid running waiting kv_usage capacity_blocks?", _status)
+CLEAR = _spec("clear", "meta workers gids alive retired record", "worker_id gid mode new_gid?", _status_and_ints)
+STAGE = _spec("stage", "gids alive retired record", "worker_id gid staged stage_ttl_ms", _status)
+SWAP = _spec("swap", "workers alive retired record", "worker_id gid staged ttl_ms blocks", _status_and_ints)
+CLAIM = _spec("claim", "record gid_buckets", "gid bucket...", _status)
+TALLY = _spec("tally", "record meta", "gid blocks key_delta", _status)
+ALIVE = _spec("alive", "zset", "mode? limit? grace_ms?", _raw, read_only=True)
+GC_RETIRE = _spec("gc_retire", "workers gids alive retired record...", "grace_ms gid...", _integer)
+GC_FINISH = _spec("gc_finish", "gids retired gid_buckets", "gid", _integer)
+
+# --- the index: a bucket's slot ------------------------------------------------------------
+APPLY = _spec("apply", "state log block...", "gid previous_op op kinds segment...", _status_and_ints)
+RELOG = _spec("relog", "state log", "gid previous_op op log", _status_and_ints)
+GC_BUCKET = _spec("gc_bucket", "state log block...", "gid cursor dead_ttl_ms block_prefix", _status_and_ints)
+MATCH = _spec("match", "block...", "", _raw, read_only=True)
+
+# --- the routers' shared state (the model's control slot) ----------------------------------
+LEASE = _spec("lease", "replicas inflight", "replica_id ttl_ms expire_ms field_value...", _raw)
+INFLIGHT_ADD = _spec("inflight_add", "inflight", "expire_ms field_delta...", _raw)
+INFLIGHT = _spec("inflight", "replicas inflight...", "replica_id...", _raw, read_only=True)
+EXPECT = _spec("expect", "expected expected_at", "worker_id ttl_ms block_hex...", _integer)
+SETTLE = _spec("settle", "expected expected_at", "worker_id ttl_ms block_hex...", _integer)
+EXPECTED = _spec("expected", "expected expected_at", "block_hex...", _raw, read_only=True)
+LEARN = _spec("learn", "learned learned_at", "replica_id batch_id forget_after_ms expire_ms n field...", _raw)
+
+SPECS: dict[str, ScriptSpec[Any]] = {
+    s.name: s
+    for s in (
+        REGISTER, HEARTBEAT, APPLY, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
+        GC_BUCKET, GC_FINISH, MATCH, ALIVE, LEASE, INFLIGHT_ADD, INFLIGHT, EXPECT, SETTLE,
+        EXPECTED, LEARN,
+    )
+}  # fmt: skip
+
+
+# --- builders: the calls, from the key schema and typed values -----------------------------
+
+
+def register(
+    keys: ModelKeys, worker_id: str, url: str, block_size: int, dp_rank: int, ttl_ms: int, gid: int
+) -> ScriptCall[tuple[str, ...]]:
+    record = keys.worker(worker_id)
+    return REGISTER.call(
+        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record],
+        [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid],
+    )
+
+
+def heartbeat(keys: ModelKeys, worker_id: str, gid: int, ttl_ms: int) -> ScriptCall[str]:
+    return HEARTBEAT.call([keys.worker(worker_id), keys.alive], [gid, ttl_ms])
+
+
+def load(
+    keys: ModelKeys, worker_id: str, gid: int, running: int, waiting: int, kv_usage: float, capacity: int | None
+) -> ScriptCall[str]:
+    args: list[KeyOrArg] = [gid, running, waiting, repr(kv_usage)]
+    if capacity:
+        args.append(capacity)
+    return LOAD.call([keys.worker(worker_id)], args)
+
+
+def clear(
+    keys: ModelKeys, worker_id: str, gid: int | str, mode: str, new_gid: int | None = None
+) -> ScriptCall[tuple[str, ...]]:
+    args: list[KeyOrArg] = [worker_id, gid, mode]
+    if new_gid is not None:
+        args.append(new_gid)
+    control = [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)]
+    return CLEAR.call(control, args)
+
+
+def stage(keys: ModelKeys, worker_id: str, gid: int, staged: int, stage_ttl_ms: int) -> ScriptCall[str]:
+    control = [keys.gids, keys.alive, keys.retired, keys.worker(worker_id)]
+    return STAGE.call(control, [worker_id, gid, staged, stage_ttl_ms])
+
+
+def swap(
+    keys: ModelKeys, worker_id: str, gid: int, staged: int, ttl_ms: int, blocks: int
+) -> ScriptCall[tuple[str, ...]]:
+    control = [keys.workers, keys.alive, keys.retired, keys.worker(worker_id)]
+    return SWAP.call(control, [worker_id, gid, staged, ttl_ms, blocks])
+
+
+def claim(keys: ModelKeys, worker_id: str, gid: int, buckets: Sequence[int]) -> ScriptCall[str]:
+    return CLAIM.call([keys.worker(worker_id), keys.gid_buckets(gid)], [gid, *buckets])
+
+
+def tally(keys: ModelKeys, worker_id: str, gid: int, blocks: int, key_delta: int) -> ScriptCall[str]:
+    return TALLY.call([keys.worker(worker_id), keys.meta], [gid, blocks, key_delta])
+
+
+def alive(zset: str, mode: str | None = None, *limits: int) -> ScriptCall[Any]:
+    """alive.lua over ``zset`` (the model's ``alive``, ``retired`` or ``replicas``)."""
+    return ALIVE.call([zset], [] if mode is None else [mode, *limits])
+
+
+def gc_retire(keys: ModelKeys, grace_ms: int, gids: Sequence[str], records: Sequence[str]) -> ScriptCall[int]:
+    control = [keys.workers, keys.gids, keys.alive, keys.retired, *records]
+    return GC_RETIRE.call(control, [grace_ms, *gids])
+
+
+def gc_finish(keys: ModelKeys, gid: str) -> ScriptCall[int]:
+    return GC_FINISH.call([keys.gids, keys.retired, keys.gid_buckets(gid)], [gid])
+
+
+def apply(
+    bucket: BucketKeys,
+    gid: int,
+    previous_op: int,
+    op: int,
+    kinds: bytes,
+    blocks: Sequence[int] | bytes,
+    segments: Sequence[KeyOrArg],
+) -> ScriptCall[tuple[str, ...]]:
+    """apply.lua: ``blocks`` the hashes of the block keys, segment by segment."""
+    keys = KeyRun(bucket.block_prefix, blocks, lead=[bucket.state(gid), bucket.log(gid)])
+    return APPLY.call(keys, [gid, previous_op, op, kinds, *segments])
+
+
+def relog(bucket: BucketKeys, gid: int, previous_op: int, op: int, log: bytes) -> ScriptCall[tuple[str, ...]]:
+    return RELOG.call([bucket.state(gid), bucket.log(gid)], [gid, previous_op, op, log])
+
+
+def gc_bucket(
+    bucket: BucketKeys, gid: str, cursor: int, dead_ttl_ms: int, block_keys: Sequence[str]
+) -> ScriptCall[tuple[str, ...]]:
+    keys = [bucket.state(gid), bucket.log(gid), *block_keys]
+    return GC_BUCKET.call(keys, [gid, cursor, dead_ttl_ms, bucket.block_prefix])
+
+
+def match(bucket_prefix: str, chain: Sequence[int] | bytes) -> ScriptCall[Any]:
+    return MATCH.call(KeyRun(bucket_prefix, chain))
+
+
+def lease(keys: ModelKeys, replica_id: str, ttl_ms: int, expire_ms: int, pairs: Sequence[KeyOrArg]) -> ScriptCall[Any]:
+    return LEASE.call([keys.replicas, keys.inflight(replica_id)], [replica_id, ttl_ms, expire_ms, *pairs])
+
+
+def inflight_add(keys: ModelKeys, replica_id: str, expire_ms: int, pairs: Sequence[KeyOrArg]) -> ScriptCall[Any]:
+    return INFLIGHT_ADD.call([keys.inflight(replica_id)], [expire_ms, *pairs])
+
+
+def inflight(keys: ModelKeys, replicas: Sequence[str]) -> ScriptCall[Any]:
+    return INFLIGHT.call([keys.replicas, *(keys.inflight(r) for r in replicas)], list(replicas))
+
+
+def expect(keys: ModelKeys, worker_id: str, ttl_ms: int, hexes: Sequence[str], settle: bool = False) -> ScriptCall[int]:
+    spec = SETTLE if settle else EXPECT
+    return spec.call([keys.expected, keys.expected_deadlines], [worker_id, ttl_ms, *hexes])
+
+
+def expected(keys: ModelKeys, hexes: Sequence[str]) -> ScriptCall[Any]:
+    return EXPECTED.call([keys.expected, keys.expected_deadlines], list(hexes))
+
+
+def learn(
+    keys: ModelKeys, replica_id: str, batch_id: str, forget_ms: int, expire_ms: int, rest: Sequence[KeyOrArg]
+) -> ScriptCall[Any]:
+    """learn.lua: ``rest`` is ARGV[5..]: the count of fields to delete, them, then quadruples."""
+    return LEARN.call([keys.learned, keys.learned_at], [replica_id, batch_id, forget_ms, expire_ms, *rest])
