@@ -39,7 +39,7 @@ CONNECTION_COMMANDS = (
     "evalsha", "evalsha_ro", "eval", "eval_ro", "script|load",
 )  # fmt: skip
 READ_COMMANDS = (
-    "exists", "hget", "hmget", "hgetall", "hkeys", "hlen", "hexists", "zrange", "zrangebyscore",
+    "exists", "get", "hget", "hmget", "hgetall", "hkeys", "hlen", "hexists", "zrange", "zrangebyscore",
     "zrevrangebyscore", "zscore", "zcard", "smembers", "sinter", "sismember", "scard", "strlen", "getrange", "pttl",
 )  # fmt: skip
 # The writes each role's scripts and clients send (lua/*.lua, kvindex, router/shared_load.py).
@@ -85,9 +85,9 @@ def _globs(keys: ModelKeys, name: str, kinds: Sequence[str]) -> list[str]:
 # Key kinds by who writes them (ModelKeys attributes). tests/index/test_acl.py checks that every
 # kind in kvindex/keys.py is listed here, so a new key cannot be forgotten.
 ROUTER_STATE_KINDS = ("replicas", "inflight_prefix", "expected", "expected_deadlines", "learned", "learned_at")
-ROUTER_READ_KINDS = ("meta", "workers", "gids", "alive", "worker_prefix", "bucket.block_prefix")
+ROUTER_READ_KINDS = ("meta", "workers", "gids", "alive", "alive_version", "worker_prefix", "bucket.block_prefix")
 AGENT_KINDS = (
-    "meta", "workers", "gids", "alive", "retired", "worker_prefix", "gid_buckets_prefix",
+    "meta", "workers", "gids", "alive", "alive_version", "retired", "worker_prefix", "gid_buckets_prefix",
     "bucket.block_prefix", "bucket.log_prefix", "bucket.state_prefix",
 )  # fmt: skip
 

@@ -91,18 +91,23 @@ def _spec(name: str, keys: str, args: str, parse: Callable[[Any], R], read_only:
 # --- the index: registrations and liveness (the model's control slot) ----------------------
 REGISTER = _spec(
     "register",
-    "meta workers gids alive retired record",
+    "meta workers gids alive retired record alive_version",
     "worker_id url model block_size dp_rank ttl_ms gid",
     _status_and_ints,
 )
-HEARTBEAT = _spec("heartbeat", "record alive", "gid ttl_ms", _status)
+HEARTBEAT = _spec("heartbeat", "record alive alive_version", "gid ttl_ms", _status)
 LOAD = _spec("load", "record", "gid running waiting kv_usage capacity_blocks?", _status)
-CLEAR = _spec("clear", "meta workers gids alive retired record", "worker_id gid mode new_gid?", _status_and_ints)
+CLEAR = _spec(
+    "clear", "meta workers gids alive retired record alive_version", "worker_id gid mode new_gid?", _status_and_ints
+)
 STAGE = _spec("stage", "gids alive retired record", "worker_id gid staged stage_ttl_ms", _status)
-SWAP = _spec("swap", "workers alive retired record", "worker_id gid staged ttl_ms blocks", _status_and_ints)
+SWAP = _spec(
+    "swap", "workers alive retired record alive_version", "worker_id gid staged ttl_ms blocks", _status_and_ints
+)
 CLAIM = _spec("claim", "record gid_buckets", "gid bucket...", _status)
 TALLY = _spec("tally", "record meta", "gid blocks key_delta", _status)
 ALIVE = _spec("alive", "zset", "mode? limit? grace_ms?", _raw, read_only=True)
+ALIVE_SINCE = _spec("alive_since", "alive alive_version", "version refresh_before_ms", _raw, read_only=True)
 GC_RETIRE = _spec("gc_retire", "workers gids alive retired record...", "grace_ms gid...", _integer)
 GC_FINISH = _spec("gc_finish", "gids retired gid_buckets", "gid", _integer)
 
@@ -125,7 +130,7 @@ SPECS: dict[str, ScriptSpec[Any]] = {
     s.name: s
     for s in (
         REGISTER, HEARTBEAT, APPLY, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
-        GC_BUCKET, GC_FINISH, MATCH, ALIVE, LEASE, INFLIGHT_ADD, INFLIGHT, EXPECT, SETTLE,
+        GC_BUCKET, GC_FINISH, MATCH, ALIVE, ALIVE_SINCE, LEASE, INFLIGHT_ADD, INFLIGHT, EXPECT, SETTLE,
         EXPECTED, LEARN,
     )
 }  # fmt: skip
@@ -139,13 +144,13 @@ def register(
 ) -> ScriptCall[tuple[str, ...]]:
     record = keys.worker(worker_id)
     return REGISTER.call(
-        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record],
+        [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record, keys.alive_version],
         [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid],
     )
 
 
 def heartbeat(keys: ModelKeys, worker_id: str, gid: int, ttl_ms: int) -> ScriptCall[str]:
-    return HEARTBEAT.call([keys.worker(worker_id), keys.alive], [gid, ttl_ms])
+    return HEARTBEAT.call([keys.worker(worker_id), keys.alive, keys.alive_version], [gid, ttl_ms])
 
 
 def load(
@@ -163,7 +168,7 @@ def clear(
     args: list[KeyOrArg] = [worker_id, gid, mode]
     if new_gid is not None:
         args.append(new_gid)
-    control = [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id)]
+    control = [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, keys.worker(worker_id), keys.alive_version]
     return CLEAR.call(control, args)
 
 
@@ -175,7 +180,7 @@ def stage(keys: ModelKeys, worker_id: str, gid: int, staged: int, stage_ttl_ms: 
 def swap(
     keys: ModelKeys, worker_id: str, gid: int, staged: int, ttl_ms: int, blocks: int
 ) -> ScriptCall[tuple[str, ...]]:
-    control = [keys.workers, keys.alive, keys.retired, keys.worker(worker_id)]
+    control = [keys.workers, keys.alive, keys.retired, keys.worker(worker_id), keys.alive_version]
     return SWAP.call(control, [worker_id, gid, staged, ttl_ms, blocks])
 
 
@@ -190,6 +195,11 @@ def tally(keys: ModelKeys, worker_id: str, gid: int, blocks: int, key_delta: int
 def alive(zset: str, mode: str | None = None, *limits: int) -> ScriptCall[Any]:
     """alive.lua over ``zset`` (the model's ``alive``, ``retired`` or ``replicas``)."""
     return ALIVE.call([zset], [] if mode is None else [mode, *limits])
+
+
+def alive_since(keys: ModelKeys, version: str, refresh_before_ms: int) -> ScriptCall[Any]:
+    """alive_since.lua: the alive gids unless the reader's copy of ``version`` still holds."""
+    return ALIVE_SINCE.call([keys.alive, keys.alive_version], [version, refresh_before_ms])
 
 
 def gc_retire(keys: ModelKeys, grace_ms: int, gids: Sequence[str], records: Sequence[str]) -> ScriptCall[int]:

@@ -108,6 +108,12 @@ class ModelKeys:
         return self.base + "alive"
 
     @property
+    def alive_version(self) -> str:
+        """STRING: the version of ``alive``'s membership, new whenever a gid joins or leaves it
+        or a deadline is lowered (alive_since.lua); an integer, never handed out twice."""
+        return self.base + "alive_version"
+
+    @property
     def retired(self) -> str:
         """ZSET: gid -> retirement time in ms; gc works through it oldest first."""
         return self.base + "retired"

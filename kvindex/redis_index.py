@@ -16,6 +16,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from kvindex import calls as lua
+from kvindex.alive_cache import AliveCache
 from kvindex.cluster import RedisClient
 from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
@@ -28,7 +29,6 @@ from kvindex.replies import (
     block_owners,
     decode,
     depths_from_match_reply,
-    gid_list,
     raise_script_error,
     worker_record,
 )
@@ -61,6 +61,7 @@ class RedisIndex:
         self._scripts = Scripts(client)
         self._handles: dict[tuple[str, str], RedisWorker] = {}
         self._gid_names: dict[tuple[str, int], str] = {}
+        self._alive = AliveCache()
 
     @property
     def scripts(self) -> Scripts:
@@ -151,11 +152,17 @@ class RedisIndex:
 
     def match_calls(self, model: str, chain: Sequence[int]) -> list[ScriptCall]:
         """:meth:`match` as two script calls, for callers that batch them with others: the
-        model's alive gids (alive.lua) and the chain's depth per gid (match.lua). On a cluster
-        they run on two shards at once: the model's and the chain's bucket's."""
+        model's alive gids (alive_since.lua, which answers in two values while this client's
+        copy holds: kvindex.alive_cache) and the chain's depth per gid (match.lua). On a cluster
+        they run on two shards at once: the model's and the chain's bucket's. Build them for
+        each match: the first carries the copy's version."""
         keys = self.keys(model)
         prefix = keys.bucket_of_chain(chain[0]).block_prefix if chain else ""
-        return [lua.alive(keys.alive), lua.match(prefix, chain)]
+        return [self._alive.call(keys), lua.match(prefix, chain)]
+
+    def alive_call(self, model: str) -> ScriptCall:
+        """The first of :meth:`match_calls` alone, for callers that built the match call once."""
+        return self._alive.call(self.keys(model))
 
     async def match_result(self, model: str, alive_reply: Any, match_reply: Any) -> dict[str, int]:
         """The replies of :meth:`match_calls` -> {alive worker id: matched blocks}."""
@@ -164,7 +171,7 @@ class RedisIndex:
                 raise_script_error(reply)
             if isinstance(reply, Exception):
                 raise reply
-        alive = set(gid_list(alive_reply[1]))
+        alive = await self._alive_from(model, alive_reply)
         depths = dict.fromkeys(alive, 0)
         depths.update({g: d for g, d in depths_from_match_reply(match_reply).items() if g in alive})
         names = await self._worker_names(model, list(depths))
@@ -182,7 +189,15 @@ class RedisIndex:
         return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
 
     async def _alive_gids(self, model: str) -> set[int]:
-        return set(gid_list((await self._scripts.run(lua.alive(self.keys(model).alive)))[1]))
+        return await self._alive_from(model, await self._scripts.run(self._alive.call(self.keys(model))))
+
+    async def _alive_from(self, model: str, reply: Any) -> set[int]:
+        """alive_since.lua's reply -> the gids alive at its time, reading the whole set again in
+        the rare case the copy it confirms was dropped meanwhile (many refreshes in flight)."""
+        alive = self._alive.alive(model, reply)
+        while alive is None:
+            alive = self._alive.alive(model, await self._scripts.run(lua.alive_since(self.keys(model), "", 0)))
+        return alive
 
     async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
         """Alive workers that hold ``block`` in the index, each with 1 (the index records who

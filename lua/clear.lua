@@ -11,6 +11,7 @@
 -- KEYS[4] alive    ZSET  gid -> heartbeat deadline (ms)
 -- KEYS[5] retired  ZSET  gid -> retirement time (ms)
 -- KEYS[6] record   HASH  the worker's record
+-- KEYS[7] alive_version STRING  the version of `alive`'s membership (alive_since.lua)
 -- ARGV[1] worker_id   ARGV[2] the caller's gid, or '' for whatever gid is current
 -- ARGV[3] mode: 'keep' or 'leave'   ARGV[4] keep: the new gid the caller drew (see register.lua)
 -- Returns {'ok', new gid (0 for leave)}, {'taken', 0} (draw another gid), {'missing', 0} or
@@ -20,6 +21,14 @@ local alive_key, retired_key, record_key = KEYS[4], KEYS[5], KEYS[6]
 local worker_id, expected_gid, mode, gid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- A new version of who is alive (alive_since.lua): the server's clock in microseconds, or one
+-- more than the last version if the clock stands still or went back, so a version is never
+-- handed out twice, even after Redis lost the key.
+local function bump_alive_version()
+  local last = tonumber(redis.call('GET', KEYS[7]) or '0') or 0
+  local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  redis.call('SET', KEYS[7], string.format('%d', math.max(now_us, last + 1)))
+end
 
 if mode ~= 'keep' and mode ~= 'leave' then
   return redis.error_reply("ERR kvroute: clear mode must be 'keep' or 'leave', got " .. tostring(mode))
@@ -41,6 +50,7 @@ end
 local deadline = redis.call('ZSCORE', alive_key, old_gid)
 redis.call('ZREM', alive_key, old_gid)
 redis.call('ZADD', retired_key, now_ms, old_gid)
+bump_alive_version()
 
 if mode == 'leave' then
   redis.call('HDEL', workers_key, worker_id)

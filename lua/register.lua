@@ -12,6 +12,7 @@
 -- KEYS[4] alive    ZSET  gid -> heartbeat deadline (ms, server clock)
 -- KEYS[5] retired  ZSET  gid -> retirement time (ms); gc works through it oldest first
 -- KEYS[6] record   HASH  the worker's record
+-- KEYS[7] alive_version STRING  the version of `alive`'s membership (alive_since.lua)
 -- ARGV[1] worker_id   ARGV[2] url   ARGV[3] model   ARGV[4] block_size (> 0)
 -- ARGV[5] dp_rank (>= 0)   ARGV[6] ttl_ms (integer, 0..86400000)   ARGV[7] the new gid (decimal, 1 <= gid < 2^53)
 -- Returns {'ok', gid, epoch} or {'taken', gid, 0}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
@@ -23,6 +24,14 @@ local block_size, dp_rank, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumb
 local gid = ARGV[7]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- A new version of who is alive (alive_since.lua): the server's clock in microseconds, or one
+-- more than the last version if the clock stands still or went back, so a version is never
+-- handed out twice, even after Redis lost the key.
+local function bump_alive_version()
+  local last = tonumber(redis.call('GET', KEYS[7]) or '0') or 0
+  local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  redis.call('SET', KEYS[7], string.format('%d', math.max(now_us, last + 1)))
+end
 
 if worker_id == nil or worker_id == '' then
   return redis.error_reply('ERR kvroute: register needs a non-empty worker id')
@@ -76,4 +85,5 @@ redis.call('HDEL', record_key, 'pending')  -- a re-assert's stage is void
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)
 redis.call('ZADD', alive_key, now_ms + ttl_ms, gid)
+bump_alive_version()
 return {'ok', gid, epoch}

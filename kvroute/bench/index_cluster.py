@@ -133,15 +133,21 @@ async def shard_table(
     return rows
 
 
-async def alive_us_per_call(client: RedisCluster, nodes: Nodes, model: str, calls: int) -> float:
-    """Redis CPU of alive.lua alone (the read every match makes on the model's control shard)."""
+async def alive_us_per_call(client: RedisCluster, nodes: Nodes, model: str, calls: int) -> dict[str, float]:
+    """Redis CPU of the liveness read every match makes on the model's control shard: alive.lua
+    (the whole set, as before alive versions) and alive_since.lua confirming a reader's copy."""
     index = RedisIndex(client)
-    alive = index.keys(model).alive
-    await index.scripts.run(lua.alive(alive))
+    whole = lua.alive(index.keys(model).alive)
+    await index.match_result(model, await index.scripts.call(index.alive_call(model)), [])  # a copy to confirm
     await nodes.resetstat()
     for _ in range(calls):
-        await index.scripts.run(lua.alive(alive))
-    return sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
+        await index.scripts.call(whole)
+    whole_us = sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
+    await nodes.resetstat()
+    for _ in range(calls):
+        await index.match_result(model, await index.scripts.call(index.alive_call(model)), [])
+    confirmed_us = sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
+    return {"whole_us_per_call": whole_us, "confirmed_us_per_call": confirmed_us}
 
 
 async def time_matches(
@@ -171,9 +177,9 @@ async def measure_throughput(
     512 keys costs the Python client more than Redis spends on the match): the figure is what the
     servers and redis-py's cluster client sustain, not a router's whole decision."""
     index = RedisIndex(client)
-    prepared = [index.match_calls(model, chain) for chain in chains]
-    for calls in prepared[:8]:
-        await index.match_result(model, *await index.scripts.call_many(calls))
+    prepared = [index.match_calls(model, chain)[1] for chain in chains]  # the alive call is built per match
+    for call in prepared[:8]:
+        await index.match_result(model, *await index.scripts.call_many([index.alive_call(model), call]))
     await nodes.resetstat()
     done = 0
     deadline = time.perf_counter() + args.seconds
@@ -182,7 +188,8 @@ async def measure_throughput(
         nonlocal done
         position = offset
         while time.perf_counter() < deadline:
-            await index.match_result(model, *await index.scripts.call_many(prepared[position % len(prepared)]))
+            match = prepared[position % len(prepared)]
+            await index.match_result(model, *await index.scripts.call_many([index.alive_call(model), match]))
             position += args.concurrency
             done += 1
 
@@ -233,8 +240,11 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
             reads["replicas"] = await replica_reader(url)
         await replicas_caught_up(nodes)
         alive_cost = await alive_us_per_call(primary, nodes, model, args.queries)
-        results["alive"].append({"workers": workers, "redis_us_per_call": alive_cost})
-        print(f"  alive.lua alone: {alive_cost:.1f} us/call")
+        results["alive"].append({"workers": workers, **alive_cost})
+        print(
+            f"  liveness alone: whole set {alive_cost['whole_us_per_call']:.1f} us/call,"
+            f" a copy confirmed {alive_cost['confirmed_us_per_call']:.1f} us/call"
+        )
         for blocks in args.prompt_blocks:
             chains = [fleet.chain(rng.randrange(fleet.conversations))[:blocks] for _ in range(args.queries)]
             for mode, client in reads.items():
@@ -307,8 +317,12 @@ def render(results: dict[str, list]) -> str:
             f"| {r['redis_us_per_match']:.1f} | {r['process_cpu_us_per_match']:.1f} | {r['bytes_in_per_match']:,.0f} "
             f"| {r['bytes_out_per_match']:,.0f} |"
         )
-    lines += ["", "alive.lua alone (every match makes one on the model's control shard): "]
-    lines[-1] += ", ".join(f"{a['redis_us_per_call']:.1f} us/call at {a['workers']} workers" for a in results["alive"])
+    lines += ["", "Liveness alone (every match reads it on the model's control shard): "]
+    lines[-1] += ", ".join(
+        f"at {a['workers']} workers {a['confirmed_us_per_call']:.1f} us/call confirming a copy"
+        f" (the whole set {a['whole_us_per_call']:.1f})"
+        for a in results["alive"]
+    )
     lines += ["", "| workers | layout | reads | matches/s | Redis CPU us/match | busiest node CPU | calls per node |"]
     lines.append("|---|---|---|---|---|---|---|")
     for t in results["throughput"]:

@@ -46,7 +46,7 @@ def test_a_call_with_the_wrong_number_of_keys_or_arguments_is_refused_before_it_
     keys = KeySchema().for_model("m")
     assert lua.heartbeat(keys, "w", 7, 1000).args == [7, 1000]
     with pytest.raises(ValueError, match=r"heartbeat.lua takes ARGV gid, ttl_ms; 1 given"):
-        lua.HEARTBEAT.call([keys.worker("w"), keys.alive], [7])
+        lua.HEARTBEAT.call([keys.worker("w"), keys.alive, keys.alive_version], [7])
     with pytest.raises(ValueError, match=r"tally.lua takes KEYS record, meta; 3 given"):
         lua.TALLY.call(["a", "b", "c"], [1, 2, 3])
     assert len(lua.load(keys, "w", 7, 1, 0, 0.5, None).args) == 4  # the capacity is optional
