@@ -64,7 +64,8 @@ class BlockMirror:
         self.held = 0  # physical blocks with a hash: every copy counted
         # The most physical blocks held when the engine evicted one (None: it never has). An
         # engine evicts a cached block only once no never-used block is left, so this is its
-        # cache's size, less the blocks in use that are not full yet (see inferred_capacity).
+        # cache's size, less the null block and the blocks in use that were not full yet then
+        # (see inferred_capacity).
         self.eviction_peak: int | None = None
 
     def __len__(self) -> int:
@@ -128,15 +129,18 @@ class BlockMirror:
                 self.held -= 1
         return subs, missing
 
-    def inferred_capacity(self, running: int) -> int | None:
+    def inferred_capacity(self) -> int | None:
         """The engine's cache size in blocks as its evictions show it, for an engine that does not
-        report it (no ``vllm:cache_config_info``): the most blocks held at an eviction, plus one
-        partly filled block per running request and vLLM's null block. A lower bound that reaches
-        the size once the cache has been full with few requests running; None before any eviction
-        (the cache has had room all along)."""
+        report it (no ``vllm:cache_config_info``): the most blocks held at an eviction, plus vLLM's
+        null block. A lower bound, short by the blocks in use that were not full yet at that
+        eviction, so it reaches the size at the first eviction made with none (chunked prefill
+        makes them common: a request that evicts mid-prefill fills whole blocks); None before any
+        eviction (the cache has had room all along). Not a partly filled block per request running
+        when it is read: those were not the ones at the eviction, and under load that overstated
+        the size by up to the running count (docs/benchmarks.md, issue 37)."""
         if self.eviction_peak is None:
             return None
-        return self.eviction_peak + running + 1
+        return self.eviction_peak + 1
 
     def clear(self) -> None:
         """Forget every block (the engine's cache was cleared); its size, as evictions showed it, stays."""

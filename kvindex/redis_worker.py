@@ -284,7 +284,7 @@ class RedisWorker:
         # An engine that does not say its cache size (an older vLLM, another engine) shows it by
         # its evictions: the routers' cost needs it to know what a prompt will evict. Only a
         # reported size limits the mirror (an inferred one is a lower bound).
-        capacity = load.capacity_blocks or self.mirror.inferred_capacity(load.running)
+        capacity = load.capacity_blocks or self.mirror.inferred_capacity()
         call = lua.load(self.keys, self.worker_id, self.gid, load.running, load.waiting, load.kv_usage, capacity)
         return HeartbeatStatus(await self._scripts.run(call))
 

@@ -46,6 +46,6 @@ async def test_an_engine_reporting_no_cache_size_shows_it_by_its_evictions(serve
 
             await wait_until(size_known, 15)
         capacity = (await load()).capacity_blocks
-        assert NUM_BLOCKS - 2 <= capacity <= NUM_BLOCKS + 1, capacity
+        assert NUM_BLOCKS - 2 <= capacity <= NUM_BLOCKS, capacity  # a lower bound, within a few blocks
     finally:
         await fleet.stop()
