@@ -32,6 +32,7 @@ from typing import Any
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import percentile, text_table, write_json
+from kvroute.bench.probe import split_text
 from kvroute.bench.regimes_workload import CACHE, TINY_PROMPTS, Cell, Workload, grid, workload
 from kvroute.bench.replay import GREEDY_ORACLE, fleet_capacity, prompts_for, replay_on_stack
 from kvroute.bench.replay_workload import reference_hit_rates
@@ -47,6 +48,7 @@ from sim_engine.settings import TINY_MODEL_DIR
 SGLANG = "sglang"
 DEFAULT_POLICIES = "kv,round_robin,least_loaded,prefix,greedy_oracle,sglang"
 WITHIN_MEAN, WITHIN_P90 = 1.10, 1.2
+PROBE_COLUMN = "at send: best - choice - schedule"  # --probe (kvroute.bench.probe)
 DEFAULT_SEEDS = (1, 2, 3, 4)  # one run of a tight cell can be off by 2x: a cell is judged over seeds
 HELD_S = 0.001  # a turn sent this much past its arrival time waited for the previous reply
 # prefill=parallel: each request's chunk per step (its own lane), so that a request that arrives
@@ -160,7 +162,16 @@ def _merged_run(policy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     spread = {key: [min(r[key] for r in runs), max(r[key] for r in runs)] for key in (*ratios, *figures)}
     failed = sum(r["failed"] for r in runs)
     merged = {"policy": policy, **figures, **ratios, "failed": failed, "runs": len(runs), "spread": spread}
-    return {**merged, "prediction_exact": round(sum(exact) / len(exact), 4) if exact else None}
+    exact_mean = round(sum(exact) / len(exact), 4) if exact else None
+    return {**merged, "prediction_exact": exact_mean, "probe": _mean_split(runs)}
+
+
+def _mean_split(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The probes' split averaged over the seeds (None where a run was not probed)."""
+    splits: list[dict[str, float]] = [r["probe"] for r in runs if r.get("probe")]
+    if not splits or len(splits) < len(runs):
+        return None
+    return {key: round(sum(s[key] for s in splits) / len(splits), 4) for key in splits[0]}
 
 
 # ------------------------------------------------------------------------------------- running
@@ -205,6 +216,8 @@ def _run_figures(run: Any, results: list[dict[str, Any]], time_scale: float) -> 
         "degraded_share": run.degraded_share,  # decisions made without Redis, of all (None: a peer)
         # predicted cached tokens == the engine's, of the requests (None: a router that predicts none)
         "prediction_exact": run.prediction_exact,
+        # with --probe: best / choice_loss / schedule_loss at the sends (kvroute.bench.probe); else None
+        "probe": run.probe_split,
     }
 
 
@@ -247,8 +260,9 @@ async def _run_cell(engines: _Engines, cell: Cell, policies: list[str], args: An
         print(f"  {cell.name}: {policy}", file=sys.stderr)
         stream = cell.client == "stream"
         replicas = int(cell.replicas)
+        probe = bool(getattr(args, "probe", False))
         run, results = await replay_on_stack(
-            engines.stack, policy, replicas, requests, prompts, replay, lru, load.after, stream
+            engines.stack, policy, replicas, requests, prompts, replay, lru, load.after, stream, probe
         )
         runs.append(_run_figures(run, results, time_scale))
         if policy in REPLICA_FREE:
@@ -322,6 +336,7 @@ async def run_grid(cells: list[Cell], policies: list[str], args: argparse.Namesp
 def render(report: dict[str, Any]) -> str:
     blocks = []
     several = "across_seeds" in report
+    probed = any(r.get("probe") for cell in report["cells"] for r in cell["runs"])
     for cell in report["cells"]:
         what = "TTFT" if cell["metric"] == "ttft" else "latency (not streamed: time to the whole reply)"
         seed = f" (seed {cell.get('seed')})" if several else ""
@@ -344,13 +359,14 @@ def render(report: dict[str, Any]) -> str:
                 r["failed"],
                 shares_text(r.get("lost_share"), r.get("degraded_share")),
                 "n/a" if r.get("prediction_exact") is None else f"{r['prediction_exact']:.1%}",
+                *([split_text(r.get("probe"))] if probed else []),
             ]
             for r in cell["runs"]
         ]
         # new columns last: the columns that were there keep their places
         headers = [
             *("policy", "mean ms", "p90 ms", "hit rate", "of LRU", "ttft/best", "p90/best", "hit/best"),
-            *("failed", "lost load/stale/cold", "predicted exact"),
+            *("failed", "lost load/stale/cold", "predicted exact", *([PROBE_COLUMN] if probed else [])),
         ]
         blocks.append(text_table(headers, rows) + "\n")
     if several:
@@ -364,6 +380,7 @@ def render(report: dict[str, Any]) -> str:
 
 def render_across(cells: list[dict[str, Any]]) -> str:
     """Per cell and policy, the geometric means of the ratios over the seeds and the mean figures."""
+    probed = any(r.get("probe") for cell in cells for r in cell["runs"])
 
     def span(r: dict[str, Any], key: str, form: str) -> str:
         low, high = r.get("spread", {}).get(key, (r[key], r[key]))
@@ -381,12 +398,13 @@ def render_across(cells: list[dict[str, Any]]) -> str:
             span(r, "of_lru", ".0%"),
             r["failed"],
             "n/a" if r.get("prediction_exact") is None else f"{r['prediction_exact']:.1%}",
+            *([split_text(r.get("probe"))] if probed else []),
         ]
         for cell in cells
         for r in cell["runs"]
     ]
     headers = ["cell", "policy", "ttft/best", "seeds' range", "p90/best", "mean ms", "of LRU", "seeds' range"]
-    headers += ["failed", "predicted exact"]
+    headers += ["failed", "predicted exact", *([PROBE_COLUMN] if probed else [])]
     return "across seeds (geometric means of the ratios, mean figures):\n" + text_table(headers, rows) + "\n"
 
 

@@ -32,6 +32,7 @@ import aiohttp
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import cached_tokens, percentile, write_json
+from kvroute.bench.probe import Prober, probe_split
 from kvroute.bench.replay_chart import chart
 from kvroute.bench.replay_report import averages, render
 from kvroute.bench.replay_workload import (
@@ -79,6 +80,8 @@ class RunResult:
     # Requests whose predicted cached tokens (x-kvroute-cached-tokens) equalled the engine's report,
     # of those predicted; None for a router that predicts nothing (SGLang's)
     prediction_exact: float | None = None
+    # the hit rate split by what the engines held at each send (kvroute.bench.probe); None: not probed
+    probe_split: dict[str, float] | None = None
     repeat: int = 0  # which of --repeats this run is (from 0)
 
 
@@ -117,9 +120,11 @@ async def send_all(
     args: argparse.Namespace,
     after: Sequence[int | None] = (),
     stream: bool = True,
+    prober: Prober | None = None,
 ) -> list[dict[str, Any]]:
     """Every request once, spread over ``urls`` in turn: open loop at the (scaled) timestamps, or
-    ``args.concurrency`` at a time. Results come in completion order.
+    ``args.concurrency`` at a time. Results come in completion order; with a ``prober``, each
+    result's ``probe`` is what every engine held of its prompt just before it was sent.
 
     ``after[i]``, when given and not None, is a request that must have been answered before request
     i is sent (a conversation's previous turn): i then goes at its timestamp or at that answer,
@@ -139,11 +144,12 @@ async def send_all(
             held = time.perf_counter() - due
             max_tokens = min(requests[i].output_length, args.max_output)
             try:
+                probe = await prober.cached(session, prompts[i]) if prober else None
                 result = await _one(session, urls[i % len(urls)], prompts[i], max_tokens, stream)
             finally:
                 if answered:
                     answered[i].set()
-            results.append({**result, "held_s": held})
+            results.append({**result, "held_s": held, "probe": probe})
 
         async def at_timestamp(i: int) -> None:
             delay = start + requests[i].at_s / args.time_scale - time.perf_counter()
@@ -219,20 +225,24 @@ async def replay_on_stack(
     lru: float,
     after: Sequence[int | None] = (),
     stream: bool = True,
+    probe: bool = False,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
     """One run from empty engine caches through ``router`` (a policy or "sglang"): its summary, and
-    the requests' results (:func:`send_all`)."""
+    the requests' results (:func:`send_all`); ``probe``: each request's engines asked first
+    (:mod:`kvroute.bench.probe`)."""
     await stack.reset_caches()
     before = await stack.requests_per_engine()
     ttft_before = await _engine_ttft(stack)
+    prober = Prober(stack.engine_urls, ModelPrompts(TINY_MODEL_DIR)) if probe else None
     async with _router_urls(stack, router, replicas) as urls:
-        results = await send_all(urls, requests, prompts, args, after, stream)
+        results = await send_all(urls, requests, prompts, args, after, stream, prober)
         lost = await router_lost_tokens(urls) if router not in PEERS else None  # fresh routers: from 0
     done = await stack.requests_per_engine()
     ttft_done = await _engine_ttft(stack)
     per_worker = [b - a for a, b in zip(before, done, strict=True)]
     run = summarize(router, replicas, results, per_worker, lru)
     run.lost_share, run.degraded_share = lost_shares(lost), degraded_share(lost)
+    run.probe_split = probe_split(results, stack.engine_urls) if probe else None
     seconds, count = (b - a for a, b in zip(ttft_before, ttft_done, strict=True))
     run.engine_ttft_mean_ms = 1000 * seconds / max(count, 1)
     return run, results

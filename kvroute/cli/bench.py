@@ -220,6 +220,13 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
         "(P + N/2) more (default 0; 5.4 scales an H200's measured 2.0 to these engines' 50 ms per 1k tokens)",
     )
     p.add_argument("--max-output", type=positive_int, default=8, help="cap output tokens (default 8)")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="before each request, ask every engine what it holds of the prompt, and split each run's hit "
+        "rate into the best any engine held at the send, what the choice gave up and what was evicted before "
+        "the prompt was scheduled (a few ms per request; docs/benchmarks.md)",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", help="write a heat map PNG here")
 

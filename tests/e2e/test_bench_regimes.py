@@ -172,9 +172,11 @@ def test_the_sglang_column_on_text_cells_only(tmp_path):
 def test_prose_on_engines_that_report_little_against_the_greedy_oracle_over_two_seeds(tmp_path):
     """The chat tenants as text on tiny caches, engines that export three gauges, prefills in
     parallel, at one and two replicas: kv and the greedy oracle (run once per seed, shared by the
-    replica counts), judged across the seeds with each figure's range."""
+    replica counts), judged across the seeds with each figure's range; every request probed first
+    (--probe), so each run's hit rate splits by what the engines held at its sends."""
     out, png = tmp_path / "regimes.json", tmp_path / "regimes.png"
-    flags = ["--axis", "tenants=chat", "--axis", "load=light", "--axis", "cache=tiny", "--axis", "client=nostream"]
+    flags = ["--probe", "--axis", "tenants=chat", "--axis", "load=light", "--axis", "cache=tiny"]
+    flags += ["--axis", "client=nostream"]
     flags += ["--axis", "prompts=text", "--axis", "engine=minimal", "--axis", "prefill=parallel"]
     flags += ["--axis", "replicas=1,2", "--policies", "kv,greedy_oracle", "--seeds", "1,2"]
     flags += ["--requests-per-cell", "24", "--engines", "2", "--json", str(out), "--chart", str(png)]
@@ -188,6 +190,14 @@ def test_prose_on_engines_that_report_little_against_the_greedy_oracle_over_two_
         oracle = next(r for r in cell["runs"] if r["policy"] == "greedy_oracle")
         assert oracle["lost_share"] is None and oracle["failed"] == 0 and oracle["hit_rate"] > 0
         assert 0 <= oracle["prediction_exact"] <= 1  # the oracle says what the engines held when it asked
+        for run in cell["runs"]:
+            split = run["probe"]
+            assert split["known"] == 1.0 and split["hit_rate"] == pytest.approx(run["hit_rate"], abs=1e-3)
+            assert split["best"] >= split["hit_rate"] - split["schedule_loss"] - 1e-3
+            parts = split["best"] - split["choice_loss"] - split["schedule_loss"]
+            assert parts == pytest.approx(split["hit_rate"], abs=2e-3)
+        # the oracle sends each prompt to the longest match it sees (it asks just after the probe)
+        assert oracle["probe"]["choice_loss"] <= 0.05
     for seed in (0, 2):  # the oracle ran once per seed: the two replica counts share its figures
         one, two = (
             next(r for r in report["cells"][seed + k]["runs"] if r["policy"] == "greedy_oracle") for k in (0, 1)
@@ -199,3 +209,5 @@ def test_prose_on_engines_that_report_little_against_the_greedy_oracle_over_two_
         low, high = run["spread"]["of_lru"]
         assert low <= run["of_lru"] <= high and run["runs"] == 2
     assert "seeds' range" in result.stdout and png.stat().st_size > 1000
+    assert "at send: best - choice - schedule" in result.stdout
+    assert all(run["probe"]["best"] > 0 for c in across for run in c["runs"])
