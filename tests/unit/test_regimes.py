@@ -8,15 +8,8 @@ from collections import Counter
 
 import pytest
 
-from kvroute.bench.regimes import (
-    DEFAULT_SEEDS,
-    across_seeds,
-    cache_fraction,
-    relative_to_best,
-    render,
-    seeds_from,
-    summarize_policies,
-)
+from kvroute.bench.regimes import DEFAULT_SEEDS, cache_fraction, seeds_from
+from kvroute.bench.regimes_report import across_seeds, relative_to_best, render, summarize_policies
 from kvroute.bench.regimes_workload import (
     AXES,
     CACHE,
