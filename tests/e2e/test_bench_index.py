@@ -34,7 +34,8 @@ def test_a_cluster_run_reports_every_master_and_reads_from_the_replicas(tmp_path
 
     assert sorted(r["reads"] for r in report["match"]) == ["primary", "replicas"]
     assert all(r["p50_ms"] > 0 and r["redis_us_per_match"] > 0 for r in report["match"])
-    assert report["alive"][0]["redis_us_per_call"] > 0
+    alive = report["alive"][0]  # liveness read whole, and a reader's copy confirmed by its version
+    assert alive["whole_us_per_call"] > 0 and alive["confirmed_us_per_call"] > 0
 
     runs = {(t["layout"], t["reads"]): t for t in report["throughput"]}
     assert set(runs) == {
