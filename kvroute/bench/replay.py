@@ -314,6 +314,8 @@ def check_args(args: argparse.Namespace) -> None:
     unknown = [p for p in peers_of(args) if p not in PEERS]
     if unknown or (args.peer is not None and not peers_of(args)):
         raise StartupError(f"--peer takes some of {','.join(PEERS)}, got {args.peer!r}")
+    if args.router_url and getattr(args, "probe", False):
+        raise StartupError("--probe needs the self-started stack (it asks the engines), not --router-url")
     if args.router_url and args.repeats > 1:
         raise StartupError(
             "--repeats needs the self-started stack (its caches are emptied between runs), not --router-url"
@@ -423,7 +425,10 @@ async def _run_on_stack(
                             f"replaying {len(requests)} requests: {router}, {replicas} replica(s){which}",
                             file=sys.stderr,
                         )
-                        run, _ = await replay_on_stack(stack, router, replicas, requests, prompts, args, lru)
+                        probe = bool(getattr(args, "probe", False))
+                        run, _ = await replay_on_stack(
+                            stack, router, replicas, requests, prompts, args, lru, probe=probe
+                        )
                         run.repeat = repeat
                         runs.append(run)
     return runs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from kvroute.bench.probe import split_text
 from router.accounting import REASONS, shares_text
 
 
@@ -17,13 +18,19 @@ def render(results: dict[str, Any]) -> str:
         "router        replicas  hit rate  of LRU   TTFT mean ms  TTFT p99 ms  busiest/mean  failed  "
         "lost load/stale/cold",
     ]
+    probed = any(r.get("probe_split") for r in results["runs"])
+    if probed:  # new columns last: the columns that were there keep their places
+        lines[-1] = f"{lines[-1]:<120} at send: best - choice - schedule"
     for r in results["runs"]:
-        lines.append(
+        line = (
             f"{r['router']:<13} {r['replicas']:<9} {r['hit_rate']:<9.1%} {r['of_lru_reference']:<8.1%} "
             f"{r['ttft_mean_ms']:<13.1f} {r['ttft_p99_ms']:<12.1f} {r['busiest_worker_vs_mean']:<13.2f} "
             f"{r['failed']:<7} {shares_text(r.get('lost_share'), r.get('degraded_share'))}"
         )
+        lines.append(f"{line:<120} {split_text(r.get('probe_split'))}" if probed else line)
     lines.append(f"lost: shares of the cacheable prompt tokens lost to {', '.join(REASONS)} (docs/dashboard.md)")
+    if probed:
+        lines.append("at send: the best any engine held, what the choice gave up, what was evicted before scheduling")
     if results.get("averages"):
         lines += [
             "",

@@ -165,6 +165,13 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
         help="replay through running routers (comma-separated replica URLs) instead of "
         "a self-started stack; the LRU reference then assumes --cache-fraction",
     )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="before each request, ask every engine what it holds of the prompt, and split each run's hit "
+        "rate into the best any engine held at the send, what the choice gave up and what was evicted before "
+        "the prompt was scheduled (the self-started stack only; a few ms per request)",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", default="kvroute-replay.png", help="where to write the PNG chart")
 

@@ -170,10 +170,11 @@ def test_bench_replay_with_the_sglang_peer(tmp_path):
 @pytest.mark.slow
 def test_bench_replay_with_the_greedy_oracle_beside_kv(tmp_path):
     """--peer greedy_oracle: the reference that asks each engine what it holds runs on the same
-    engines as kv, with token ids (it takes them as well as text), and predicts what it saw."""
+    engines as kv, with token ids (it takes them as well as text), and predicts what it saw; with
+    --probe every run's hit rate splits by what the engines held at each send."""
     trace = _small_trace(tmp_path)
     out = tmp_path / "replay.json"
-    flags = ["--engines", "2", "--cache-fraction", "1.0", "--replicas", "1", "--peer", "greedy_oracle"]
+    flags = ["--engines", "2", "--cache-fraction", "1.0", "--replicas", "1", "--peer", "greedy_oracle", "--probe"]
     command = [sys.executable, "-m", "kvroute", "bench", "replay", str(trace), *flags, "--json", str(out)]
     command += ["--chart", str(tmp_path / "replay.png")]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -185,3 +186,10 @@ def test_bench_replay_with_the_greedy_oracle_beside_kv(tmp_path):
     assert oracle["failed"] == 0 and oracle["lost_share"] is None and 0 <= oracle["prediction_exact"] <= 1
     # the same engines, all prefixes fit: the oracle is at the shared-LRU reference, give or take
     assert oracle["of_lru_reference"] > 0.8
+    for run in report["runs"]:
+        split = run["probe_split"]
+        assert split["known"] == 1.0 and split["hit_rate"] == pytest.approx(run["hit_rate"], abs=1e-3)
+        parts = split["best"] - split["choice_loss"] - split["schedule_loss"]
+        assert parts == pytest.approx(split["hit_rate"], abs=2e-3)
+    assert oracle["probe_split"]["choice_loss"] <= 0.05  # it asks just after the probe: the longest match
+    assert "at send: best - choice - schedule" in result.stdout

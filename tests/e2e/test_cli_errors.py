@@ -148,6 +148,7 @@ def test_a_lookup_of_an_unknown_model_says_what_to_do(redis_server, unique_name)
         (["--synthetic", "multi-turn", "--peer", "sglang,oracle"], "--peer takes some of sglang,greedy_oracle"),
         (["--synthetic", "multi-turn", "--router-url", "localhost:8080"], "must list http:// or https:// URLs"),
         (["--synthetic", "multi-turn", "--repeats", "2", "--router-url", "http://x"], "--repeats needs"),
+        (["--synthetic", "multi-turn", "--probe", "--router-url", "http://x"], "--probe needs the self-started"),
         (
             ["--synthetic", "multi-turn", "--router-url", f"http://127.0.0.1:{free_port()}"],
             "cannot reach the router at http://127.0.0.1:",
