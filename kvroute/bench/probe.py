@@ -20,7 +20,6 @@ by construction; kv's tells whether a gap to it is in the decisions or in the hi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from kvroute.bench.common import cached_tokens
+from kvroute.devstack.oracle import cached_prefixes
 from router.tokenizer import ModelPrompts
 
 
@@ -42,15 +42,7 @@ class Prober:
     async def cached(self, session: aiohttp.ClientSession, prompt: list[int] | str) -> list[int]:
         """Each engine's cached prefix of ``prompt`` now, in tokens (-1: the engine did not answer)."""
         tokens = self.prompts.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-
-        async def ask(url: str) -> int:
-            try:
-                async with session.post(url + "/debug/match", json={"prompt": tokens}) as response:
-                    return int((await response.json())["cached_tokens"]) if response.status == 200 else -1
-            except (aiohttp.ClientError, ValueError, KeyError):
-                return -1
-
-        return list(await asyncio.gather(*(ask(url) for url in self.engine_urls)))
+        return await cached_prefixes(session, self.engine_urls, tokens)
 
 
 def engine_of(worker: str | None, engine_urls: Sequence[str]) -> int | None:

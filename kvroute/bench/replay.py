@@ -412,6 +412,7 @@ async def _run_on_stack(
         prefill_context_ns=getattr(args, "prefill_context_ns", 0.0),
     )
     runs = []
+    probe = bool(getattr(args, "probe", False))
     with RedisServer() as server:
         redis = RedisSettings(url=server.url)
         sizes = {"num_blocks": per_engine_blocks, "block_size": args.block_size, "max_model_len": max_model_len}
@@ -425,7 +426,6 @@ async def _run_on_stack(
                             f"replaying {len(requests)} requests: {router}, {replicas} replica(s){which}",
                             file=sys.stderr,
                         )
-                        probe = bool(getattr(args, "probe", False))
                         run, _ = await replay_on_stack(
                             stack, router, replicas, requests, prompts, args, lru, probe=probe
                         )

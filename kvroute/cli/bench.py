@@ -15,6 +15,12 @@ from typing import Any
 from kvindex.settings import add_redis_security_arguments, export_redis_security_arguments
 from kvroute.cli.argtypes import positive_float, positive_int, positive_ints
 
+PROBE_HELP = (
+    "before each request, ask every engine what it holds of the prompt, and split each run's hit rate into "
+    "the best any engine held at the send, what the choice gave up and what was evicted before the prompt "
+    "was scheduled (a few ms per request; docs/benchmarks.md)"
+)
+
 
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -165,13 +171,7 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
         help="replay through running routers (comma-separated replica URLs) instead of "
         "a self-started stack; the LRU reference then assumes --cache-fraction",
     )
-    p.add_argument(
-        "--probe",
-        action="store_true",
-        help="before each request, ask every engine what it holds of the prompt, and split each run's hit "
-        "rate into the best any engine held at the send, what the choice gave up and what was evicted before "
-        "the prompt was scheduled (the self-started stack only; a few ms per request)",
-    )
+    p.add_argument("--probe", action="store_true", help=PROBE_HELP + " (the self-started stack only)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", default="kvroute-replay.png", help="where to write the PNG chart")
 
@@ -227,13 +227,7 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
         "(P + N/2) more (default 0; 5.4 scales an H200's measured 2.0 to these engines' 50 ms per 1k tokens)",
     )
     p.add_argument("--max-output", type=positive_int, default=8, help="cap output tokens (default 8)")
-    p.add_argument(
-        "--probe",
-        action="store_true",
-        help="before each request, ask every engine what it holds of the prompt, and split each run's hit "
-        "rate into the best any engine held at the send, what the choice gave up and what was evicted before "
-        "the prompt was scheduled (a few ms per request; docs/benchmarks.md)",
-    )
+    p.add_argument("--probe", action="store_true", help=PROBE_HELP)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", help="write a heat map PNG here")
 

@@ -22,6 +22,7 @@ import json
 import random
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,23 @@ from aiohttp import web
 from router.tokenizer import ModelPrompts, PromptError
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
+
+
+async def cached_prefixes(
+    session: aiohttp.ClientSession, engine_urls: Sequence[str], tokens: list[int], salt: Any = None
+) -> list[int]:
+    """Every simulated engine's cached prefix of ``tokens`` now, in tokens, as its own block pool
+    would give it (``POST /debug/match``); -1 for an engine that does not answer."""
+    probe = {"prompt": tokens, **({"cache_salt": salt} if salt else {})}
+
+    async def ask(url: str) -> int:
+        try:
+            async with session.post(url + "/debug/match", json=probe) as response:
+                return int((await response.json())["cached_tokens"]) if response.status == 200 else -1
+        except (aiohttp.ClientError, ValueError, KeyError):
+            return -1
+
+    return list(await asyncio.gather(*(ask(url) for url in engine_urls)))
 
 
 @dataclass
@@ -59,18 +77,9 @@ class Oracle:
         raise PromptError("'prompt' must be a string or an array of token ids")
 
     async def cached(self, tokens: list[int], salt: Any) -> list[int]:
-        """Every engine's cached prefix of ``tokens`` now, in tokens (0 for one that does not answer)."""
+        """Every engine's cached prefix of ``tokens`` now (:func:`cached_prefixes`)."""
         assert self.session is not None
-        probe = {"prompt": tokens, **({"cache_salt": salt} if salt else {})}
-
-        async def ask(url: str) -> int:
-            try:
-                async with self.session.post(url + "/debug/match", json=probe) as response:  # type: ignore[union-attr]
-                    return int((await response.json())["cached_tokens"]) if response.status == 200 else -1
-            except (aiohttp.ClientError, ValueError, KeyError):
-                return -1
-
-        return list(await asyncio.gather(*(ask(url) for url in self.workers)))
+        return await cached_prefixes(self.session, self.workers, tokens, salt)
 
     def choose(self, cached: list[int]) -> tuple[str, int]:
         """The longest cached prefix; ties to the fewest in flight, then at random."""
