@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from kvindex.codec import KeyRun
 from kvindex.keys import BucketKeys, ModelKeys
+from kvindex.pages import Page, PageChange, match_args, page_change_args
 from kvindex.replies import decode
 
 R = TypeVar("R")
@@ -116,6 +117,10 @@ APPLY = _spec("apply", "state log block...", "gid previous_op op kinds segment..
 RELOG = _spec("relog", "state log", "gid previous_op op log", _status_and_ints)
 GC_BUCKET = _spec("gc_bucket", "state log block...", "gid cursor dead_ttl_ms block_prefix", _status_and_ints)
 MATCH = _spec("match", "block...", "", _raw, read_only=True)
+PAGE_APPLY = _spec(
+    "page_apply", "state log page...", "gid previous_op op block_delta firsts page_change...", _status_and_ints
+)
+PAGE_MATCH = _spec("page_match", "page...", "blocks lengths chained", _raw, read_only=True)
 
 # --- the routers' shared state (the model's control slot) ----------------------------------
 LEASE = _spec("lease", "replicas inflight", "replica_id ttl_ms expire_ms field_value...", _raw)
@@ -130,8 +135,8 @@ SPECS: dict[str, ScriptSpec[Any]] = {
     s.name: s
     for s in (
         REGISTER, HEARTBEAT, APPLY, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
-        GC_BUCKET, GC_FINISH, MATCH, ALIVE, ALIVE_SINCE, LEASE, INFLIGHT_ADD, INFLIGHT, EXPECT, SETTLE,
-        EXPECTED, LEARN,
+        GC_BUCKET, GC_FINISH, MATCH, PAGE_APPLY, PAGE_MATCH, ALIVE, ALIVE_SINCE, LEASE, INFLIGHT_ADD,
+        INFLIGHT, EXPECT, SETTLE, EXPECTED, LEARN,
     )
 }  # fmt: skip
 
@@ -238,6 +243,23 @@ def gc_bucket(
 
 def match(bucket_prefix: str, chain: Sequence[int] | bytes) -> ScriptCall[Any]:
     return MATCH.call(KeyRun(bucket_prefix, chain))
+
+
+def page_apply(
+    bucket: BucketKeys, gid: int, previous_op: int, op: int, block_delta: int, changes: Sequence[PageChange]
+) -> ScriptCall[tuple[str, ...]]:
+    """page_apply.lua: one gid's page changes in one bucket (each page once, in order)."""
+    firsts = b"".join(change.first.to_bytes(8, "big") for change in changes)
+    args: list[KeyOrArg] = [gid, previous_op, op, block_delta, firsts]
+    for change in changes:
+        args += page_change_args(change)
+    keys = [bucket.state(gid), bucket.page_log(gid), *(bucket.page(change.first) for change in changes)]
+    return PAGE_APPLY.call(keys, args)
+
+
+def page_match(keys: ModelKeys, pages: Sequence[Page], chain: Sequence[int], chained: bool) -> ScriptCall[Any]:
+    """page_match.lua over ``pages`` of ``chain`` (chained: they are its first pages, in order)."""
+    return PAGE_MATCH.call([keys.page(p.first) for p in pages], match_args(pages, chain, chained))
 
 
 def lease(keys: ModelKeys, replica_id: str, ttl_ms: int, expire_ms: int, pairs: Sequence[KeyOrArg]) -> ScriptCall[Any]:

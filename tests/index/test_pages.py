@@ -1,0 +1,152 @@
+"""The next layout's scripts (page_apply.lua, page_match.lua; kvindex.pages) on a real server:
+holdings written page by page and matched exactly, whatever the prompts share."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from kvindex import calls as lua
+from kvindex.keys import KeySchema
+from kvindex.pages import PAGE_BLOCKS, combine, holding_changes, page_holdings, pages_of
+from kvindex.scripts import Scripts
+
+KEYS = KeySchema("pt").for_model("m")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class PageWriter:
+    """One gid's writes, bucket by bucket, with page_apply.lua's op continuity."""
+
+    def __init__(self, scripts: Scripts, gid: int) -> None:
+        self.scripts, self.gid = scripts, gid
+        self.ops: dict[int, int] = {}
+        self.holdings: dict[int, dict] = {}
+
+    async def hold(self, chains: list[list[int]]) -> None:
+        after = page_holdings(chains)
+        by_bucket: dict[int, list] = {}
+        for change in holding_changes(self.holdings, after):
+            by_bucket.setdefault(KEYS.bucket_of_page(change.first).base, []).append(change)
+        for base, changes in by_bucket.items():
+            previous = self.ops.get(base, 0)
+            bucket = KEYS.bucket_of_page(changes[0].first)
+            status, *_ = await self.scripts.run(lua.page_apply(bucket, self.gid, previous, previous + 1, 0, changes))
+            assert status == "ok"
+            self.ops[base] = previous + 1
+        self.holdings = after
+
+
+def random_forest(rng: random.Random, roots: int, chains: int, longest: int) -> list[list[int]]:
+    """Chains that share prefixes the way prompts do: each new one branches off an earlier one
+    at a random depth (or starts a new root) and goes on with fresh blocks."""
+    made: list[list[int]] = []
+    for i in range(chains):
+        if i < roots:
+            base: list[int] = []
+        else:
+            other = rng.choice(made)
+            base = other[: rng.randint(1, len(other))]
+        length = rng.randint(len(base) + 1, max(longest, len(base) + 1))
+        made.append(base + [rng.getrandbits(64) for _ in range(length - len(base))])
+    return made
+
+
+async def match_both_ways(scripts: Scripts, query: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    pages = pages_of(query)
+    chained = combine(pages, await scripts.run(lua.page_match(KEYS, pages, query, chained=True)))
+    apart = [(await scripts.run(lua.page_match(KEYS, [p], query, chained=False)))[0] for p in pages]
+    return chained, combine(pages, apart)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32), gids=st.integers(1, 5), longest=st.sampled_from([5, 40, 100, 200]))
+async def test_a_match_credits_each_gid_its_longest_held_prefix(redis_client: Redis, seed, gids, longest):
+    await redis_client.flushall()
+    rng = random.Random(seed)
+    scripts = Scripts(redis_client)
+    forest = random_forest(rng, roots=2, chains=8, longest=longest)
+    held: dict[int, list[list[int]]] = {}
+    for g in range(1, gids + 1):
+        gid = 2**40 + g
+        writer = PageWriter(scripts, gid)
+        chains = [c[: rng.randint(1, len(c))] for c in rng.sample(forest, rng.randint(1, 4))]
+        await writer.hold(chains)
+        if rng.random() < 0.5:  # evictions: some chains cut shorter, some dropped, one added
+            chains = [c[: rng.randint(1, len(c))] for c in chains[1:]] + [rng.choice(forest)[:longest]]
+            await writer.hold(chains)
+        held[gid] = chains
+    for query in [*forest, *([*c[: rng.randint(1, len(c))], rng.getrandbits(64)] for c in forest)]:
+        expected = {gid: max(common_prefix(query, c) for c in chains) for gid, chains in held.items()}
+        expected = {gid: d for gid, d in expected.items() if d}
+        chained, apart = await match_both_ways(scripts, query)
+        assert chained == expected
+        assert apart == expected
+
+
+async def test_a_gid_that_lets_go_of_everything_leaves_no_page_behind(redis_client: Redis):
+    await redis_client.flushall()
+    scripts = Scripts(redis_client)
+    rng = random.Random(1)
+    chain = [rng.getrandbits(64) for _ in range(3 * PAGE_BLOCKS + 5)]
+    writer = PageWriter(scripts, 12345)
+    await writer.hold([chain, [*chain[:40], 7, 8]])
+    assert len(await redis_client.keys(KEYS.bucket_base("*") + "p:*")) == 4
+    assert await match_both_ways(scripts, chain) == ({12345: len(chain)}, {12345: len(chain)})
+    await writer.hold([])
+    assert await redis_client.keys(KEYS.bucket_base("*") + "p:*") == []
+    assert await match_both_ways(scripts, chain) == ({}, {})
+
+
+async def test_a_page_shows_its_holdings_as_text(redis_client: Redis):
+    await redis_client.flushall()
+    scripts = Scripts(redis_client)
+    writer = PageWriter(scripts, 99)
+    await writer.hold([[1, 2, 3]])
+    page = await redis_client.hgetall(KEYS.page(1))
+    leaf = f"{3:016x}"
+    assert page == {
+        b"h": b",99,",
+        b"g:99": f",{leaf},".encode(),
+        b"e:" + leaf.encode(): b",99,",
+        b"t:" + leaf.encode(): (f"{1:016x}{2:016x}" + leaf).encode(),
+    }
+
+
+async def test_a_replayed_or_out_of_order_write_changes_nothing(redis_client: Redis):
+    await redis_client.flushall()
+    scripts = Scripts(redis_client)
+    changes = holding_changes({}, page_holdings([[5, 6]]))
+    bucket = KEYS.bucket_of_page(5)
+    first = lua.page_apply(bucket, 3, 0, 1, 2, changes)
+    assert (await scripts.run(first))[0] == "ok"
+    assert (await scripts.run(first))[0] == "dup"
+    assert (await scripts.run(lua.page_apply(bucket, 3, 5, 6, 0, changes)))[0] == "lost"
+    assert await redis_client.hget(bucket.state(3), "n") == b"2"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["3", "0", "1", "0", b"\x00" * 8, "1", "0", "00000000000000aa", "00000000000000bb"], "branch"),
+        (["3", "0", "1", "0", b"\x00" * 8, "1"], "page counts"),
+        (["3", "0", "1", "0", b"\x00" * 8, "0", "0", "extra"], "malformed"),
+        (["x", "0", "1", "0", b"\x00" * 8, "0", "0"], "decimal gid"),
+        (["3", "1", "1", "0", b"\x00" * 8, "0", "0"], "op > previous"),
+    ],
+)
+async def test_page_apply_refuses_malformed_arguments_with_a_message(redis_client: Redis, args, message):
+    bucket = KEYS.bucket_of_page(0)
+    call = lua.PAGE_APPLY.call([bucket.state(3), bucket.page_log(3), bucket.page(0)], args)
+    with pytest.raises(Exception, match=message):
+        await Scripts(redis_client).run(call)
