@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from kvindex.codec import KeyRun
 from kvindex.keys import BucketKeys, ModelKeys
-from kvindex.pages import Page, PageChange, match_args, page_change_args
+from kvindex.pages import Page, PageChange, match_args, page_change_args, segments
 from kvindex.replies import decode
 
 R = TypeVar("R")
@@ -117,10 +117,8 @@ APPLY = _spec("apply", "state log block...", "gid previous_op op kinds segment..
 RELOG = _spec("relog", "state log", "gid previous_op op log", _status_and_ints)
 GC_BUCKET = _spec("gc_bucket", "state log block...", "gid cursor dead_ttl_ms block_prefix", _status_and_ints)
 MATCH = _spec("match", "block...", "", _raw, read_only=True)
-PAGE_APPLY = _spec(
-    "page_apply", "state log page...", "gid previous_op op block_delta firsts page_change...", _status_and_ints
-)
-PAGE_MATCH = _spec("page_match", "page...", "blocks lengths chained", _raw, read_only=True)
+PAGE_APPLY = _spec("page_apply", "bucket_key...", "gid buckets bucket_change...", _raw)
+PAGE_MATCH = _spec("page_match", "segment...", "chained blocks key_pages...", _raw, read_only=True)
 
 # --- the routers' shared state (the model's control slot) ----------------------------------
 LEASE = _spec("lease", "replicas inflight", "replica_id ttl_ms expire_ms field_value...", _raw)
@@ -245,21 +243,36 @@ def match(bucket_prefix: str, chain: Sequence[int] | bytes) -> ScriptCall[Any]:
     return MATCH.call(KeyRun(bucket_prefix, chain))
 
 
-def page_apply(
-    bucket: BucketKeys, gid: int, previous_op: int, op: int, block_delta: int, changes: Sequence[PageChange]
-) -> ScriptCall[tuple[str, ...]]:
-    """page_apply.lua: one gid's page changes in one bucket (each page once, in order)."""
-    firsts = b"".join(change.first.to_bytes(8, "big") for change in changes)
-    args: list[KeyOrArg] = [gid, previous_op, op, block_delta, firsts]
-    for change in changes:
-        args += page_change_args(change)
-    keys = [bucket.state(gid), bucket.page_log(gid), *(bucket.page(change.first) for change in changes)]
+@dataclass(frozen=True)
+class BucketPages:
+    """One bucket's part of a page_apply.lua call: op ids, the change in the gid's indexed
+    blocks there, and its page changes."""
+
+    bucket: BucketKeys
+    previous_op: int
+    op: int
+    block_delta: int
+    changes: Sequence[PageChange]
+
+
+def page_apply(gid: int, parts: Sequence[BucketPages]) -> ScriptCall[Any]:
+    """page_apply.lua: one gid's page changes in one or more buckets (one on a cluster)."""
+    keys: list[KeyOrArg] = []
+    args: list[KeyOrArg] = [gid, len(parts)]
+    for part in parts:
+        places: dict[int, int] = {}
+        for change in part.changes:
+            places.setdefault(change.segment, len(places) + 1)
+        keys += [part.bucket.state(gid), part.bucket.page_log(gid), *(part.bucket.segment(s) for s in places)]
+        args += [part.previous_op, part.op, part.block_delta, len(places), len(part.changes)]
+        for change in part.changes:
+            args += page_change_args(change, places[change.segment])
     return PAGE_APPLY.call(keys, args)
 
 
 def page_match(keys: ModelKeys, pages: Sequence[Page], chain: Sequence[int], chained: bool) -> ScriptCall[Any]:
     """page_match.lua over ``pages`` of ``chain`` (chained: they are its first pages, in order)."""
-    return PAGE_MATCH.call([keys.page(p.first) for p in pages], match_args(pages, chain, chained))
+    return PAGE_MATCH.call([keys.segment(s) for s, _ in segments(pages)], match_args(pages, chain, chained))
 
 
 def lease(keys: ModelKeys, replica_id: str, ttl_ms: int, expire_ms: int, pairs: Sequence[KeyOrArg]) -> ScriptCall[Any]:

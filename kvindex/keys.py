@@ -143,14 +143,14 @@ class ModelKeys:
             raise ValueError(f"bucket {bucket} is not within 0..{BUCKETS - 1}")
         return BucketKeys(self.bucket_base(f"{bucket:03x}"))
 
-    def bucket_of_page(self, first_block: int) -> BucketKeys:
-        """The bucket keys of the page whose first block hashes to ``first_block`` (the next
-        layout, kvindex.pages: each page of a chain in its own bucket)."""
+    def bucket_of_segment(self, first_block: int) -> BucketKeys:
+        """The bucket keys of the segment whose first block hashes to ``first_block`` (the next
+        layout, kvindex.pages: a chain's segments in their own buckets)."""
         return self.bucket(bucket_of(first_block))
 
-    def page(self, first_block: int) -> str:
-        """HASH: a page's holdings (kvindex.pages), in the bucket of its first block."""
-        return self.bucket_of_page(first_block).page(first_block)
+    def segment(self, first_block: int) -> str:
+        """HASH: a segment's pages' holdings (kvindex.pages), in the bucket of its first block."""
+        return self.bucket_of_segment(first_block).segment(first_block)
 
     def bucket_of_chain(self, chain_root: int) -> BucketKeys:
         """The bucket keys of the chain whose first block hashes to ``chain_root``."""
@@ -209,17 +209,19 @@ class BucketKeys:
         return self.block_prefix + block_hex(block_hash)
 
     @property
-    def page_prefix(self) -> str:
-        return self.base + "p:"
+    def segment_prefix(self) -> str:
+        return self.base + "s:"
 
-    def page(self, first_block: int) -> str:
-        """HASH: the holdings of the page whose first block hashes to ``first_block``: fields
-        ``h`` (gids with a holding), ``e:<leaf>`` (gids whose holding ends there), ``t:<leaf>``
-        (the branch to the leaf), ``g:<gid>`` (the gid's leaves). See kvindex.pages."""
-        return self.page_prefix + block_hex(first_block)
+    def segment(self, first_block: int) -> str:
+        """HASH: the holdings in the pages of the segment whose first block hashes to
+        ``first_block``; for a page P: ``h:<P>`` (gids with a holding), ``e:<leaf>`` (gids whose
+        holding ends there), ``t:<leaf>`` (the branch to the leaf), ``g:<P>:<gid>`` (the gid's
+        leaves). See kvindex.pages and docs/index-schema.md, "The next layout"."""
+        return self.segment_prefix + block_hex(first_block)
 
     def page_log(self, gid: int | str) -> str:
-        """STRING: 8-byte first-block hashes of the pages the gid came to hold in this bucket."""
+        """STRING: 32 hex digits per page the gid came to hold in this bucket (its segment's first
+        block, then its own), oldest first: what gc visits."""
         return f"{self.base}pl:{gid}"
 
     @property

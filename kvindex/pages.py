@@ -1,6 +1,12 @@
 """The next layout of the index (docs/index-schema.md, "The next layout"): chains cut into pages of
 ``PAGE_BLOCKS`` blocks at fixed positions, and holdings stated per page.
 
+Pages are kept in *segment* keys that double in size along a chain: page 0, page 1, pages 2-3,
+4-7, 8-15, ... (segment s holds pages 2^(s-1) .. 2^s - 1). A segment key is named by the first
+block of its first page and lives in that block's bucket. So a match reads one key per segment:
+6 keys for 512 blocks, 8 for 2,048. A chain's short start, where prompts share system prompts,
+is cut fine, so a shared root costs its bucket only its own pages.
+
 A *holding* says "this gid holds the page's blocks from its first block through this *leaf*". A
 gid's holdings in a page are the leaves of its held blocks there: held blocks with no held child
 in the same page. The branch from the page's first block to a leaf is stored once, whoever holds
@@ -16,68 +22,84 @@ This module is pure, with no I/O. It has:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 PAGE_BLOCKS = 32
 
 Branch = tuple[int, ...]  # a page's blocks from its first through a leaf
 
 
-@dataclass(frozen=True, slots=True)
-class Page:
-    """One page of a prompt: the hash of its first block, where it starts in the prompt, and
-    how many of the prompt's blocks it covers (PAGE_BLOCKS, or fewer for the last page)."""
+def segment_start(page_index: int) -> int:
+    """The index of the first page of the segment that holds page ``page_index``."""
+    return 0 if page_index == 0 else 1 << (page_index.bit_length() - 1)
+
+
+class Page(NamedTuple):
+    """One page of a chain: the hash of its first block, where it starts in the chain, how many
+    of the chain's blocks it covers (PAGE_BLOCKS, or fewer for the last page), and the first
+    block of its segment (the segment key's name). (A tuple: a router builds ~16 per prompt.)"""
 
     first: int
     start: int
     length: int
+    segment: int
 
 
 def pages_of(chain: Sequence[int]) -> list[Page]:
-    """The pages of a prompt's chain of block hashes, in order."""
+    """The pages of a chain of block hashes, in order."""
+    n = len(chain)
     return [
-        Page(chain[start], start, min(PAGE_BLOCKS, len(chain) - start)) for start in range(0, len(chain), PAGE_BLOCKS)
+        Page(chain[start], start, min(PAGE_BLOCKS, n - start), chain[segment_start(start // PAGE_BLOCKS) * PAGE_BLOCKS])
+        for start in range(0, n, PAGE_BLOCKS)
     ]
 
 
-def page_holdings(chains: Iterable[Sequence[int]]) -> dict[int, dict[int, Branch]]:
+# A gid's holdings: {(segment's first block, page's first block): {leaf: branch}}
+Holdings = dict[tuple[int, int], dict[int, Branch]]
+
+
+def page_holdings(chains: Iterable[Sequence[int]]) -> Holdings:
     """A gid's holdings, from the chains whose every block it holds (each from the chain's
-    first block): {page's first block: {leaf: branch}}. A branch that is the start of another
-    branch in the same page is not a holding: the longer one says it already."""
-    branches: dict[int, set[Branch]] = {}
+    first block). A branch that is the start of another branch in the same page is not a
+    holding: the longer one says it already."""
+    branches: dict[tuple[int, int], set[Branch]] = {}
     for chain in chains:
         for page in pages_of(chain):
-            branches.setdefault(page.first, set()).add(tuple(chain[page.start : page.start + page.length]))
-    holdings: dict[int, dict[int, Branch]] = {}
-    for first, found in branches.items():
+            branch = tuple(chain[page.start : page.start + page.length])
+            branches.setdefault((page.segment, page.first), set()).add(branch)
+    holdings: Holdings = {}
+    for where, found in branches.items():
         prefixes = {b[:n] for b in found for n in range(1, len(b))}
-        holdings[first] = {b[-1]: b for b in found if b not in prefixes}
+        holdings[where] = {b[-1]: b for b in found if b not in prefixes}
     return holdings
 
 
 @dataclass(frozen=True)
 class PageChange:
     """What one write changes in one page for one gid: leaves gained with their branches, and
-    leaves lost."""
+    leaves lost. ``segment`` is the first block of the page's segment (its key)."""
 
+    segment: int
     first: int
     gained: tuple[tuple[int, Branch], ...]
     lost: tuple[int, ...]
 
 
 def holding_changes(
-    before: Mapping[int, Mapping[int, Branch]], after: Mapping[int, Mapping[int, Branch]]
+    before: Mapping[tuple[int, int], Mapping[int, Branch]], after: Mapping[tuple[int, int], Mapping[int, Branch]]
 ) -> list[PageChange]:
     """The page changes that turn holdings ``before`` into ``after`` (page_holdings' shape), in
-    the order of the pages' first blocks."""
+    the order of the pages' (segment, first block)."""
     changes = []
-    for first in sorted(set(before) | set(after)):
-        old, new = before.get(first, {}), after.get(first, {})
+    for where in sorted(set(before) | set(after)):
+        old, new = before.get(where, {}), after.get(where, {})
         gained = tuple((leaf, branch) for leaf, branch in sorted(new.items()) if old.get(leaf) != branch)
         lost = tuple(sorted(leaf for leaf in old if leaf not in new))
         if gained or lost:
-            changes.append(PageChange(first, gained, lost))
+            changes.append(PageChange(where[0], where[1], gained, lost))
     return changes
 
 
@@ -85,25 +107,48 @@ def branch_hex(branch: Sequence[int]) -> str:
     return "".join(f"{h:016x}" for h in branch)
 
 
-def page_change_args(change: PageChange) -> list[str | int]:
-    """One page's arguments for page_apply.lua: counts, then (leaf, branch) pairs, then leaves."""
-    args: list[str | int] = [len(change.gained), len(change.lost)]
+def page_change_args(change: PageChange, key_place: int) -> list[str | int]:
+    """One page's arguments for page_apply.lua: its segment key's place among the bucket's, its
+    first block, counts, then (leaf, branch) pairs, then leaves."""
+    args: list[str | int] = [key_place, f"{change.first:016x}", len(change.gained), len(change.lost)]
     for leaf, branch in change.gained:
         args += [f"{leaf:016x}", branch_hex(branch)]
     args += [f"{leaf:016x}" for leaf in change.lost]
     return args
 
 
-def match_args(pages: Sequence[Page], chain: Sequence[int], chained: bool) -> list[str]:
-    """page_match.lua's ARGV for ``pages`` of ``chain``: their blocks, lengths, and whether they
-    are the chain's first pages, consecutive."""
-    blocks = "".join(branch_hex(chain[p.start : p.start + p.length]) for p in pages)
-    return [blocks, ",".join(str(p.length) for p in pages), "1" if chained else "0"]
+def segments(pages: Sequence[Page]) -> list[tuple[int, int]]:
+    """(segment's first block, how many of ``pages`` are in it) for consecutive runs of ``pages``
+    in one segment, in order: page_match.lua's keys."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] == page.segment:
+            runs[-1] = (page.segment, runs[-1][1] + 1)
+        else:
+            runs.append((page.segment, 1))
+    return runs
 
 
-def _gids(listed: bytes | str) -> list[int]:
-    text = listed.decode() if isinstance(listed, bytes) else listed
-    return [int(g) for g in text.split(",") if g]
+def match_args(pages: Sequence[Page], chain: Sequence[int], chained: bool) -> list[str | int]:
+    """page_match.lua's ARGV for ``pages`` of ``chain`` (consecutive): whether they are the
+    chain's first pages, their blocks, then per segment key its page count and per page the
+    fields of its last block's whole holders and its holders."""
+    start, end = pages[0].start, pages[-1].start + pages[-1].length
+    blocks = struct.pack(f">{end - start}Q", *chain[start:end]).hex()
+    args: list[str | int] = ["1" if chained else "0", blocks]
+    at = 0
+    for _, count in segments(pages):
+        args.append(count)
+        for page in pages[at : at + count]:
+            last, first = 16 * (page.start + page.length - start - 1), 16 * (page.start - start)
+            args += ["e:" + blocks[last : last + 16], "h:" + blocks[first : first + 16]]
+        at += count
+    return args
+
+
+def _listed(listed: bytes | str) -> set[bytes]:
+    raw = listed.encode() if isinstance(listed, str) else listed
+    return set(raw.split(b",")) - {b""}
 
 
 def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int]:
@@ -111,17 +156,25 @@ def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int
     ``{whole, {depth, gids, ...}}`` per page. A gid counts a page's blocks only while it has held
     every earlier page whole, and the page where it stops adds its depth there. Gids that match
     no block are left out. A chained call may answer fewer pages than asked (the walk ended)."""
-    depths: dict[int, int] = {}
-    going: set[int] | None = None  # gids that held every page so far whole (None: all, at page 0)
+    depths: dict[bytes, int] = {}
+    going: set[bytes] | None = None  # held every page so far whole (None: all, at page 0)
+    previous: object = None
+    end = 0
     for page, (whole, stops) in zip(pages, replies, strict=False):
+        stopped: dict[bytes, int] = {}
         for i in range(0, len(stops), 2):
-            for gid in _gids(stops[i + 1]):
-                if going is None or gid in going:
-                    depths[gid] = page.start + int(stops[i])
-        held = set(_gids(whole))
-        going = held if going is None else going & held
-        for gid in going:
-            depths[gid] = page.start + page.length
+            for gid in _listed(stops[i + 1]):
+                stopped[gid] = page.start + int(stops[i])
+        if whole != previous or stopped:  # pages along one chain mostly list the same holders
+            held = _listed(whole)
+            for gid in (going - held) if going is not None else stopped:
+                depths[gid] = stopped.get(gid, page.start)
+            going = held if going is None else going & held
+            previous = whole
+        end = page.start + page.length
         if not going:
             break
-    return depths
+    for gid in going or ():
+        depths[gid] = end
+    depths = {gid: depth for gid, depth in depths.items() if depth}
+    return {int(gid): depth for gid, depth in depths.items()}

@@ -1,73 +1,87 @@
--- page_apply.lua: one worker generation's (gid's) changes to its holdings in the pages of one
--- bucket, atomically (docs/index-schema.md, "The next layout"). A holding says "the gid holds
--- the page's blocks from its first through this leaf"; the writer's mirror computes which
--- leaves a gid gains and loses in each page, so a write costs per page, not per block.
+-- page_apply.lua: one worker generation's (gid's) changes to its holdings, in the segment keys
+-- of one or more buckets, atomically (docs/index-schema.md, "The next layout"). A holding says
+-- "the gid holds page P's blocks from its first through this leaf"; the writer's mirror works
+-- out which leaves a gid gains and loses in each page, so a write costs per page, not per block.
+-- On a single Redis a write sends all its buckets in one call; on a cluster one call a bucket.
 --
--- A page key is a HASH: `h` the gids with a holding in the page; `e:<leaf>` the gids whose
--- holding ends at that leaf; `t:<leaf>` the branch from the page's first block to the leaf
--- (16 hex digits a block, the same for every holder: block hashes are chained); `g:<gid>` the
--- gid's leaves. Lists are `,item,item,`. A leaf nobody holds loses its `e:` and `t:` fields,
--- and a page nobody holds is deleted (Redis drops an empty HASH).
+-- A segment key is a HASH; for a page P (its first block's hex) in it: `h:<P>` the gids with a
+-- holding in P; `e:<leaf>` the gids whose holding ends at that leaf; `t:<leaf>` the branch from
+-- P's first block to the leaf (16 hex digits a block, the same for every holder: block hashes
+-- are chained); `g:<P>:<gid>` the gid's leaves in P. Lists are `,item,item,`. A leaf nobody
+-- holds loses its `e:` and `t:`, a page nobody holds its `h:`, and a segment key with no
+-- fields left is gone (Redis drops an empty HASH).
 --
 -- Continuity, per (gid, bucket), as apply.lua: the state's `op` is the id of the last call
--- applied; a call names the op id it follows. Not that one: 'lost' (the bucket lost writes; the
--- writer re-asserts). Applied already: 'dup', nothing changes. Collected by gc: 'dead'.
+-- applied there, and a call names the op id it follows. Not that one: 'lost' (the bucket lost
+-- writes; the writer re-asserts). Applied already: 'dup', nothing changes. Collected: 'dead'.
+-- Each bucket's part is judged and applied on its own.
 --
--- KEYS[1] state  HASH    the gid's state in this bucket: op, n (its indexed blocks here); dead
--- KEYS[2] log    STRING  8-byte first-block hashes of the pages the gid came to hold, in order
--- KEYS[3..] page keys, each once
--- ARGV[1] gid   ARGV[2] previous op id   ARGV[3] op id (integer > previous)
--- ARGV[4] the change in the gid's indexed blocks in this bucket (the mirror counts them)
--- ARGV[5] the pages' first-block hashes, 8 bytes big-endian each, in KEYS order (for the log)
--- ARGV[6..] per page, in KEYS order: leaves gained g, leaves lost l, then g pairs (leaf hex,
---           branch hex), then l leaf hexes
--- Returns {'ok'|'dup'|'lost'|'dead', leaves gained, leaves lost, lost leaves it did not hold,
---          log entries, pages created minus pages emptied, the gid's blocks in this bucket}.
-local state_key, log_key = KEYS[1], KEYS[2]
-local gid, previous_op, op_id, delta = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local starts = ARGV[5]
-local pages = #KEYS - 2
+-- KEYS, per bucket in ARGV's order: state (HASH: op, n = the gid's indexed blocks there; dead),
+--   log (STRING: 32 hex digits per page the gid came to hold: its segment's, then its own
+--   first block), then the bucket's segment keys, each once: KEYS[1..n]
+-- ARGV[1] gid   ARGV[2] number of buckets
+-- ARGV[3..] per bucket: previous op id, op id, change in the gid's indexed blocks there,
+--   number of segment keys, number of pages; then per page: its segment key's place among the
+--   bucket's segment keys (1..), its first block (16 hex digits), leaves gained g, leaves lost
+--   l, g pairs (leaf, branch), l leaves
+-- Returns per bucket {'ok'|'dup'|'lost'|'dead', leaves gained, leaves lost, lost leaves it did
+-- not hold, log entries, pages created minus pages emptied, the gid's blocks in the bucket}.
+local gid, buckets = ARGV[1], tonumber(ARGV[2])
 
 local function integer(x)
   return x ~= nil and x % 1 == 0
 end
-if not (integer(op_id) and integer(previous_op) and integer(delta)) or op_id <= previous_op then
-  return redis.error_reply('ERR kvroute: page_apply op ids and block delta must be integers, op > previous op')
+local function hex16(x)
+  return x ~= nil and #x == 16 and not string.find(x, '[^0-9a-f]')
 end
-if not string.match(gid, '^%d+$') or #starts ~= 8 * pages then
-  return redis.error_reply('ERR kvroute: page_apply needs a decimal gid and 8 bytes of first block per page key')
+local function fail(message)
+  return redis.error_reply('ERR kvroute: page_apply ' .. message)
 end
--- Check the per-page arguments before changing anything.
-local arg = 6
-for _ = 1, pages do
-  local gained, lost = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1])
-  if not (integer(gained) and integer(lost)) or gained < 0 or lost < 0 then
-    return redis.error_reply('ERR kvroute: page_apply page counts must be non-negative integers')
-  end
-  for j = arg + 2, arg + 1 + 2 * gained, 2 do
-    local leaf, path = ARGV[j], ARGV[j + 1]
-    if not (leaf and path) or #leaf ~= 16 or #path % 16 ~= 0 or #path == 0 or #path > 512
-      or string.sub(path, -16) ~= leaf or string.find(path, '[^0-9a-f]') then
-      return redis.error_reply('ERR kvroute: page_apply leaf ' .. tostring(leaf) .. ' needs a branch of 1-32 hex blocks ending at it')
-    end
-  end
-  arg = arg + 2 + 2 * gained + lost
-end
-if arg - 1 ~= #ARGV then
-  return redis.error_reply('ERR kvroute: page_apply arguments malformed: ' .. #ARGV .. ' given, ' .. (arg - 1) .. ' expected')
+if not string.match(gid, '^%d+$') or not integer(buckets) or buckets < 1 then
+  return fail('needs a decimal gid and a positive number of buckets')
 end
 
-local state = redis.call('HMGET', state_key, 'op', 'n', 'dead')
-local last_op, entries = tonumber(state[1] or '0'), tonumber(state[2] or '0')
-local log_len = redis.call('STRLEN', log_key) / 8
-if state[3] then
-  return {'dead', 0, 0, 0, log_len, 0, 0}
+-- Read and check every bucket's part before changing anything.
+local parts, arg, key = {}, 3, 1
+for b = 1, buckets do
+  local part = {previous = tonumber(ARGV[arg]), op = tonumber(ARGV[arg + 1]), delta = tonumber(ARGV[arg + 2])}
+  local keys, pages = tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
+  if not (integer(part.previous) and integer(part.op) and integer(part.delta) and integer(keys) and integer(pages))
+    or part.op <= part.previous or keys < 1 or pages < 1 then
+    return fail('bucket ' .. b .. ': op ids, block change and counts must be integers, op > previous op')
+  end
+  part.state, part.log, part.first_key, part.keys = key, key + 1, key + 2, keys
+  key = key + 2 + keys
+  arg = arg + 5
+  part.pages = {}
+  for _ = 1, pages do
+    local at, first, gained, lost = tonumber(ARGV[arg]), ARGV[arg + 1], tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+    if not (integer(at) and at >= 1 and at <= keys and hex16(first) and integer(gained) and integer(lost))
+      or gained < 0 or lost < 0 then
+      return fail('bucket ' .. b .. ': a page needs its key place, first block and counts')
+    end
+    for j = arg + 4, arg + 3 + 2 * gained, 2 do
+      local leaf, path = ARGV[j], ARGV[j + 1]
+      -- (The branch's inner blocks are not checked digit by digit: Lua's string work costs ~0.4 us
+      -- a call, and a bad digit there could only shorten this leaf's own matches.)
+      if not (hex16(leaf) and path) or #path % 16 ~= 0 or #path == 0 or #path > 512
+        or string.sub(path, -16) ~= leaf or string.sub(path, 1, 16) ~= first then
+        return fail('leaf ' .. tostring(leaf) .. ' needs a branch of 1-32 hex blocks from its page start to it')
+      end
+    end
+    for j = arg + 4 + 2 * gained, arg + 3 + 2 * gained + lost do
+      if not hex16(ARGV[j]) then
+        return fail('lost leaves must be 16 hex digits')
+      end
+    end
+    part.pages[#part.pages + 1] = {key = part.first_key + at - 1, first = first, arg = arg + 4, gained = gained, lost = lost}
+    arg = arg + 4 + 2 * gained + lost
+  end
+  parts[b] = part
 end
-if last_op >= op_id then
-  return {'dup', 0, 0, 0, log_len, 0, entries}
-end
-if last_op ~= previous_op then
-  return {'lost', 0, 0, 0, log_len, 0, entries}
+if arg - 1 ~= #ARGV or key - 1 ~= #KEYS then
+  return fail('arguments malformed: ' .. #ARGV .. ' arguments and ' .. #KEYS .. ' keys given, '
+    .. (arg - 1) .. ' and ' .. (key - 1) .. ' expected')
 end
 
 local member = ',' .. gid .. ','
@@ -79,15 +93,14 @@ local function without(list, item)
   return string.sub(list, 1, at) .. string.sub(list, at + #item + 2), true
 end
 
-local gained_total, lost_total, missing, page_delta, appended = 0, 0, 0, 0, {}
-arg = 6
-for p = 1, pages do
-  local key = KEYS[2 + p]
-  local gained, lost = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1])
-  local mine = redis.call('HGET', key, 'g:' .. gid) or ','
-  local had = mine ~= ','
-  for j = arg + 2 + 2 * gained, arg + 1 + 2 * gained + lost do
-    local leaf, found = ARGV[j], false
+-- One page's change; returns leaves gained, lost, missing, the page's new log entry or nil,
+-- and +1 / -1 / 0 for a page that gained its first / lost its last holder.
+local function apply_page(page)
+  local key, mine_field = KEYS[page.key], 'g:' .. page.first .. ':' .. gid
+  local mine = redis.call('HGET', key, mine_field) or ','
+  local had, gained, lost, missing, found = mine ~= ',', 0, 0, 0, false
+  for j = page.arg + 2 * page.gained, page.arg + 2 * page.gained + page.lost - 1 do
+    local leaf = ARGV[j]
     mine, found = without(mine, leaf)
     if found then
       local holders = without(redis.call('HGET', key, 'e:' .. leaf) or ',', gid)
@@ -96,12 +109,12 @@ for p = 1, pages do
       else
         redis.call('HSET', key, 'e:' .. leaf, holders)
       end
-      lost_total = lost_total + 1
+      lost = lost + 1
     else
       missing = missing + 1
     end
   end
-  for j = arg + 2, arg + 1 + 2 * gained, 2 do
+  for j = page.arg, page.arg + 2 * page.gained - 1, 2 do
     local leaf = ARGV[j]
     if not string.find(mine, ',' .. leaf .. ',', 1, true) then
       mine = mine .. leaf .. ','
@@ -110,41 +123,68 @@ for p = 1, pages do
         holders = holders .. gid .. ','
       end
       redis.call('HSET', key, 'e:' .. leaf, holders, 't:' .. leaf, ARGV[j + 1])
-      gained_total = gained_total + 1
+      gained = gained + 1
     end
   end
   local has = mine ~= ','
   if has then
-    redis.call('HSET', key, 'g:' .. gid, mine)
+    redis.call('HSET', key, mine_field, mine)
   elseif had then
-    redis.call('HDEL', key, 'g:' .. gid)
+    redis.call('HDEL', key, mine_field)
   end
+  local entry, pages = nil, 0
   if has ~= had then
-    local holders = redis.call('HGET', key, 'h') or ','
+    local holders_field = 'h:' .. page.first
+    local holders = redis.call('HGET', key, holders_field) or ','
     if has then
-      if holders == ',' then
-        page_delta = page_delta + 1
-      end
+      pages = holders == ',' and 1 or 0
       if not string.find(holders, member, 1, true) then
-        redis.call('HSET', key, 'h', holders .. gid .. ',')
+        redis.call('HSET', key, holders_field, holders .. gid .. ',')
       end
-      appended[#appended + 1] = string.sub(starts, 8 * p - 7, 8 * p)
+      entry = string.sub(key, -16) .. page.first
     else
       holders = without(holders, gid)
       if holders == ',' then
-        redis.call('HDEL', key, 'h')
-        page_delta = page_delta - 1
+        redis.call('HDEL', key, holders_field)
+        pages = -1
       else
-        redis.call('HSET', key, 'h', holders)
+        redis.call('HSET', key, holders_field, holders)
       end
     end
   end
-  arg = arg + 2 + 2 * gained + lost
+  return gained, lost, missing, entry, pages
 end
 
-if #appended > 0 then
-  log_len = redis.call('APPEND', log_key, table.concat(appended)) / 8
+local function apply_bucket(part)
+  local state_key, log_key = KEYS[part.state], KEYS[part.log]
+  local state = redis.call('HMGET', state_key, 'op', 'n', 'dead')
+  local last_op, entries = tonumber(state[1] or '0'), tonumber(state[2] or '0')
+  local log_len = redis.call('STRLEN', log_key) / 32
+  if state[3] then
+    return {'dead', 0, 0, 0, log_len, 0, 0}
+  end
+  if last_op >= part.op then
+    return {'dup', 0, 0, 0, log_len, 0, entries}
+  end
+  if last_op ~= part.previous then
+    return {'lost', 0, 0, 0, log_len, 0, entries}
+  end
+  local gained, lost, missing, pages, appended = 0, 0, 0, 0, {}
+  for _, page in ipairs(part.pages) do
+    local g, l, m, entry, p = apply_page(page)
+    gained, lost, missing, pages = gained + g, lost + l, missing + m, pages + p
+    appended[#appended + 1] = entry
+  end
+  if #appended > 0 then
+    log_len = redis.call('APPEND', log_key, table.concat(appended)) / 32
+  end
+  entries = entries + part.delta
+  redis.call('HSET', state_key, 'op', part.op, 'n', entries)
+  return {'ok', gained, lost, missing, log_len, pages, entries}
 end
-entries = entries + delta
-redis.call('HSET', state_key, 'op', op_id, 'n', entries)
-return {'ok', gained_total, lost_total, missing, log_len, page_delta, entries}
+
+local replies = {}
+for b = 1, buckets do
+  replies[b] = apply_bucket(parts[b])
+end
+return replies

@@ -1,34 +1,33 @@
 #!lua flags=no-writes
--- page_match.lua: for a prompt's pages (32 blocks each, docs/index-schema.md "The next layout"),
--- which gids hold each page whole along the prompt, and how deep the others that hold part of
--- it go. The caller combines the pages in chain order: a gid's match is the pages it holds
--- whole from the first on, plus its depth in the page where it stops (kvindex.pages).
+-- page_match.lua: for a prompt's pages (32 blocks each, kept in segment keys: docs/index-schema.md,
+-- "The next layout"), which gids hold each page whole along the prompt, and how deep those that
+-- hold part of it go. The caller combines the pages in chain order (kvindex.pages.combine): a
+-- gid's match is the pages it holds whole from the first on, plus its depth in the page where
+-- it stops. Nothing is inferred from another gid's holdings.
 --
--- A page key is a HASH: `h` the gids with a holding in the page; `e:<leaf>` the gids whose
--- holding ends at that leaf block; `t:<leaf>` the branch from the page's first block to the
--- leaf (16 hex digits a block); `g:<gid>` the gid's leaves. Gid lists are `,gid,gid,`.
--- Cost: one HGET per page, and where a gid stops inside a page, its leaves and their branches.
+-- A segment key is a HASH; for a page P (its first block's hex) in it: `h:<P>` the gids with a
+-- holding in P; `e:<leaf>` the gids whose holding ends at that leaf block; `t:<leaf>` the branch
+-- from P's first block to the leaf (16 hex digits a block); `g:<P>:<gid>` the gid's leaves in P.
+-- Gid and leaf lists are `,item,item,`.
+-- Cost: one HMGET per segment key (each page's last block and holders), and for a gid that
+-- stops inside a page, its leaves there and their branches.
 --
--- KEYS[1..n] the page keys, in the order of ARGV[2]
--- ARGV[1] the pages' blocks in the prompt, 16 hex digits each, page after page
--- ARGV[2] the pages' lengths in blocks, comma-separated (each 1..32)
--- ARGV[3] '1' when KEYS are the prompt's first pages, consecutive: a gid that does not hold a
---         page whole then matters no further, and the walk ends at the first page nobody
---         holds whole; '0' for pages read apart from the others (one bucket's on a cluster)
--- Returns one {whole, {depth, ',gid,...,', ...}} per page read: `whole` the gids holding the
--- page whole along the prompt (',' for none), then the depths (1..length-1) of the gids that
--- stop inside it. With ARGV[3] = '1' a page lists only gids that held the previous page whole.
-local blocks, chained = ARGV[1], ARGV[3] == '1'
-local lengths = {}
-for n in string.gmatch(ARGV[2], '%d+') do
-  lengths[#lengths + 1] = tonumber(n)
-end
-if #lengths ~= #KEYS then
-  return redis.error_reply('ERR kvroute: page_match got ' .. #KEYS .. ' keys and ' .. #lengths .. ' page lengths')
-end
+-- KEYS[1..n] the segment keys of the pages read, in chain order, each once
+-- ARGV[1] '1' when the pages are the prompt's first pages, consecutive: a gid that does not
+--         hold a page whole then matters no further, and the walk ends at the first page that
+--         nobody holds whole; '0' for pages read apart from the others (on a cluster)
+-- ARGV[2] the pages' blocks in the prompt, 16 hex digits each, page after page (every page but
+--         the prompt's last has 32 blocks)
+-- ARGV[3..] per key: its number of pages n, then per page the fields `e:<its last block>` and
+--         `h:<its first block>` (the client builds them: Lua's string work costs ~0.4 us a call)
+-- Returns one {whole, {depth, ',gid,...,', ...}} per page read, in order: `whole` the gids that
+-- hold the page whole along the prompt (',' for none), then the depths (1..length-1) of those
+-- that stop inside it. Chained, a page lists only gids that held the previous page whole.
+local chained, blocks = ARGV[1] == '1', ARGV[2]
+local PAGE_HEX = 16 * 32
 
-local function lists(list, gid)
-  return string.find(list, ',' .. gid .. ',', 1, true) ~= nil
+local function lists(list, item)
+  return string.find(list, ',' .. item .. ',', 1, true) ~= nil
 end
 
 -- How many leading blocks `path` shares with `page` (both 16 hex digits a block).
@@ -48,10 +47,10 @@ local function common(path, page)
   return lo
 end
 
--- The depth in this page of a gid that holds part of it: its best branch along the prompt.
-local function depth_of(key, gid, page)
+-- The depth in page P of a gid that holds part of it: its longest branch along the prompt.
+local function depth_of(key, first, gid, page)
   local best = 0
-  for leaf in string.gmatch(redis.call('HGET', key, 'g:' .. gid) or '', '(%x+),') do
+  for leaf in string.gmatch(redis.call('HGET', key, 'g:' .. first .. ':' .. gid) or '', '(%x+),') do
     local path = redis.call('HGET', key, 't:' .. leaf)
     if path then
       best = math.max(best, common(path, page))
@@ -60,46 +59,56 @@ local function depth_of(key, gid, page)
   return best
 end
 
-local out, offset, previous = {}, 0, nil
-for i = 1, #KEYS do
-  local key, length = KEYS[i], lengths[i]
-  if length == nil or length < 1 or length > 32 or offset + 16 * length > #blocks then
-    return redis.error_reply('ERR kvroute: page_match page ' .. i .. ' has a bad length or too few blocks')
+-- The gids of `holders` (P's) that do not hold it whole, and when chained held the one before:
+-- {depth, gids, ...} for those that hold part of it along the prompt.
+local function stops_in(key, first, page, whole, holders, before)
+  local among, other = holders, before
+  if before and #before < #holders then
+    among, other = before, holders
   end
-  local page = string.sub(blocks, offset + 1, offset + 16 * length)
-  offset = offset + 16 * length
-  local whole = redis.call('HGET', key, 'e:' .. string.sub(page, -16)) or ','
-  local stops = {}
-  -- Gids that may stop here: those with a holding in the page (`h`), and when chained only
-  -- those that held the previous page whole. Nobody stops when they all hold it whole.
-  if not (chained and previous == whole) then
-    local holders = redis.call('HGET', key, 'h') or ','
-    local before = chained and previous or nil  -- nil: no earlier page to filter by
-    -- Walk the shorter of the two lists and check the other.
-    local among, other = holders, before
-    if before and #before < #holders then
-      among, other = before, holders
-    end
-    if #holders > #whole then
-      local by_depth = {}
-      for gid in string.gmatch(among, '(%d+),') do
-        if not lists(whole, gid) and (other == nil or lists(other, gid)) then
-          local d = depth_of(key, gid, page)
-          if d > 0 then
-            by_depth[d] = (by_depth[d] or ',') .. gid .. ','
-          end
-        end
-      end
-      for d, gids in pairs(by_depth) do
-        stops[#stops + 1] = d
-        stops[#stops + 1] = gids
+  local by_depth, stops = {}, {}
+  for gid in string.gmatch(among, '(%d+),') do
+    if not lists(whole, gid) and (other == nil or lists(other, gid)) then
+      local d = depth_of(key, first, gid, page)
+      if d > 0 then
+        by_depth[d] = (by_depth[d] or ',') .. gid .. ','
       end
     end
   end
-  out[#out + 1] = {whole, stops}
-  if chained and whole == ',' then
-    break
+  for d, gids in pairs(by_depth) do
+    stops[#stops + 1] = d
+    stops[#stops + 1] = gids
   end
-  previous = whole
+  return stops
+end
+
+local out, arg, page_index, previous = {}, 3, 0, nil
+for k = 1, #KEYS do
+  local key, n = KEYS[k], tonumber(ARGV[arg])
+  if n == nil or n < 1 or arg + 2 * n > #ARGV or 16 * page_index >= #blocks then
+    return redis.error_reply('ERR kvroute: page_match key ' .. k .. ' has a bad page count or its pages are missing')
+  end
+  local values = redis.call('HMGET', key, unpack(ARGV, arg + 1, arg + 2 * n))
+  for j = 1, n do
+    local whole, holders = values[2 * j - 1] or ',', values[2 * j] or ','
+    local before = chained and previous or nil
+    local stops = {}
+    -- Nobody stops here when every gid with a holding holds it whole, or (chained) when the
+    -- holders of the previous page whole hold this one whole too.
+    if #holders > #whole and not (before and before == whole) then
+      local page = string.sub(blocks, PAGE_HEX * page_index + 1, PAGE_HEX * (page_index + 1))
+      stops = stops_in(key, string.sub(page, 1, 16), page, whole, holders, before)
+    end
+    out[#out + 1] = {whole, stops}
+    if chained and whole == ',' then
+      return out
+    end
+    previous = whole
+    page_index = page_index + 1
+  end
+  arg = arg + 1 + 2 * n
+end
+if arg - 1 ~= #ARGV or PAGE_HEX * (page_index - 1) >= #blocks or PAGE_HEX * page_index < #blocks then
+  return redis.error_reply('ERR kvroute: page_match arguments malformed: the pages and the blocks do not agree')
 end
 return out

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from kvindex import calls as lua
+from kvindex.calls import BucketPages
 from kvindex.keys import KeySchema
-from kvindex.pages import PAGE_BLOCKS, combine, holding_changes, page_holdings, pages_of
+from kvindex.pages import PAGE_BLOCKS, combine, holding_changes, page_holdings, pages_of, segments
 from kvindex.scripts import Scripts
 
 KEYS = KeySchema("pt").for_model("m")
@@ -26,24 +27,29 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PageWriter:
-    """One gid's writes, bucket by bucket, with page_apply.lua's op continuity."""
+    """One gid's writes with page_apply.lua's op continuity per bucket: all buckets in one call
+    (a single server) or one call a bucket (a cluster)."""
 
-    def __init__(self, scripts: Scripts, gid: int) -> None:
-        self.scripts, self.gid = scripts, gid
-        self.ops: dict[int, int] = {}
-        self.holdings: dict[int, dict] = {}
+    def __init__(self, scripts: Scripts, gid: int, one_call: bool = True) -> None:
+        self.scripts, self.gid, self.one_call = scripts, gid, one_call
+        self.ops: dict[str, int] = {}
+        self.holdings: dict = {}
 
     async def hold(self, chains: list[list[int]]) -> None:
         after = page_holdings(chains)
-        by_bucket: dict[int, list] = {}
+        by_bucket: dict[str, list] = {}
         for change in holding_changes(self.holdings, after):
-            by_bucket.setdefault(KEYS.bucket_of_page(change.first).base, []).append(change)
+            by_bucket.setdefault(KEYS.bucket_of_segment(change.segment).base, []).append(change)
+        parts = []
         for base, changes in by_bucket.items():
             previous = self.ops.get(base, 0)
-            bucket = KEYS.bucket_of_page(changes[0].first)
-            status, *_ = await self.scripts.run(lua.page_apply(bucket, self.gid, previous, previous + 1, 0, changes))
-            assert status == "ok"
+            parts.append(BucketPages(KEYS.bucket_of_segment(changes[0].segment), previous, previous + 1, 0, changes))
             self.ops[base] = previous + 1
+        groups = [parts] if self.one_call else [[part] for part in parts]
+        for group in groups:
+            if group:
+                replies = await self.scripts.run(lua.page_apply(self.gid, group))
+                assert [r[0] for r in replies] == [b"ok"] * len(group)
         self.holdings = after
 
 
@@ -63,9 +69,14 @@ def random_forest(rng: random.Random, roots: int, chains: int, longest: int) -> 
 
 
 async def match_both_ways(scripts: Scripts, query: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """The match as one chained call (a single server), and as one call per segment key, read
+    apart and combined (a cluster)."""
     pages = pages_of(query)
     chained = combine(pages, await scripts.run(lua.page_match(KEYS, pages, query, chained=True)))
-    apart = [(await scripts.run(lua.page_match(KEYS, [p], query, chained=False)))[0] for p in pages]
+    apart, at = [], 0
+    for _, count in segments(pages):
+        apart += await scripts.run(lua.page_match(KEYS, pages[at : at + count], query, chained=False))
+        at += count
     return chained, combine(pages, apart)
 
 
@@ -79,7 +90,7 @@ async def test_a_match_credits_each_gid_its_longest_held_prefix(redis_client: Re
     held: dict[int, list[list[int]]] = {}
     for g in range(1, gids + 1):
         gid = 2**40 + g
-        writer = PageWriter(scripts, gid)
+        writer = PageWriter(scripts, gid, one_call=rng.random() < 0.5)
         chains = [c[: rng.randint(1, len(c))] for c in rng.sample(forest, rng.randint(1, 4))]
         await writer.hold(chains)
         if rng.random() < 0.5:  # evictions: some chains cut shorter, some dropped, one added
@@ -101,10 +112,12 @@ async def test_a_gid_that_lets_go_of_everything_leaves_no_page_behind(redis_clie
     chain = [rng.getrandbits(64) for _ in range(3 * PAGE_BLOCKS + 5)]
     writer = PageWriter(scripts, 12345)
     await writer.hold([chain, [*chain[:40], 7, 8]])
-    assert len(await redis_client.keys(KEYS.bucket_base("*") + "p:*")) == 4
+    # pages 0, 1, 2-3: three segment keys, one page of the branch in segment 1
+    assert len(await redis_client.keys(KEYS.bucket_base("*") + "s:*")) == 3
     assert await match_both_ways(scripts, chain) == ({12345: len(chain)}, {12345: len(chain)})
     await writer.hold([])
-    assert await redis_client.keys(KEYS.bucket_base("*") + "p:*") == []
+    assert await redis_client.keys(KEYS.bucket_base("*") + "s:*") == []
+    assert await redis_client.keys(KEYS.bucket_base("*") + "g:*") != []  # op continuity stays
     assert await match_both_ways(scripts, chain) == ({}, {})
 
 
@@ -113,40 +126,47 @@ async def test_a_page_shows_its_holdings_as_text(redis_client: Redis):
     scripts = Scripts(redis_client)
     writer = PageWriter(scripts, 99)
     await writer.hold([[1, 2, 3]])
-    page = await redis_client.hgetall(KEYS.page(1))
-    leaf = f"{3:016x}"
+    page = await redis_client.hgetall(KEYS.segment(1))
+    first, leaf = f"{1:016x}", f"{3:016x}"
     assert page == {
-        b"h": b",99,",
-        b"g:99": f",{leaf},".encode(),
-        b"e:" + leaf.encode(): b",99,",
-        b"t:" + leaf.encode(): (f"{1:016x}{2:016x}" + leaf).encode(),
+        f"h:{first}".encode(): b",99,",
+        f"g:{first}:99".encode(): f",{leaf},".encode(),
+        f"e:{leaf}".encode(): b",99,",
+        f"t:{leaf}".encode(): f"{first}{2:016x}{leaf}".encode(),
     }
+    log = await redis_client.get(KEYS.bucket_of_segment(1).page_log(99))
+    assert log == f"{first}{first}".encode()
 
 
 async def test_a_replayed_or_out_of_order_write_changes_nothing(redis_client: Redis):
     await redis_client.flushall()
     scripts = Scripts(redis_client)
     changes = holding_changes({}, page_holdings([[5, 6]]))
-    bucket = KEYS.bucket_of_page(5)
-    first = lua.page_apply(bucket, 3, 0, 1, 2, changes)
-    assert (await scripts.run(first))[0] == "ok"
-    assert (await scripts.run(first))[0] == "dup"
-    assert (await scripts.run(lua.page_apply(bucket, 3, 5, 6, 0, changes)))[0] == "lost"
+    bucket = KEYS.bucket_of_segment(5)
+    first = lua.page_apply(3, [BucketPages(bucket, 0, 1, 2, changes)])
+    assert (await scripts.run(first))[0][0] == b"ok"
+    assert (await scripts.run(first))[0][0] == b"dup"
+    assert (await scripts.run(lua.page_apply(3, [BucketPages(bucket, 5, 6, 0, changes)])))[0][0] == b"lost"
     assert await redis_client.hget(bucket.state(3), "n") == b"2"
+
+
+LEAF = "00000000000000aa"
+PAGE = ["1", LEAF]  # key place, first block
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["3", "0", "1", "0", b"\x00" * 8, "1", "0", "00000000000000aa", "00000000000000bb"], "branch"),
-        (["3", "0", "1", "0", b"\x00" * 8, "1"], "page counts"),
-        (["3", "0", "1", "0", b"\x00" * 8, "0", "0", "extra"], "malformed"),
-        (["x", "0", "1", "0", b"\x00" * 8, "0", "0"], "decimal gid"),
-        (["3", "1", "1", "0", b"\x00" * 8, "0", "0"], "op > previous"),
+        (["3", "1", "0", "1", "0", "1", "1", *PAGE, "1", "0", LEAF, "00000000000000bb"], "branch"),
+        (["3", "1", "0", "1", "0", "1", "1", *PAGE, "1"], "counts"),
+        (["3", "1", "0", "1", "0", "1", "1", *PAGE, "0", "0", "extra"], "malformed"),
+        (["x", "1", "0", "1", "0", "1", "1", *PAGE, "0", "0"], "decimal gid"),
+        (["3", "1", "1", "1", "0", "1", "1", *PAGE, "0", "0"], "op > previous"),
+        (["3", "1", "0", "1", "0", "1", "1", "2", LEAF, "0", "0"], "key place"),
     ],
 )
 async def test_page_apply_refuses_malformed_arguments_with_a_message(redis_client: Redis, args, message):
-    bucket = KEYS.bucket_of_page(0)
-    call = lua.PAGE_APPLY.call([bucket.state(3), bucket.page_log(3), bucket.page(0)], args)
+    bucket = KEYS.bucket_of_segment(0)
+    call = lua.PAGE_APPLY.call([bucket.state(3), bucket.page_log(3), bucket.segment(0)], args)
     with pytest.raises(Exception, match=message):
         await Scripts(redis_client).run(call)
