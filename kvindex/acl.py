@@ -85,10 +85,14 @@ def _globs(keys: ModelKeys, name: str, kinds: Sequence[str]) -> list[str]:
 # Key kinds by who writes them (ModelKeys attributes). tests/index/test_acl.py checks that every
 # kind in kvindex/keys.py is listed here, so a new key cannot be forgotten.
 ROUTER_STATE_KINDS = ("replicas", "inflight_prefix", "expected", "expected_deadlines", "learned", "learned_at")
-ROUTER_READ_KINDS = ("meta", "workers", "gids", "alive", "alive_version", "worker_prefix", "bucket.block_prefix")
+ROUTER_READ_KINDS = (
+    "meta", "workers", "gids", "alive", "alive_version", "worker_prefix", "bucket.segment_prefix",
+    "bucket.block_prefix",  # the layout before pages (read by routers of that version)
+)  # fmt: skip
 AGENT_KINDS = (
     "meta", "workers", "gids", "alive", "alive_version", "retired", "worker_prefix", "gid_buckets_prefix",
-    "bucket.block_prefix", "bucket.log_prefix", "bucket.state_prefix",
+    "bucket.segment_prefix", "bucket.page_log_prefix", "bucket.state_prefix",
+    "bucket.block_prefix", "bucket.log_prefix",  # the layout before pages: gc collects it
 )  # fmt: skip
 
 

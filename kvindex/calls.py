@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvindex.codec import KeyRun
 from kvindex.keys import BucketKeys, ModelKeys
 from kvindex.pages import Page, PageChange, match_args, page_change_args, segments
 from kvindex.replies import decode
@@ -55,7 +54,7 @@ class ScriptSpec(Generic[R]):
     read_only: bool
     parse: Callable[[Any], R]
 
-    def call(self, keys: Sequence[KeyOrArg] | KeyRun, args: Sequence[KeyOrArg] = ()) -> ScriptCall[R]:
+    def call(self, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg] = ()) -> ScriptCall[R]:
         _check_count(self.name, "KEYS", self.keys, len(keys))
         _check_count(self.name, "ARGV", self.args, len(args))
         return ScriptCall(self, keys, args)
@@ -74,7 +73,7 @@ class ScriptCall(Generic[R]):
     """One call of a script: its declaration, keys and arguments."""
 
     spec: ScriptSpec[R]
-    keys: Sequence[KeyOrArg] | KeyRun
+    keys: Sequence[KeyOrArg]
     args: Sequence[KeyOrArg]
 
     @property
@@ -113,10 +112,9 @@ GC_RETIRE = _spec("gc_retire", "workers gids alive retired record...", "grace_ms
 GC_FINISH = _spec("gc_finish", "gids retired gid_buckets", "gid", _integer)
 
 # --- the index: a bucket's slot ------------------------------------------------------------
-APPLY = _spec("apply", "state log block...", "gid previous_op op kinds segment...", _status_and_ints)
-RELOG = _spec("relog", "state log", "gid previous_op op log", _status_and_ints)
+RELOG = _spec("relog", "state log", "gid previous_op op log entry_bytes?", _status_and_ints)
 GC_BUCKET = _spec("gc_bucket", "state log block...", "gid cursor dead_ttl_ms block_prefix", _status_and_ints)
-MATCH = _spec("match", "block...", "", _raw, read_only=True)
+GC_PAGES = _spec("gc_pages", "state log segment...", "gid cursor dead_ttl_ms segment_prefix", _status_and_ints)
 PAGE_APPLY = _spec("page_apply", "bucket_key...", "gid buckets bucket_change...", _raw)
 PAGE_MATCH = _spec("page_match", "segment...", "chained blocks key_pages...", _raw, read_only=True)
 
@@ -132,8 +130,8 @@ LEARN = _spec("learn", "learned learned_at", "replica_id batch_id forget_after_m
 SPECS: dict[str, ScriptSpec[Any]] = {
     s.name: s
     for s in (
-        REGISTER, HEARTBEAT, APPLY, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
-        GC_BUCKET, GC_FINISH, MATCH, PAGE_APPLY, PAGE_MATCH, ALIVE, ALIVE_SINCE, LEASE, INFLIGHT_ADD,
+        REGISTER, HEARTBEAT, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
+        GC_BUCKET, GC_PAGES, GC_FINISH, PAGE_APPLY, PAGE_MATCH, ALIVE, ALIVE_SINCE, LEASE, INFLIGHT_ADD,
         INFLIGHT, EXPECT, SETTLE, EXPECTED, LEARN,
     )
 }  # fmt: skip
@@ -214,21 +212,12 @@ def gc_finish(keys: ModelKeys, gid: str) -> ScriptCall[int]:
     return GC_FINISH.call([keys.gids, keys.retired, keys.gid_buckets(gid)], [gid])
 
 
-def apply(
-    bucket: BucketKeys,
-    gid: int,
-    previous_op: int,
-    op: int,
-    kinds: bytes,
-    blocks: Sequence[int] | bytes,
-    segments: Sequence[KeyOrArg],
+def relog(
+    bucket: BucketKeys, gid: int, previous_op: int, op: int, log: bytes, page_log: bool = False
 ) -> ScriptCall[tuple[str, ...]]:
-    """apply.lua: ``blocks`` the hashes of the block keys, segment by segment."""
-    keys = KeyRun(bucket.block_prefix, blocks, lead=[bucket.state(gid), bucket.log(gid)])
-    return APPLY.call(keys, [gid, previous_op, op, kinds, *segments])
-
-
-def relog(bucket: BucketKeys, gid: int, previous_op: int, op: int, log: bytes) -> ScriptCall[tuple[str, ...]]:
+    """relog.lua: a block log (8 bytes an entry) or, ``page_log``, a page log (32)."""
+    if page_log:
+        return RELOG.call([bucket.state(gid), bucket.page_log(gid)], [gid, previous_op, op, log, 32])
     return RELOG.call([bucket.state(gid), bucket.log(gid)], [gid, previous_op, op, log])
 
 
@@ -239,8 +228,11 @@ def gc_bucket(
     return GC_BUCKET.call(keys, [gid, cursor, dead_ttl_ms, bucket.block_prefix])
 
 
-def match(bucket_prefix: str, chain: Sequence[int] | bytes) -> ScriptCall[Any]:
-    return MATCH.call(KeyRun(bucket_prefix, chain))
+def gc_pages(
+    bucket: BucketKeys, gid: str, cursor: int, dead_ttl_ms: int, segments: Sequence[str]
+) -> ScriptCall[tuple[str, ...]]:
+    keys = [bucket.state(gid), bucket.page_log(gid), *segments]
+    return GC_PAGES.call(keys, [gid, cursor, dead_ttl_ms, bucket.segment_prefix])
 
 
 @dataclass(frozen=True)

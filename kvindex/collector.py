@@ -35,6 +35,7 @@ class _Work:
     budget: int
     removed: int = 0
     gone_keys: int = 0
+    pages_emptied: int = 0
 
 
 async def collect(client: RedisClient, scripts: Scripts, keys: ModelKeys, budget: int, grace_ms: int) -> GcResult:
@@ -53,6 +54,8 @@ async def collect(client: RedisClient, scripts: Scripts, keys: ModelKeys, budget
             finished += await scripts.run(lua.gc_finish(keys, gid))
     if work.gone_keys:
         await client.hincrby(keys.meta, "block_keys", -work.gone_keys)
+    if work.pages_emptied:
+        await client.hincrby(keys.meta, "pages", -work.pages_emptied)
     pending = await client.zcard(keys.retired)
     return GcResult(retired, work.removed, finished, int(pending))
 
@@ -84,9 +87,13 @@ async def _collect_bucket(client: RedisClient, scripts: Scripts, bucket: BucketK
         async with client.pipeline(transaction=False) as pipe:
             pipe.hmget(bucket.state(gid), ["c", "dead"])
             pipe.strlen(bucket.log(gid))
-            (cursor_field, dead), log_bytes = await pipe.execute()
+            pipe.strlen(bucket.page_log(gid))
+            (cursor_field, dead), log_bytes, page_log_bytes = await pipe.execute()
         if dead is not None:
             return True
+        if page_log_bytes or not log_bytes:
+            return await _collect_pages(client, scripts, bucket, gid, work)
+        # A gid written by the layout before pages (an index being upgraded): its block log.
         cursor = min(int(cursor_field) if cursor_field is not None else log_bytes, log_bytes)
         cursor -= cursor % 8
         take = min(work.budget, cursor // 8)
@@ -95,6 +102,33 @@ async def _collect_bucket(client: RedisClient, scripts: Scripts, bucket: BucketK
         status, removed, gone, _ = await scripts.run(lua.gc_bucket(bucket, gid, cursor, DEAD_TTL_MS, block_keys))
         work.removed += int(removed)
         work.gone_keys += int(gone)
+        work.budget -= max(take, 1)
+        if status == "done":
+            return True
+    return False
+
+
+PAGE_ENTRY = 32  # a page log entry: the segment's first block and the page's, in hex
+
+
+async def _collect_pages(client: RedisClient, scripts: Scripts, bucket: BucketKeys, gid: str, work: _Work) -> bool:
+    """Collect ``gid``'s holdings in one bucket of the page layout, a chunk of its page log at a time."""
+    while work.budget > 0:
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.hmget(bucket.state(gid), ["c", "dead"])
+            pipe.strlen(bucket.page_log(gid))
+            (cursor_field, dead), log_bytes = await pipe.execute()
+        if dead is not None:
+            return True
+        cursor = min(int(cursor_field) if cursor_field is not None else log_bytes, log_bytes)
+        cursor -= cursor % PAGE_ENTRY
+        take = min(work.budget, cursor // PAGE_ENTRY)
+        raw = await client.getrange(bucket.page_log(gid), cursor - PAGE_ENTRY * take, cursor - 1) if take else b""
+        chunk = raw.decode() if isinstance(raw, bytes) else raw
+        segments = [bucket.segment_prefix + chunk[i : i + 16] for i in range(0, len(chunk), PAGE_ENTRY)]
+        status, removed, emptied, _ = await scripts.run(lua.gc_pages(bucket, gid, cursor, DEAD_TTL_MS, segments))
+        work.removed += int(removed)
+        work.pages_emptied += int(emptied)
         work.budget -= max(take, 1)
         if status == "done":
             return True

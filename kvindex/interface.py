@@ -92,9 +92,10 @@ class KVIndex(Protocol):
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]: ...
 
-    async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
-        """Alive workers that hold ``block`` and its ancestors, each with 1. ``root``, the first
-        block of the block's chain, spares a sharded backend a search for it."""
+    async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:
+        """Alive workers that hold ``block`` and its ancestors, each with 1. ``chain``, the block's
+        chain from its first block through it, is how a paged backend finds the block (the Redis
+        index needs it)."""
         ...
 
     async def workers(self, model: str) -> list[WorkerRecord]: ...

@@ -141,7 +141,7 @@ class ModelKeys:
     def bucket(self, bucket: int) -> BucketKeys:
         if not 0 <= bucket < BUCKETS:
             raise ValueError(f"bucket {bucket} is not within 0..{BUCKETS - 1}")
-        return BucketKeys(self.bucket_base(f"{bucket:03x}"))
+        return BucketKeys(self.bucket_base(f"{bucket:03x}"), bucket)
 
     def bucket_of_segment(self, first_block: int) -> BucketKeys:
         """The bucket keys of the segment whose first block hashes to ``first_block`` (the next
@@ -199,6 +199,7 @@ class BucketKeys:
     """The keys of one bucket of a model: all share the hash tag ``{model#bucket}``."""
 
     base: str
+    number: int = -1
 
     @property
     def block_prefix(self) -> str:
@@ -219,10 +220,14 @@ class BucketKeys:
         leaves). See kvindex.pages and docs/index-schema.md, "The next layout"."""
         return self.segment_prefix + block_hex(first_block)
 
+    @property
+    def page_log_prefix(self) -> str:
+        return self.base + "pl:"
+
     def page_log(self, gid: int | str) -> str:
         """STRING: 32 hex digits per page the gid came to hold in this bucket (its segment's first
         block, then its own), oldest first: what gc visits."""
-        return f"{self.base}pl:{gid}"
+        return f"{self.page_log_prefix}{gid}"
 
     @property
     def log_prefix(self) -> str:

@@ -80,12 +80,14 @@ def page_holdings(chains: Iterable[Sequence[int]]) -> Holdings:
 @dataclass(frozen=True)
 class PageChange:
     """What one write changes in one page for one gid: leaves gained with their branches, and
-    leaves lost. ``segment`` is the first block of the page's segment (its key)."""
+    leaves lost. ``segment`` is the first block of the page's segment (its key); ``held`` how
+    many leaves the gid holds there before the change (page_apply.lua checks it)."""
 
     segment: int
     first: int
     gained: tuple[tuple[int, Branch], ...]
     lost: tuple[int, ...]
+    held: int = 0
 
 
 def holding_changes(
@@ -99,7 +101,7 @@ def holding_changes(
         gained = tuple((leaf, branch) for leaf, branch in sorted(new.items()) if old.get(leaf) != branch)
         lost = tuple(sorted(leaf for leaf in old if leaf not in new))
         if gained or lost:
-            changes.append(PageChange(where[0], where[1], gained, lost))
+            changes.append(PageChange(where[0], where[1], gained, lost, len(old)))
     return changes
 
 
@@ -109,8 +111,8 @@ def branch_hex(branch: Sequence[int]) -> str:
 
 def page_change_args(change: PageChange, key_place: int) -> list[str | int]:
     """One page's arguments for page_apply.lua: its segment key's place among the bucket's, its
-    first block, counts, then (leaf, branch) pairs, then leaves."""
-    args: list[str | int] = [key_place, f"{change.first:016x}", len(change.gained), len(change.lost)]
+    first block, the leaves held before, counts, then (leaf, branch) pairs, then leaves."""
+    args: list[str | int] = [key_place, f"{change.first:016x}", change.held, len(change.gained), len(change.lost)]
     for leaf, branch in change.gained:
         args += [f"{leaf:016x}", branch_hex(branch)]
     args += [f"{leaf:016x}" for leaf in change.lost]

@@ -17,21 +17,16 @@ from redis.exceptions import ResponseError
 
 from kvindex import calls as lua
 from kvindex.alive_cache import AliveCache
-from kvindex.cluster import RedisClient
+from kvindex.cluster import RedisClient, is_cluster
 from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
-from kvindex.keys import BUCKETS, KeySchema, ModelKeys, bucket_of
+from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror
-from kvindex.redis_worker import MAX_ITEMS_PER_CALL, RELOG_SLACK, RedisWorker
-from kvindex.replies import (
-    block_owners,
-    decode,
-    depths_from_match_reply,
-    raise_script_error,
-    worker_record,
-)
+from kvindex.pages import combine, pages_of, segments
+from kvindex.redis_worker import MAX_PAGES_PER_CALL, RELOG_SLACK, RedisWorker
+from kvindex.replies import decode, raise_script_error, worker_record
 from kvindex.scripts import ScriptCall, Scripts
 from kvindex.servers import server_memory, server_run_id
 from kvindex.types import (
@@ -49,7 +44,7 @@ from kvindex.types import (
 
 MAX_CACHED_NAMES = 100_000
 
-__all__ = ["MAX_ITEMS_PER_CALL", "RELOG_SLACK", "RedisIndex", "RedisWorker"]
+__all__ = ["MAX_PAGES_PER_CALL", "RELOG_SLACK", "RedisIndex", "RedisWorker"]
 
 
 class RedisIndex:
@@ -62,6 +57,7 @@ class RedisIndex:
         self._handles: dict[tuple[str, str], RedisWorker] = {}
         self._gid_names: dict[tuple[str, int], str] = {}
         self._alive = AliveCache()
+        self._cluster = is_cluster(client)
 
     @property
     def scripts(self) -> Scripts:
@@ -147,33 +143,46 @@ class RedisIndex:
     # --- reads ------------------------------------------------------------------------------
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
-        alive_reply, match_reply = await self._scripts.call_many(self.match_calls(model, chain))
-        return await self.match_result(model, alive_reply, match_reply)
+        calls = self.match_calls(model, chain)
+        return await self.match_result(model, chain, await self._scripts.call_many(calls))
 
     def match_calls(self, model: str, chain: Sequence[int]) -> list[ScriptCall]:
-        """:meth:`match` as two script calls, for callers that batch them with others: the
-        model's alive gids (alive_since.lua, which answers in two values while this client's
-        copy holds: kvindex.alive_cache) and the chain's depth per gid (match.lua). On a cluster
-        they run on two shards at once: the model's and the chain's bucket's. Build them for
-        each match: the first carries the copy's version."""
+        """:meth:`match` as script calls, for callers that batch them with others: the model's
+        alive gids first (alive_since.lua, which answers in two values while this client's copy
+        holds: kvindex.alive_cache), then the chain's pages (page_match.lua): on a single Redis
+        one call that walks them in order; on a cluster one call per segment key, run at once on
+        their shards and combined exactly by :meth:`match_result`. Build them for each match:
+        the first carries the copy's version."""
         keys = self.keys(model)
-        prefix = keys.bucket_of_chain(chain[0]).block_prefix if chain else ""
-        return [self._alive.call(keys), lua.match(prefix, chain)]
+        return [self._alive.call(keys), *self._page_calls(keys, chain)]
+
+    def _page_calls(self, keys: ModelKeys, chain: Sequence[int]) -> list[ScriptCall]:
+        pages = pages_of(chain)
+        if not pages:
+            return []
+        if not self._cluster:
+            return [lua.page_match(keys, pages, chain, chained=True)]
+        calls, at = [], 0
+        for _, count in segments(pages):
+            calls.append(lua.page_match(keys, pages[at : at + count], chain, chained=False))
+            at += count
+        return calls
 
     def alive_call(self, model: str) -> ScriptCall:
         """The first of :meth:`match_calls` alone, for callers that built the match call once."""
         return self._alive.call(self.keys(model))
 
-    async def match_result(self, model: str, alive_reply: Any, match_reply: Any) -> dict[str, int]:
-        """The replies of :meth:`match_calls` -> {alive worker id: matched blocks}."""
-        for reply in (alive_reply, match_reply):
+    async def match_result(self, model: str, chain: Sequence[int], replies: Sequence[Any]) -> dict[str, int]:
+        """The replies of :meth:`match_calls` for ``chain`` -> {alive worker id: matched blocks}."""
+        for reply in replies:
             if isinstance(reply, ResponseError):
                 raise_script_error(reply)
             if isinstance(reply, Exception):
                 raise reply
-        alive = await self._alive_from(model, alive_reply)
+        alive = await self._alive_from(model, replies[0])
+        pages = [page for reply in replies[1:] for page in reply]
         depths = dict.fromkeys(alive, 0)
-        depths.update({g: d for g, d in depths_from_match_reply(match_reply).items() if g in alive})
+        depths.update({g: d for g, d in combine(pages_of(chain), pages).items() if g in alive})
         names = await self._worker_names(model, list(depths))
         return {names[gid]: depth for gid, depth in depths.items() if gid in names}
 
@@ -199,35 +208,21 @@ class RedisIndex:
             alive = self._alive.alive(model, await self._scripts.run(lua.alive_since(self.keys(model), "", 0)))
         return alive
 
-    async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
-        """Alive workers that hold ``block`` in the index, each with 1 (the index records who
-        holds a block; copies are counted by each writer's mirror). ``root`` is the first block
-        of the block's chain, which says its bucket; without it every bucket is read (an
-        inspection call)."""
-        alive = await self._alive_gids(model)
-        keys = self.keys(model)
-        buckets = range(BUCKETS) if root is None else [bucket_of(root)]
-        async with self._client.pipeline(transaction=False) as pipe:
-            for bucket in buckets:
-                pipe.smembers(keys.bucket(bucket).block(block))
-            replies = await pipe.execute()
-        held = block_owners(set().union(*replies), alive)
-        names = await self._worker_names(model, sorted(held))
-        return {names[gid]: 1 for gid in held if gid in names}
+    async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:
+        """Alive workers that hold ``block`` and its ancestors, each with 1 (the index records who
+        holds a block; copies are counted by each writer's mirror). The page layout finds a
+        block by its chain: ``chain`` is the chain's blocks from its first through ``block``."""
+        if not chain or chain[-1] != block:
+            raise ValueError("owners needs the block's chain, from its first block through the block")
+        return (await self.owners_of_chain(model, chain))[-1]
 
     async def owners_of_chain(self, model: str, chain: Sequence[int]) -> list[dict[str, int]]:
-        """:meth:`owners` of every block of a chain, in one pipelined round trip."""
-        alive = await self._alive_gids(model)
+        """:meth:`owners` of every block of a chain, from one match."""
         if not chain:
+            await self._alive_gids(model)  # the same errors as a match (a wrong password, a bad model)
             return []
-        bucket = self.keys(model).bucket_of_chain(chain[0])
-        async with self._client.pipeline(transaction=False) as pipe:
-            for block in chain:
-                pipe.smembers(bucket.block(block))
-            replies = await pipe.execute()
-        held = [block_owners(members, alive) for members in replies]
-        names = await self._worker_names(model, sorted({gid for h in held for gid in h}))
-        return [{names[gid]: copies for gid, copies in h.items() if gid in names} for h in held]
+        depths = await self.match(model, chain)
+        return [{w: 1 for w, d in depths.items() if d > i} for i in range(len(chain))]
 
     async def server_run_id(self) -> str | None:
         """The Redis process's run_id: it changes when the server restarts or fails over. On a
@@ -275,4 +270,5 @@ class RedisIndex:
             entries=sum(r.blocks for r in records),
             block_keys=int(meta.get("block_keys", 0)),
             gids_pending_gc=await self._client.zcard(keys.retired),
+            pages=int(meta.get("pages", 0)),
         )

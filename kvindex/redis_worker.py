@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
 from kvindex import calls as lua
-from kvindex.bucket_writes import BucketCall, GenerationWrites, bucket_of_op, plan_calls, waves
-from kvindex.cluster import RedisClient
-from kvindex.codec import encode_ops, pack_hashes
+from kvindex.bucket_writes import GenerationWrites
+from kvindex.calls import BucketPages
+from kvindex.cluster import RedisClient, is_cluster
 from kvindex.errors import NotRegisteredError, StaleGenerationError
 from kvindex.generations import register_worker, retire, stage_generation, swap_generation
 from kvindex.keys import KeySchema
-from kvindex.mirror import BlockMirror, IndexOp
+from kvindex.mirror import BlockMirror
+from kvindex.page_writes import BucketPlan, PagePlacer, Where, log_entries, plan_pages
 from kvindex.replies import decode, raise_script_error
-from kvindex.scripts import ScriptCall, Scripts
+from kvindex.scripts import Scripts
 from kvindex.types import (
     BlockChange,
     HeartbeatStatus,
@@ -41,13 +41,13 @@ from kvindex.types import (
     WriteResult,
 )
 
-# Index operations per apply.lua call. One engine batch is one call, so readers see all of it or
-# none of it: a vLLM step stores at most max_num_batched_tokens / block_size blocks and evicts
-# about as many, so this fits a whole step of up to 128k tokens at 16-token blocks. A call of
-# this size keeps Redis busy ~25 ms (~1.5 us per operation); only a larger batch is split.
-MAX_ITEMS_PER_CALL = 16384
-# Rewrite a gid's block log in a bucket once it lists this many more entries than the gid holds there.
-RELOG_SLACK = 1024
+# Page changes per page_apply.lua call. On a single Redis a write's pages in every bucket go in
+# one call, so readers see all of it or none of it: a vLLM step stores at most
+# max_num_batched_tokens / block_size blocks and evicts about as many, a few hundred pages at
+# most. Only a larger write (a re-assert) is cut into calls of this many pages.
+MAX_PAGES_PER_CALL = 1024
+# Rewrite a gid's page log in a bucket once it lists this many more entries than the gid holds there.
+RELOG_SLACK = 256
 # How long a bucket remembers that gc collected a gid there (apply.lua then refuses the gid).
 DEAD_TTL_MS = 86_400_000
 
@@ -86,9 +86,10 @@ class RedisWorker:
         self.gid, self.epoch = registration.gid, registration.epoch
         self.writes = GenerationWrites(self.gid)  # the gid's op ids, logs and entries per bucket
         self.mirror = BlockMirror()
+        self.placer = PagePlacer()  # where the mirror's indexed blocks sit in pages
         self.dirty = False  # a write failed: Redis may lack part of the mirror until reassert()
         self.load: WorkerLoad | None = None
-        self.split_batches = 0  # engine batches too large for one apply.lua call (split over several)
+        self.split_batches = 0  # writes too large for one page_apply.lua call (split over several)
         self.stage_ttl_ms = STAGE_TTL_MS
         self._explicit_limit: int | None = None  # set_block_limit(); else the engine's capacity
         self.active = True
@@ -141,15 +142,15 @@ class RedisWorker:
         return await self.apply([RemovedBlocks(tuple(blocks))])
 
     async def apply(self, changes: Sequence[BlockChange]) -> WriteResult:
-        """Apply one engine batch of stores and removals, in order, as one apply.lua call:
-        readers see all of it or none of it (see :meth:`apply_batches`)."""
+        """Apply one engine batch of stores and removals, in order (see :meth:`apply_batches`)."""
         return await self.apply_batches([changes])
 
     async def apply_batches(self, batches: Sequence[Sequence[BlockChange]]) -> WriteResult:
-        """Apply engine batches in order. Each batch reaches Redis whole in one apply.lua call;
-        consecutive batches share a call up to MAX_ITEMS_PER_CALL index operations. Only a
-        single batch larger than that is split over several calls (counted in
-        :attr:`split_batches`): readers may then see part of it.
+        """Apply engine batches in order, as the page changes they make (kvindex.pages). On a
+        single Redis they reach Redis in one page_apply.lua call, so readers see all of them or
+        none; on a cluster, one call per bucket (a match reads each bucket's pages whole). Only
+        a write of more than MAX_PAGES_PER_CALL pages is split (counted in
+        :attr:`split_batches`).
 
         The mirror is updated first. If Redis cannot be reached, the handle is marked dirty:
         later calls only update the mirror, and :meth:`reassert` (which the agent retries until
@@ -157,34 +158,35 @@ class RedisWorker:
         registration took over) is raised and also calls for :meth:`reassert`."""
         self._check_open()
         async with self._lock:
-            calls, result = self._plan_calls(batches)
+            touched, result = self._follow(batches)
             if self.dirty:
                 return result
             try:
-                await self._send_calls(calls)
+                await self._send(plan_pages(self.placer, self.writes.sent, touched))
             except (RedisError, OSError) as exc:
                 if not isinstance(exc, ResponseError):
                     self.dirty = True  # unknown whether Redis applied it
                 raise
             return result
 
-    def _plan_calls(self, batches: Sequence[Sequence[BlockChange]]) -> tuple[list[BucketCall], WriteResult]:
-        """The batches' index operations (the mirror updated), grouped into apply.lua calls."""
-        op_batches: list[list[IndexOp]] = []
+    def _follow(self, batches: Sequence[Sequence[BlockChange]]) -> tuple[dict[Where, int], WriteResult]:
+        """The batches into the mirror, and its index operations into the page placer: the pages
+        touched (with their change in indexed blocks) and what happened."""
+        touched: dict[Where, int] = {}
         result = WriteResult()
         for batch in batches:
             ops, batch_result = self.mirror.apply(batch)
             result += batch_result
-            op_batches.append(ops)
-        calls, split = plan_calls(op_batches, MAX_ITEMS_PER_CALL)
-        self.split_batches += split
-        return calls, result
+            for where, delta in self.placer.apply(ops).items():
+                touched[where] = touched.get(where, 0) + delta
+        return touched, result
 
     async def clear(self) -> None:
         """Drop all of the worker's blocks (it stays registered, under a fresh generation)."""
         self._check_open()
         async with self._lock:
             self.mirror.clear()
+            self.placer.clear()
             if self.dirty:
                 return
             try:
@@ -230,8 +232,8 @@ class RedisWorker:
         if staged is None:
             return None
         writes = GenerationWrites(staged)
-        await self._write(writes, plan_calls([self.mirror.indexed_in_order()], MAX_ITEMS_PER_CALL)[0])
-        await self._tally(writes, self.mirror.indexed_count)  # the block keys; the count waits for the swap
+        await self._write(writes, plan_pages(self.placer, writes.sent, self.placer.sizes()))
+        await self._tally(writes, self.mirror.indexed_count)  # the page count; the block count waits for the swap
         registration = await swap_generation(
             self._scripts, self.keys, self.worker_id, self.gid, staged, self.ttl_ms, self.mirror.indexed_count
         )
@@ -243,7 +245,7 @@ class RedisWorker:
         registration = await register_worker(self._client, self._scripts, self._schema, self.info, self.ttl_ms)
         self.epoch = registration.epoch
         self._new_generation(registration.gid)
-        await self._send_calls(plan_calls([self.mirror.indexed_in_order()], MAX_ITEMS_PER_CALL)[0])
+        await self._send(plan_pages(self.placer, self.writes.sent, self.placer.sizes()))
         return registration
 
     async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
@@ -320,9 +322,9 @@ class RedisWorker:
 
     # --- sending ----------------------------------------------------------------------------
 
-    async def _send_calls(self, calls: Sequence[BucketCall]) -> None:
+    async def _send(self, plans: Sequence[BucketPlan]) -> None:
         writes = self.writes
-        await self._write(writes, calls)
+        await self._write(writes, plans)
         # Also after a write with nothing to send: Redis says whether this gid is still current.
         status = await self._tally(writes, self.mirror.indexed_count)
         if status != "ok":
@@ -331,55 +333,91 @@ class RedisWorker:
             await self._relog(bucket)
 
     async def _tally(self, writes: GenerationWrites, blocks: int) -> str:
-        """The gid's block count and the block keys its writes created, into the model's slot;
+        """The gid's block count and the pages its writes created, into the model's slot;
         tally.lua's status ('ok' while ``writes.gid`` is the worker's current gid)."""
         delta = writes.key_delta
         status = await self._scripts.run(lua.tally(self.keys, self.worker_id, writes.gid, blocks, delta))
         writes.key_delta -= delta
         return status
 
-    async def _write(self, writes: GenerationWrites, calls: Sequence[BucketCall]) -> None:
-        """``calls`` for ``writes.gid``: its new buckets claimed first (claim.lua), then round by
-        round, each round's calls concurrently (one per bucket)."""
-        new_buckets = writes.unclaimed(calls)
+    async def _write(self, writes: GenerationWrites, plans: Sequence[BucketPlan]) -> None:
+        """``plans`` for ``writes.gid``: its new buckets claimed first (claim.lua), then the page
+        changes: on a single Redis in one call (pipelined calls of MAX_PAGES_PER_CALL pages for a
+        larger write); on a cluster one call per bucket, all buckets at once."""
+        new_buckets = writes.unclaimed(plans)
         if new_buckets:
             status = await self._scripts.run(lua.claim(self.keys, self.worker_id, writes.gid, new_buckets))
             if status != "ok":
                 raise StaleGenerationError(f"worker {self.worker_id!r} is {status} in the index: register again")
             writes.claimed.update(new_buckets)
-        for round_calls in waves(calls):
-            replies = await self._scripts.call_many([self._apply_call(writes, call) for call in round_calls])
-            for call, reply in zip(round_calls, replies, strict=True):
+        parts = self._parts(writes, plans)
+        if is_cluster(self._client):
+            rounds: list[list[BucketPages]] = []
+            seen: dict[int, int] = {}
+            for part in parts:  # round k: each bucket's k-th part
+                k = seen[part.bucket.number] = seen.get(part.bucket.number, -1) + 1
+                if k == len(rounds):
+                    rounds.append([])
+                rounds[k].append(part)
+            batches = [[[part] for part in round_parts] for round_parts in rounds]
+        else:
+            batches = [_calls_of(parts)]
+        for calls in batches:
+            replies = await self._scripts.call_many([lua.page_apply(writes.gid, call) for call in calls])
+            for call, reply in zip(calls, replies, strict=True):
                 self._check_applied(writes, call, reply)
 
-    def _apply_call(self, writes: GenerationWrites, call: BucketCall) -> ScriptCall[tuple[str, ...]]:
-        kinds, blocks, args = encode_ops(call.ops)
-        previous, op = writes.next_op(call.bucket)
-        return lua.apply(self.keys.bucket(call.bucket), writes.gid, previous, op, kinds, blocks, args)
+    def _parts(self, writes: GenerationWrites, plans: Sequence[BucketPlan]) -> list[BucketPages]:
+        """Each bucket's changes with their op ids, cut into parts of MAX_PAGES_PER_CALL pages."""
+        parts: list[BucketPages] = []
+        for plan in plans:
+            previous = writes.ops.get(plan.bucket, 0)
+            chunks = [plan.changes[i : i + MAX_PAGES_PER_CALL] for i in range(0, len(plan.changes), MAX_PAGES_PER_CALL)]
+            if len(chunks) > 1:
+                self.split_batches += 1
+            for i, chunk in enumerate(chunks or [[]]):
+                delta = plan.block_delta if i == 0 else 0
+                parts.append(BucketPages(self.keys.bucket(plan.bucket), previous, previous + 1, delta, chunk))
+                previous += 1
+        return parts
 
-    def _check_applied(self, writes: GenerationWrites, call: BucketCall, reply: object) -> None:
+    def _check_applied(self, writes: GenerationWrites, call: Sequence[BucketPages], reply: object) -> None:
         if isinstance(reply, ResponseError):
             raise_script_error(reply)
         if isinstance(reply, Exception):
             raise reply
-        fields: list[Any] = list(reply)  # type: ignore[call-overload]
-        status = decode(fields[0])
-        skipped, log_entries, missing, key_delta, entries = (int(fields[i]) for i in (2, 4, 6, 7, 8))
-        if status in ("lost", "dead") or skipped or missing:
-            why = {"lost": "lost writes", "dead": "was collected"}.get(status, f"lacks {skipped + missing} blocks")
-            raise StaleGenerationError(
-                f"bucket {call.bucket} of worker {self.worker_id!r} {why} in Redis: the index lost data; "
-                "re-assert the worker"
-            )
-        writes.applied(call.bucket, writes.next_op(call.bucket)[1], log_entries, entries, key_delta)
+        for part, fields in zip(call, reply, strict=True):  # type: ignore[call-overload]
+            status = decode(fields[0])
+            missing, log_entries, page_delta, entries = (int(fields[i]) for i in (3, 4, 5, 6))
+            if status in ("lost", "dead") or missing:
+                why = {"lost": "lost writes", "dead": "was collected"}.get(status, f"lacks {missing} holdings")
+                raise StaleGenerationError(
+                    f"bucket {part.bucket.number} of worker {self.worker_id!r} {why} in Redis: the index lost data; "
+                    "re-assert the worker"
+                )
+            writes.applied(part.bucket.number, part.op, log_entries, entries, page_delta)
 
     async def _relog(self, bucket_number: int) -> None:
         writes = self.writes
         bucket = self.keys.bucket(bucket_number)
-        blocks = [add.block for add in self.mirror.indexed_in_order() if bucket_of_op(add) == bucket_number]
+        log = log_entries(writes.sent.pages_in(bucket_number))
         previous, op = writes.next_op(bucket_number)
-        status, log_entries = await self._scripts.run(lua.relog(bucket, writes.gid, previous, op, pack_hashes(blocks)))
+        call = lua.relog(bucket, writes.gid, previous, op, log.encode(), page_log=True)
+        status, entries = await self._scripts.run(call)
         if status in ("lost", "dead"):
             raise StaleGenerationError(f"bucket {bucket_number} of worker {self.worker_id!r} lost writes in Redis")
         writes.ops[bucket_number] = op
-        writes.logs[bucket_number] = int(log_entries)
+        writes.logs[bucket_number] = int(entries)
+
+
+def _calls_of(parts: Sequence[BucketPages]) -> list[list[BucketPages]]:
+    """Parts in calls of at most MAX_PAGES_PER_CALL page changes each, in order."""
+    calls: list[list[BucketPages]] = [[]]
+    size = 0
+    for part in parts:
+        if calls[-1] and size + len(part.changes) > MAX_PAGES_PER_CALL:
+            calls.append([])
+            size = 0
+        calls[-1].append(part)
+        size += len(part.changes)
+    return [call for call in calls if call]

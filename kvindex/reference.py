@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvindex.errors import BlockSizeMismatchError, KVIndexError, NotRegisteredError
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
+from kvindex.pages import PAGE_BLOCKS
 from kvindex.types import (
     BlockChange,
     GcResult,
@@ -43,6 +44,13 @@ class _Worker:
 
     def deadline_ms(self) -> int:
         return self.heartbeat_ms + self.ttl_ms
+
+    def page_first(self, block: int) -> int:
+        """The first block of the page (PAGE_BLOCKS blocks at fixed depths) that holds ``block``."""
+        path = [block]
+        while (parent := self.parent[path[-1]]) is not None:
+            path.append(parent)
+        return path[-1 - (len(path) - 1) // PAGE_BLOCKS * PAGE_BLOCKS]
 
     def reachable(self, block: int | None) -> bool:
         """True when ``block`` and all its ancestors are held."""
@@ -191,8 +199,9 @@ class ReferenceIndex:
             out[worker_id] = matched
         return out
 
-    async def owners(self, model: str, block: int, root: int | None = None) -> dict[str, int]:
-        """Workers that hold ``block`` (and its ancestors), each with 1: copies are the writer's."""
+    async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:
+        """Workers that hold ``block`` (and its ancestors), each with 1: copies are the writer's.
+        (``chain``, the block's chain, is what a paged backend needs to find it.)"""
         return {
             worker_id: 1
             for worker_id, worker in self._models.get(model, _Model()).workers.items()
@@ -228,17 +237,18 @@ class ReferenceIndex:
 
     async def stats(self, model: str) -> ModelStats:
         records = await self.workers(model)
-        keys: set[int] = set()
+        pages: set[int] = set()  # the first block of every page with a holder (kvindex.pages)
         for worker in self._models.get(model, _Model()).workers.values():
-            keys.update(b for b in worker.copies if worker.reachable(b))
+            pages.update(worker.page_first(b) for b in worker.copies if worker.reachable(b))
         return ModelStats(
             model=model,
             block_size=await self.block_size(model),
             workers=len(records),
             alive_workers=sum(r.alive for r in records),
             entries=sum(r.blocks for r in records),
-            block_keys=len(keys),
+            block_keys=0,  # the layout before pages only
             gids_pending_gc=0,
+            pages=len(pages),
         )
 
     async def gc(self, model: str, budget: int = DEFAULT_GC_BUDGET, grace_ms: int = DEFAULT_GC_GRACE_MS) -> GcResult:

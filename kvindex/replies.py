@@ -46,28 +46,6 @@ def load_of(record: dict[str, str]) -> WorkerLoad | None:
     )
 
 
-def gid_list(csv: bytes | str) -> list[int]:
-    text = decode(csv)
-    return [int(g) for g in text.split(",")] if text else []
-
-
-def block_owners(members: set[bytes], alive: set[int]) -> dict[int, int]:
-    """A block key's members (SMEMBERS) -> {alive gid: 1}; members that are not gids (written by
-    hand) are left out."""
-    return {int(m): 1 for m in members if m.isdigit() and int(m) in alive}
-
-
-def depths_from_match_reply(reply: list[bytes | int]) -> dict[int, int]:
-    """match.lua's reply -> {gid: matched blocks} for the gids that matched at least one block
-    (see the script's header); a gid listed twice keeps its first (deepest) depth."""
-    depths: dict[int, int] = {}
-    for i in range(0, len(reply) - 1, 2):
-        depth = int(reply[i])
-        for gid in gid_list(reply[i + 1]):  # type: ignore[arg-type]
-            depths.setdefault(gid, depth)
-    return depths
-
-
 def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: int) -> WorkerRecord:
     """A worker's record HASH (decoded) -> WorkerRecord, alive by the ``alive`` deadlines."""
     gid = int(record["gid"])

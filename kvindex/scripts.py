@@ -32,7 +32,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvindex.calls import SPECS, KeyOrArg, ScriptCall
 from kvindex.cluster import RedisClient, is_cluster
-from kvindex.codec import KeyRun
 from kvindex.pipelined import PipelinedConnection
 from kvindex.replies import raise_script_error
 
@@ -49,7 +48,7 @@ def lua_dir() -> Path:
     """Where the scripts are: packaged next to this module in a wheel, else the repo's lua/."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "lua", here.parent / "lua"):
-        if (candidate / "match.lua").is_file():
+        if (candidate / "page_match.lua").is_file():
             return candidate
     raise FileNotFoundError(f"kvroute's Lua scripts were not found next to {here}")
 
@@ -191,13 +190,13 @@ class Scripts:
 
     def _pack(self, connection: Any, calls: Sequence[ScriptCall[Any]]) -> list[bytes]:
         """The calls as RESP, each in one pass (redis-py's encoder takes ~10 us a call): str
-        (UTF-8, redis-py's default, as :class:`KeyRun` keys), bytes and int arguments; a call
+        (UTF-8, redis-py's default), bytes and int arguments; a call
         with any other argument goes through redis-py's encoder (``connection.pack_command``)."""
         out: list[bytes] = []
         for call in calls:
             name, keys, args = call.name, call.keys, call.args
             try:
-                key_part = keys.resp() if isinstance(keys, KeyRun) else b"".join(map(_bulk, keys))
+                key_part = b"".join(map(_bulk, keys))
                 arg_part = b"".join(map(_bulk, args))
             except TypeError:  # a float, a memoryview, a bool (refused there)...
                 out += connection.pack_command(_command(name), self._scripts[name].sha, len(keys), *keys, *args)

@@ -104,6 +104,7 @@ class ModelStats:
     workers: int
     alive_workers: int
     entries: int
-    block_keys: int
+    block_keys: int  # the layout before pages: its block keys (gc takes them down after an upgrade)
     gids_pending_gc: int
     extra: dict[str, int] = field(default_factory=dict)
+    pages: int = 0  # pages with at least one holder (kvindex.pages)

@@ -22,8 +22,11 @@
 -- ARGV[1] gid   ARGV[2] number of buckets
 -- ARGV[3..] per bucket: previous op id, op id, change in the gid's indexed blocks there,
 --   number of segment keys, number of pages; then per page: its segment key's place among the
---   bucket's segment keys (1..), its first block (16 hex digits), leaves gained g, leaves lost
---   l, g pairs (leaf, branch), l leaves
+--   bucket's segment keys (1..), its first block (16 hex digits), how many leaves the writer
+--   knows the gid holds there before this call, leaves gained g, leaves lost l, g pairs (leaf,
+--   branch), l leaves. A page holding another number of leaves (a segment key evicted or
+--   deleted, a field lost) counts as missing: Redis lost the gid's data, and the writer
+--   re-asserts the worker.
 -- Returns per bucket {'ok'|'dup'|'lost'|'dead', leaves gained, leaves lost, lost leaves it did
 -- not hold, log entries, pages created minus pages emptied, the gid's blocks in the bucket}.
 local gid, buckets = ARGV[1], tonumber(ARGV[2])
@@ -55,11 +58,13 @@ for b = 1, buckets do
   arg = arg + 5
   part.pages = {}
   for _ = 1, pages do
-    local at, first, gained, lost = tonumber(ARGV[arg]), ARGV[arg + 1], tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
-    if not (integer(at) and at >= 1 and at <= keys and hex16(first) and integer(gained) and integer(lost))
-      or gained < 0 or lost < 0 then
+    local at, first, held = tonumber(ARGV[arg]), ARGV[arg + 1], tonumber(ARGV[arg + 2])
+    local gained, lost = tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
+    if not (integer(at) and at >= 1 and at <= keys and hex16(first) and integer(held) and integer(gained)
+      and integer(lost)) or held < 0 or gained < 0 or lost < 0 then
       return fail('bucket ' .. b .. ': a page needs its key place, first block and counts')
     end
+    arg = arg + 1
     for j = arg + 4, arg + 3 + 2 * gained, 2 do
       local leaf, path = ARGV[j], ARGV[j + 1]
       -- (The branch's inner blocks are not checked digit by digit: Lua's string work costs ~0.4 us
@@ -74,7 +79,9 @@ for b = 1, buckets do
         return fail('lost leaves must be 16 hex digits')
       end
     end
-    part.pages[#part.pages + 1] = {key = part.first_key + at - 1, first = first, arg = arg + 4, gained = gained, lost = lost}
+    part.pages[#part.pages + 1] = {
+      key = part.first_key + at - 1, first = first, held = held, arg = arg + 4, gained = gained, lost = lost,
+    }
     arg = arg + 4 + 2 * gained + lost
   end
   parts[b] = part
@@ -84,7 +91,6 @@ if arg - 1 ~= #ARGV or key - 1 ~= #KEYS then
     .. (arg - 1) .. ' and ' .. (key - 1) .. ' expected')
 end
 
-local member = ',' .. gid .. ','
 local function without(list, item)
   local at = string.find(list, ',' .. item .. ',', 1, true)
   if not at then
@@ -99,6 +105,9 @@ local function apply_page(page)
   local key, mine_field = KEYS[page.key], 'g:' .. page.first .. ':' .. gid
   local mine = redis.call('HGET', key, mine_field) or ','
   local had, gained, lost, missing, found = mine ~= ',', 0, 0, 0, false
+  if #mine ~= 1 + 17 * page.held then  -- each leaf is 16 hex digits and a comma
+    missing = missing + 1
+  end
   for j = page.arg + 2 * page.gained, page.arg + 2 * page.gained + page.lost - 1 do
     local leaf = ARGV[j]
     mine, found = without(mine, leaf)
@@ -114,16 +123,15 @@ local function apply_page(page)
       missing = missing + 1
     end
   end
+  local whole = false  -- gained a leaf at the page's end
   for j = page.arg, page.arg + 2 * page.gained - 1, 2 do
     local leaf = ARGV[j]
     if not string.find(mine, ',' .. leaf .. ',', 1, true) then
       mine = mine .. leaf .. ','
-      local holders = redis.call('HGET', key, 'e:' .. leaf) or ','
-      if not string.find(holders, member, 1, true) then
-        holders = holders .. gid .. ','
-      end
-      redis.call('HSET', key, 'e:' .. leaf, holders, 't:' .. leaf, ARGV[j + 1])
+      local holders = without(redis.call('HGET', key, 'e:' .. leaf) or ',', gid)
+      redis.call('HSET', key, 'e:' .. leaf, holders .. gid .. ',', 't:' .. leaf, ARGV[j + 1])
       gained = gained + 1
+      whole = whole or #ARGV[j + 1] == 16 * 32
     end
   end
   local has = mine ~= ','
@@ -133,15 +141,18 @@ local function apply_page(page)
     redis.call('HDEL', key, mine_field)
   end
   local entry, pages = nil, 0
-  if has ~= had then
+  -- A gid that comes to hold the page, or to hold it whole, goes to the end of `h:<P>`, as it
+  -- goes to the end of `e:<leaf>`: while every holder holds the page whole, both lists are then
+  -- the same string, and page_match.lua sees at once that nobody stops in the page.
+  if has ~= had or (has and whole) then
     local holders_field = 'h:' .. page.first
     local holders = redis.call('HGET', key, holders_field) or ','
     if has then
       pages = holders == ',' and 1 or 0
-      if not string.find(holders, member, 1, true) then
-        redis.call('HSET', key, holders_field, holders .. gid .. ',')
+      redis.call('HSET', key, holders_field, without(holders, gid) .. gid .. ',')
+      if not had then
+        entry = string.sub(key, -16) .. page.first
       end
-      entry = string.sub(key, -16) .. page.first
     else
       holders = without(holders, gid)
       if holders == ',' then

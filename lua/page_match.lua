@@ -82,20 +82,33 @@ local function stops_in(key, first, page, whole, holders, before)
   return stops
 end
 
-local out, arg, page_index, previous = {}, 3, 0, nil
+-- Check the shape first: every key's page count, the arguments, the blocks those pages span.
+local pages, arg = 0, 3
+for k = 1, #KEYS do
+  local n = tonumber(ARGV[arg])
+  if n == nil or n < 1 or n % 1 ~= 0 then
+    return redis.error_reply('ERR kvroute: page_match key ' .. k .. ' has a bad page count')
+  end
+  pages, arg = pages + n, arg + 1 + 2 * n
+end
+if arg - 1 ~= #ARGV or #blocks % 16 ~= 0 or PAGE_HEX * (pages - 1) >= #blocks or PAGE_HEX * pages < #blocks then
+  return redis.error_reply('ERR kvroute: page_match arguments malformed: the pages and the blocks do not agree')
+end
+
+local out, page_index, previous = {}, 0, nil
+arg = 3
 for k = 1, #KEYS do
   local key, n = KEYS[k], tonumber(ARGV[arg])
-  if n == nil or n < 1 or arg + 2 * n > #ARGV or 16 * page_index >= #blocks then
-    return redis.error_reply('ERR kvroute: page_match key ' .. k .. ' has a bad page count or its pages are missing')
-  end
   local values = redis.call('HMGET', key, unpack(ARGV, arg + 1, arg + 2 * n))
   for j = 1, n do
     local whole, holders = values[2 * j - 1] or ',', values[2 * j] or ','
     local before = chained and previous or nil
     local stops = {}
-    -- Nobody stops here when every gid with a holding holds it whole, or (chained) when the
-    -- holders of the previous page whole hold this one whole too.
-    if #holders > #whole and not (before and before == whole) then
+    -- Nobody stops here when the page's holders are its whole holders (page_apply.lua keeps
+    -- both lists in the same order when every holder holds the page whole), or (chained) when
+    -- the holders of the previous page whole hold this one whole too. Else each candidate is
+    -- looked at: a stranger listed by hand in one list moves nobody's match.
+    if holders ~= whole and not (before and before == whole) then
       local page = string.sub(blocks, PAGE_HEX * page_index + 1, PAGE_HEX * (page_index + 1))
       stops = stops_in(key, string.sub(page, 1, 16), page, whole, holders, before)
     end
@@ -107,8 +120,5 @@ for k = 1, #KEYS do
     page_index = page_index + 1
   end
   arg = arg + 1 + 2 * n
-end
-if arg - 1 ~= #ARGV or PAGE_HEX * (page_index - 1) >= #blocks or PAGE_HEX * page_index < #blocks then
-  return redis.error_reply('ERR kvroute: page_match arguments malformed: the pages and the blocks do not agree')
 end
 return out

@@ -278,11 +278,10 @@ class Decider:
             # No other replica books load or expects prefixes here (a replica that starts is
             # seen at this one's next renewal, within ALONE_RENEWAL_S): its own come from its
             # local truth, so the index is all there is to read.
-            alive_reply, match_reply = await self._call_carrying(calls)
-            matches = await self._index.match_result(model, alive_reply, match_reply)
-            return IndexView(matches, {}, {})
+            replies = await self._call_carrying(calls)
+            return IndexView(await self._index.match_result(model, chain, replies), {}, {})
         depths = checkpoints(len(chain))
-        alive_reply, match_reply, totals_reply, expected_reply = await self._call_carrying(
+        *replies, totals_reply, expected_reply = await self._call_carrying(
             [
                 *calls,
                 self._shared.totals_call(model, others_only=True),
@@ -292,7 +291,7 @@ class Decider:
         for reply in (totals_reply, expected_reply):
             if isinstance(reply, Exception):
                 raise reply
-        matches = await self._index.match_result(model, alive_reply, match_reply)
+        matches = await self._index.match_result(model, chain, replies)
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
             if worker_id is not None:

@@ -15,6 +15,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from redis.asyncio import Redis
 
@@ -185,10 +186,25 @@ def run_from_args(args: argparse.Namespace) -> int:
         return run_cluster_from_args(args)
     if args.read_from_replicas:
         raise StartupError("--read-from-replicas needs --cluster or a redis+cluster:// --redis-url")
+    if args.trace:
+        return _run_trace(args)
     with redis_url_or_private(args.redis_url) as url:
         results = asyncio.run(run_benchmark(url, args))
     print()
     print(render(results))
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from kvroute.bench.index_requests import render_trace, run_trace_benchmark
+
+    if not Path(args.trace).is_file():
+        raise StartupError(f"--trace {args.trace}: no such file")
+    with redis_url_or_private(args.redis_url) as url:
+        results = run_trace_benchmark(url, args.trace, args.trace_requests, args.trace_workers, args.trace_capacity)
+    print(render_trace(results))
     if args.json:
         write_json(args.json, results)
     return 0

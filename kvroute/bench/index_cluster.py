@@ -1,13 +1,14 @@
 """``kvroute bench index --cluster`` (or a ``redis+cluster://`` URL): the index on Redis Cluster.
 
-Loads a fleet whose conversations start with one of ``--roots`` system prompts (a chain's first
-block picks its bucket, so the roots are what spreads a model over the masters), then reports
-per master: memory, keys and (block, worker) entries; match latency by prompt length; and
+Loads a fleet whose conversations start with one of ``--roots`` system prompts of
+``--shared-blocks`` blocks (each segment of a chain lives in the bucket of its first block:
+docs/index-schema.md), then reports per master: memory, keys, (block, worker) entries and the
+write scripts' CPU; match latency by prompt length; and
 matches/s of ``--concurrency`` concurrent clients for ``--seconds``, for prompts spread over every
-root and for a hot root (every prompt starts with the same system prompt: one bucket, one shard).
+root and for a hot root (every prompt starts with the same system prompt: its first pages' buckets).
 With ``--read-from-replicas`` every match figure is measured twice on the same data: reads on the
-masters, then reads on the replicas. Redis CPU per match is the EVALSHA_RO time (match.lua and
-alive.lua) summed over every node from INFO commandstats, divided by the matches.
+masters, then reads on the replicas. Redis CPU per match is the EVALSHA_RO time (page_match.lua
+and alive_since.lua) summed over every node from INFO commandstats, divided by the matches.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from kvindex import calls as lua
 from kvindex.keys import KeySchema, bucket_of
+from kvindex.pages import pages_of
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo
@@ -35,7 +37,6 @@ from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import usable_redis_url
 from kvservice.lifecycle import StartupError
 
-SYSTEM_BLOCKS = 32
 MAX_CHAIN = 2048
 THROUGHPUT_BLOCKS = 512
 LOADERS = 16  # conversations stored concurrently (each worker's handle serialises its own)
@@ -49,14 +50,14 @@ class SpreadFleet:
     conversations: int
     seed: int
     entries_per_bucket: Counter[int] = field(default_factory=Counter)
+    write_usec_per_master: dict[str, int] = field(default_factory=dict)
     load: dict[str, float] = field(default_factory=dict)  # the load's rate, and per entry: bytes, apply CPU
 
     def chain(self, conversation: int) -> list[int]:
         """The conversation's chain, regenerated (10M entries' chains would not fit the process)."""
         rng = random.Random(self.seed * 1_000_003 + conversation)
-        return self.roots[conversation % len(self.roots)] + [
-            rng.getrandbits(64) for _ in range(MAX_CHAIN - SYSTEM_BLOCKS)
-        ]
+        root = self.roots[conversation % len(self.roots)]
+        return root + [rng.getrandbits(64) for _ in range(MAX_CHAIN - len(root))]
 
 
 async def cluster_client(url: str, replicas: bool) -> RedisCluster:
@@ -68,18 +69,17 @@ async def cluster_client(url: str, replicas: bool) -> RedisCluster:
 
 
 async def load_spread_fleet(
-    client: RedisCluster, nodes: Nodes, model: str, workers: int, entries: int, roots: int
+    client: RedisCluster, nodes: Nodes, model: str, workers: int, entries: int, roots: int, shared: int
 ) -> SpreadFleet:
-    """Conversations of up to MAX_CHAIN blocks, each under one of ``roots`` system prompts, held by
-    a primary worker to a random depth and half the time by a second worker to a shorter one,
-    stored from the root (a worker that already holds the system prompt adds only the tail)."""
+    """Conversations of up to MAX_CHAIN blocks, each under one of ``roots`` system prompts of
+    ``shared`` blocks, held by a primary worker to a random depth and half the time by a second
+    worker to a shorter one, stored from the root (a worker that already holds the system prompt
+    adds only the tail)."""
     rng = random.Random(7)
     index = RedisIndex(client)
     for w in range(workers):
         await index.register(WorkerInfo(f"w{w}", model, f"http://10.0.{w // 250}.{w % 250}:8000", 32), 3_600_000)
-    fleet = SpreadFleet(
-        model, workers, [[rng.getrandbits(64) for _ in range(SYSTEM_BLOCKS)] for _ in range(roots)], 0, 7
-    )
+    fleet = SpreadFleet(model, workers, [[rng.getrandbits(64) for _ in range(shared)] for _ in range(roots)], 0, 7)
     loaded = 0
 
     async def loader() -> None:
@@ -91,16 +91,26 @@ async def load_spread_fleet(
             pick = random.Random(conversation)
             holders = [(pick.randrange(workers), pick.randint(MAX_CHAIN // 8, MAX_CHAIN))]
             if pick.random() < 0.5:
-                holders.append((pick.randrange(workers), pick.randint(SYSTEM_BLOCKS + 1, holders[0][1])))
+                holders.append((pick.randrange(workers), pick.randint(shared + 1, holders[0][1])))
             for worker, depth in holders:
                 result = await index.store(model, f"w{worker}", [StoredRun(None, tuple(chain[:depth]))])
                 loaded += result.applied
-                fleet.entries_per_bucket[bucket_of(chain[0])] += result.applied
+                start = depth - result.applied  # the newly indexed blocks: the chain's last ones
+                for page in pages_of(chain[:depth]):
+                    if page.start + page.length > start:
+                        fleet.entries_per_bucket[bucket_of(page.segment)] += (
+                            page.start + page.length - max(start, page.start)
+                        )
 
     before = await traffic(nodes)
+    await nodes.resetstat()
     started = time.perf_counter()
     await asyncio.gather(*(loader() for _ in range(LOADERS)))
     elapsed = time.perf_counter() - started
+    fleet.write_usec_per_master = {
+        name: int(info.get("cmdstat_evalsha", {}).get("usec", 0))
+        for name, info in (await nodes.info("commandstats", replicas=False)).items()
+    }
     fleet.load = {"entries_per_s": loaded / elapsed, **per(await traffic(nodes) - before, loaded)}
     print(f"  stored {loaded:,} entries in {elapsed:.0f} s: {fleet.load}")
     return fleet
@@ -115,7 +125,7 @@ async def shard_table(
     keys = KeySchema().for_model(fleet.model)
     entries: Counter[str] = Counter()
     for bucket, count in fleet.entries_per_bucket.items():
-        node = client.nodes_manager.get_node_from_slot(client.keyslot(keys.bucket(bucket).block(0)))
+        node = client.nodes_manager.get_node_from_slot(client.keyslot(keys.bucket(bucket).segment(0)))
         entries[node.name] += count
     rows = []
     for name in sorted(memory):
@@ -127,6 +137,7 @@ async def shard_table(
                 "grown_bytes": grown,
                 "keys": int(sizes[name]),
                 "entries": entries[name],
+                "write_usec": fleet.write_usec_per_master.get(name, 0),
                 "bytes_per_entry": grown / entries[name] if entries[name] else float("nan"),
             }
         )
@@ -138,14 +149,14 @@ async def alive_us_per_call(client: RedisCluster, nodes: Nodes, model: str, call
     (the whole set, as before alive versions) and alive_since.lua confirming a reader's copy."""
     index = RedisIndex(client)
     whole = lua.alive(index.keys(model).alive)
-    await index.match_result(model, await index.scripts.call(index.alive_call(model)), [])  # a copy to confirm
+    await index.match_result(model, [], [await index.scripts.call(index.alive_call(model))])  # a copy to confirm
     await nodes.resetstat()
     for _ in range(calls):
         await index.scripts.call(whole)
     whole_us = sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
     await nodes.resetstat()
     for _ in range(calls):
-        await index.match_result(model, await index.scripts.call(index.alive_call(model)), [])
+        await index.match_result(model, [], [await index.scripts.call(index.alive_call(model))])
     confirmed_us = sum(u for _, u in (await read_script_usage(nodes)).values()) / calls
     return {"whole_us_per_call": whole_us, "confirmed_us_per_call": confirmed_us}
 
@@ -177,9 +188,10 @@ async def measure_throughput(
     512 keys costs the Python client more than Redis spends on the match): the figure is what the
     servers and redis-py's cluster client sustain, not a router's whole decision."""
     index = RedisIndex(client)
-    prepared = [index.match_calls(model, chain)[1] for chain in chains]  # the alive call is built per match
-    for call in prepared[:8]:
-        await index.match_result(model, *await index.scripts.call_many([index.alive_call(model), call]))
+    # The page calls are built once; the alive call is built per match.
+    prepared = [(chain, index.match_calls(model, chain)[1:]) for chain in chains]
+    for chain, calls in prepared[:8]:
+        await index.match_result(model, chain, await index.scripts.call_many([index.alive_call(model), *calls]))
     await nodes.resetstat()
     done = 0
     deadline = time.perf_counter() + args.seconds
@@ -188,8 +200,8 @@ async def measure_throughput(
         nonlocal done
         position = offset
         while time.perf_counter() < deadline:
-            match = prepared[position % len(prepared)]
-            await index.match_result(model, *await index.scripts.call_many([index.alive_call(model), match]))
+            chain, calls = prepared[position % len(prepared)]
+            await index.match_result(model, chain, await index.scripts.call_many([index.alive_call(model), *calls]))
             position += args.concurrency
             done += 1
 
@@ -202,6 +214,9 @@ async def measure_throughput(
         "matches_per_s": done / elapsed,
         "redis_us_per_match": sum(u for _, u in usage.values()) / max(done, 1),
         "node_call_share": {name: round(c / total_calls, 3) for name, (c, _) in sorted(usage.items()) if c},
+        "node_cpu_share": {
+            name: round(u / (sum(u for _, u in usage.values()) or 1), 3) for name, (_, u) in sorted(usage.items()) if u
+        },
         "busiest_node_us_per_s": max(u for _, u in usage.values()) / elapsed,
     }
 
@@ -230,7 +245,7 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
     for workers in args.workers:
         model = f"bench-cluster-w{workers}"
         before = {n: int(i["used_memory"]) for n, i in (await nodes.info("memory", False)).items()}
-        fleet = await load_spread_fleet(primary, nodes, model, workers, args.entries, args.roots)
+        fleet = await load_spread_fleet(primary, nodes, model, workers, args.entries, args.roots, args.shared_blocks)
         shards = await shard_table(primary, nodes, fleet, before)
         results["shards"] += [{"workers": workers, **row} for row in shards]
         results["load"].append({"workers": workers, **fleet.load})
@@ -263,7 +278,10 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
             for mode, client in reads.items():
                 figures = await measure_throughput(client, nodes, model, chains, args)
                 results["throughput"].append({"workers": workers, "layout": layout, "reads": mode, **figures})
-                print(f"  {layout}, {mode}: {figures['matches_per_s']:,.0f} matches/s {figures['node_call_share']}")
+                print(
+                    f"  {layout}, {mode}: {figures['matches_per_s']:,.0f} matches/s, script CPU by node"
+                    f" {figures['node_cpu_share']}"
+                )
     for client in reads.values():
         await client.aclose()
     await nodes.aclose()
@@ -285,23 +303,26 @@ class MatchRow:
 
 
 def vars_of(args: argparse.Namespace) -> dict[str, object]:
-    names = ("entries", "roots", "workers", "prompt_blocks", "queries", "concurrency", "seconds", "read_from_replicas")
+    names = (
+        "entries", "roots", "shared_blocks", "workers", "prompt_blocks", "queries", "concurrency", "seconds",
+        "read_from_replicas",
+    )  # fmt: skip
     return {name: getattr(args, name) for name in names}
 
 
 def render(results: dict[str, list]) -> str:
     lines = [
-        "| workers | master | used memory MiB | grown MiB | keys | entries | bytes per entry |",
-        "|---|---|---|---|---|---|---|",
+        "| workers | master | used memory MiB | grown MiB | keys | entries | bytes per entry | write script ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in results["shards"]:
         lines.append(
             f"| {s['workers']} | {s['master']} | {s['used_memory'] / 2**20:.1f} | {s['grown_bytes'] / 2**20:.1f} "
-            f"| {s['keys']:,} | {s['entries']:,} | {s['bytes_per_entry']:.1f} |"
+            f"| {s['keys']:,} | {s['entries']:,} | {s['bytes_per_entry']:.1f} | {s.get('write_usec', 0) / 1000:,.0f} |"
         )
     for f in results["load"]:
         lines.append(
-            f"\nLoad ({f['workers']} workers): {f['entries_per_s']:,.0f} entries/s; per entry: apply.lua "
+            f"\nLoad ({f['workers']} workers): {f['entries_per_s']:,.0f} entries/s; per entry: page_apply.lua "
             f"{f.get('write_usec', 0):.2f} us; CPU of masters {f.get('master_cpu_us', 0):.2f} us and replicas "
             f"{f.get('replica_cpu_us', 0):.2f} us; {f.get('net_in', 0):.0f} B in, "
             f"{f.get('repl_out', 0):.0f} B to replicas"

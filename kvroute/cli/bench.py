@@ -62,6 +62,21 @@ def _index_flags(p: argparse.ArgumentParser) -> None:
         "--roots", type=positive_int, default=1024, help="cluster: distinct system prompts (chain roots) of the fleet"
     )
     p.add_argument(
+        "--trace",
+        help="instead: Redis CPU per request of this Mooncake-format trace (routed and cached through the index)",
+    )
+    p.add_argument("--trace-requests", type=positive_int, default=2000, help="--trace: requests to replay")
+    p.add_argument("--trace-workers", type=positive_int, default=16, help="--trace: workers of the fleet")
+    p.add_argument(
+        "--trace-capacity", type=positive_int, default=20_000, help="--trace: each worker's cache size in blocks"
+    )
+    p.add_argument(
+        "--shared-blocks",
+        type=positive_int,
+        default=32,
+        help="cluster: blocks of each system prompt, the start every chain under it shares (default 32)",
+    )
+    p.add_argument(
         "--concurrency", type=positive_int, default=32, help="cluster: concurrent clients in the matches/s runs"
     )
     p.add_argument(

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from kvindex.errors import KVIndexError
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
+from kvindex.pages import PAGE_BLOCKS, pages_of
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings, add_redis_security_arguments, redact_url, redis_security_overrides
 from kvindex.types import WorkerRecord
@@ -25,7 +26,7 @@ from kvservice.lifecycle import StartupError
 
 WORKER_COLUMNS = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch", "heartbeat_age_ms"]
 WORKER_COLUMNS += ["running", "waiting", "kv_usage"]
-STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "block_keys", "gids_pending_gc"]
+STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "pages", "block_keys", "gids_pending_gc"]
 
 
 def add_parser(commands: Any) -> None:
@@ -137,12 +138,14 @@ def _run_lookup(args: argparse.Namespace) -> int:
         owners = await index.owners_of_chain(args.model, chain)
         matches = await index.match(args.model, chain)
         _hint_if_empty(bool(await index.workers(args.model)), f"workers of model {args.model!r}", settings)
-        bucket = index.keys(args.model).bucket_of_chain(chain[0]) if chain else None
+        keys = index.keys(args.model)
+        # Each block's holdings live in its page's segment key (docs/index-schema.md, "The next layout").
+        segments = [keys.segment(page.segment) for page in pages_of(chain) for _ in range(page.length)]
         return {
             "model": args.model,
             "block_size": block_size,
             "blocks": [
-                {"index": i, "hash": h, "key": bucket.block(h) if bucket else "", "owners": sorted(owners[i])}
+                {"index": i, "hash": h, "key": segments[i], "page": i // PAGE_BLOCKS, "owners": sorted(owners[i])}
                 for i, h in enumerate(chain)
             ],
             "workers": [

@@ -33,8 +33,9 @@ def chain_of(prompt: Sequence[int]) -> list[int]:
 
 
 def bucket_slot(model: str, prompt: Sequence[int]) -> int:
-    """The cluster slot of the bucket that holds ``prompt``'s chain (its first block decides)."""
-    first_key = KeySchema().for_model(model).bucket_of_chain(chain_of(prompt)[0]).block(chain_of(prompt)[0])
+    """The cluster slot of the bucket that holds ``prompt``'s first page (its first block decides:
+    the prompts here are one page long)."""
+    first_key = KeySchema().for_model(model).segment(chain_of(prompt)[0])
     return key_slot(first_key.encode())
 
 
@@ -58,9 +59,9 @@ def prompts_on_every_master(cluster: LocalCluster, model: str, per_master: int =
     raise AssertionError(f"no prompts found for every master: {[len(p) for p in by_master.values()]}")
 
 
-def block_keys_per_master(cluster: LocalCluster, model: str) -> dict[int, int]:
-    """How many of ``model``'s block keys each master holds (read from the master itself)."""
-    pattern = KeySchema().for_model(model).bucket_base("*") + "b:*"
+def segment_keys_per_master(cluster: LocalCluster, model: str) -> dict[int, int]:
+    """How many of ``model``'s segment keys each master holds (read from the master itself)."""
+    pattern = KeySchema().for_model(model).bucket_base("*") + "s:*"
     return {
         port: sum(1 for _ in cluster.client(port).scan_iter(match=pattern, count=1000))
         for port in cluster.master_ports()

@@ -46,8 +46,10 @@ def test_a_cluster_run_reports_every_master_and_reads_from_the_replicas(tmp_path
     for layout in ("spread roots", "hot root"):
         assert set(runs[layout, "primary"]["node_call_share"]) <= masters
         assert not set(runs[layout, "replicas"]["node_call_share"]) & masters  # every read went to a replica
-    # the hot root's matches all read one bucket: its shard, and the model's control shard
-    assert len(runs["hot root", "primary"]["node_call_share"]) <= 2
+    # the hot root's matches read its segments' buckets, spread over the masters (the layout before
+    # pages read one bucket: its shard and the model's control shard only)
+    assert len(runs["hot root", "primary"]["node_call_share"]) == 3
+    assert all(0 < share < 0.8 for share in runs["hot root", "primary"]["node_cpu_share"].values())
 
 
 @pytest.mark.slow
@@ -60,6 +62,24 @@ def test_a_single_redis_run_counts_the_read_only_scripts(tmp_path):
     cpu = [row["redis_us_per_call"] for row in report["match"]]
     assert cpu and all(math.isfinite(value) and value > 0 for value in cpu)  # EVALSHA_RO is counted
     assert report["ingest_blocks_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_trace_run_reports_the_redis_cpu_per_request(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i, "input_length": 512 * (2 + i % 3), "hash_ids": [0, i % 7, 100 + i]} for i in range(60)]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "trace.json"
+    flags = ["--trace", str(trace), "--trace-requests", "60", "--trace-workers", "3", "--trace-capacity", "200"]
+    result = bench_index(*flags, "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["requests"] == 48  # the first fifth warms the caches
+    assert report["read_script_us_per_request"] > 0 and report["write_script_us_per_request"] > 0
+    assert report["script_calls_per_request"] >= 3  # liveness, the match, the write
+    assert "us of Redis CPU per request" in result.stdout
+    missing = bench_index("--trace", str(tmp_path / "nope.jsonl"), timeout=60)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
 def test_reading_from_replicas_needs_a_cluster():

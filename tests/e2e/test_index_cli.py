@@ -57,8 +57,9 @@ def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     assert data["model"] == unique_name and data["block_size"] == 32
     assert [b["hash"] for b in data["blocks"]] == chain
     assert [b["index"] for b in data["blocks"]] == [0, 1, 2, 3]
-    # the chain's bucket (from its first block) is in the key's hash tag
-    assert data["blocks"][0]["key"] == f"kvr:{{{unique_name}#{bucket_of(chain[0]):03x}}}:b:{chain[0]:016x}"
+    # the blocks' page is in the segment key named by its first block, whose bucket is in the hash tag
+    segment = f"kvr:{{{unique_name}#{bucket_of(chain[0]):03x}}}:s:{chain[0]:016x}"
+    assert [(b["key"], b["page"]) for b in data["blocks"]] == [(segment, 0)] * 4
     assert [b["owners"] for b in data["blocks"]] == [["w-long", "w-short"], ["w-long"], ["w-long"], ["w-long"]]
     assert data["workers"] == [{"id": "w-long", "matched_blocks": 4}, {"id": "w-short", "matched_blocks": 1}]
 
@@ -71,7 +72,7 @@ def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     stats = json.loads(kvroute("index", "stats", *common, "--model", unique_name, "--json").stdout)
     (model_stats,) = stats["models"]
     assert (model_stats["workers"], model_stats["alive_workers"], model_stats["entries"]) == (3, 2, 9)
-    assert model_stats["block_keys"] == 4 and stats["redis"]["used_memory"] > 0
+    assert (model_stats["pages"], model_stats["block_keys"]) == (1, 0) and stats["redis"]["used_memory"] > 0
 
     table = kvroute("index", "lookup", *common, "--model", unique_name, "--tokens", tokens)
     assert table.returncode == 0 and "w-long" in table.stdout and "matched_blocks" in table.stdout

@@ -98,7 +98,7 @@ async def test_the_agent_user_registers_applies_heartbeats_reasserts_and_collect
     handle = index.handle(unique_name, "w0")
     assert (await handle.heartbeat()).value == "ok"
     assert (await handle.report_load(WorkerLoad(1, 0, 0.5, 1000))).value == "ok"
-    await handle.reassert()  # stage.lua, apply.lua on the staged gid, swap.lua
+    await handle.reassert()  # stage.lua, page_apply.lua on the staged gid, swap.lua
     await handle.clear()
     await handle.store([StoredRun(None, CHAIN[:2])])
     assert (await index.gc(unique_name)).gids_pending >= 0
@@ -135,13 +135,14 @@ async def test_the_router_user_runs_a_routing_decisions_reads_and_shared_state(a
     assert unique_name in await index.models()
     assert await index.owners_of_chain(unique_name, CHAIN[:2]) == [{"w0": 1}, {"w0": 1}]
     assert await index.server_run_id()
-    # match.lua read-only (EVALSHA_RO: the router may only read the keys it declares)
+    # page_match.lua read-only (EVALSHA_RO: the router may only read the keys it declares)
     await index.scripts.load_all()  # SCRIPT LOAD, as on NOSCRIPT
     replies = []
-    for call in index.match_calls(unique_name, [*CHAIN[:3], 999]):  # alive.lua, match.lua
+    chain = [*CHAIN[:3], 999]
+    for call in index.match_calls(unique_name, chain):  # alive_since.lua, page_match.lua
         keys = list(call.keys)
         replies.append(await router.evalsha_ro(load_scripts()[call.name].sha, len(keys), *keys, *call.args))
-    assert await index.match_result(unique_name, *replies) == {"w0": 3}
+    assert await index.match_result(unique_name, chain, replies) == {"w0": 3}
     shared = SharedLoad(router, schema, "replica-1", index.scripts)
     await shared.renew(unique_name, 5_000, {"w0": InflightLoad(1, 100, 50)})  # lease.lua
     await shared.add_many({(unique_name, "w0"): InflightLoad(1, 10, 5)})  # HINCRBY on its own hash
@@ -165,31 +166,32 @@ async def test_the_router_user_cannot_write_ownership_or_worker_records_not_even
     keys = schema.for_model(unique_name)
     index = RedisIndex(router, schema)
     gid = int((await router.hget(keys.worker("w0"), "gid")).decode())
-    bucket = keys.bucket_of_chain(CHAIN[0])
-    block = bucket.block(CHAIN[0])
+    bucket = keys.bucket_of_segment(CHAIN[0])
+    segment = keys.segment(CHAIN[0])
     # The writers' scripts, called with the router's user: refused inside the script.
     await denied(index.register(WorkerInfo("evil", unique_name, "http://attacker:1", 4)))
     await denied(index.evict(unique_name, "w0"))  # clear.lua
     await denied(index.gc(unique_name))
     await denied(index.scripts.call(raw_call("heartbeat", [keys.worker("w0"), keys.alive], [gid, 600_000])))
+    leaf = f"{2**60:016x}"
     await denied(
         index.scripts.call(raw_call(
-            "apply", [bucket.state(gid), bucket.log(gid), bucket.block(2**60)],
-            [gid, 10**6, 10**6 + 1, "a", "0" * 8, "r"],
+            "page_apply", [bucket.state(gid), bucket.page_log(gid), keys.segment(2**60)],
+            [gid, 1, 10**6, 10**6 + 1, 0, 1, 1, 1, leaf, 0, 1, 0, leaf, leaf],
         ))
     )  # fmt: skip
     # A script of its own (EVAL is allowed: its commands are checked all the same).
-    await denied(router.eval("return redis.call('SADD', KEYS[1], ARGV[1])", 1, block, "123"))
+    await denied(router.eval("return redis.call('HSET', KEYS[1], ARGV[1], ',123,')", 1, segment, "h:x"))
     await denied(router.eval("return redis.call('HSET', ARGV[1], 'url', 'http://attacker:1')", 0, keys.worker("w0")))
     # Raw writes to the index.
-    await denied(router.sadd(block, "123"))
-    await denied(router.delete(block))
+    await denied(router.hset(segment, "h:x", ",123,"))
+    await denied(router.delete(segment))
     await denied(router.hset(keys.worker("w0"), "url", "http://attacker:1"))
     await denied(router.zadd(keys.alive, {"123": 10**15}))
     await denied(router.hset(keys.gids, "123", "evil"))
     await denied(router.sadd(schema.models, "evil"))
     assert await router.hget(keys.worker("w0"), "url") == b"http://127.0.0.1:9"
-    assert await router.smembers(block) == {str(gid).encode()}
+    assert await router.hget(segment, f"h:{CHAIN[0]:016x}") == f",{gid},".encode()
 
 
 async def test_pinned_to_models_no_worker_id_reaches_the_routers_writable_keys(acl_redis, unique_name):

@@ -1,5 +1,6 @@
-"""What readers can see of a worker's writes: one engine batch is one apply.lua call (all of it
-or none of it), and a re-assert never shows the worker emptier than its old generation."""
+"""What readers can see of a worker's writes: on a single Redis a write's pages in every bucket
+go in one page_apply.lua call (all of it or none of it), and a re-assert never shows the worker
+emptier than its old generation."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
-from kvindex.codec import encode_ops
+from kvindex import calls as lua
+from kvindex import redis_worker
+from kvindex.calls import BucketPages
 from kvindex.generations import stage_generation, swap_generation
-from kvindex.keys import bucket_of
-from kvindex.redis_index import MAX_ITEMS_PER_CALL, RedisIndex
+from kvindex.pages import holding_changes, page_holdings, pages_of
+from kvindex.redis_index import RedisIndex
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo
 from tests.support import raw_call, wait_until
 
@@ -25,39 +28,43 @@ def chain(seed: int, length: int) -> tuple[int, ...]:
     return tuple(rng.getrandbits(64) for _ in range(length))
 
 
-async def applied_calls(client, index: RedisIndex, model: str, handle, root: int) -> int:
-    """The op id of the gid's state in the bucket of ``root``'s chain: one per apply.lua call
-    the bucket received for this generation."""
-    state = index.keys(model).bucket_of_chain(root).state(handle.gid)
-    return int(await client.hget(state, "op") or 0)
+async def applied_calls(client, index: RedisIndex, model: str, handle, prompt: tuple[int, ...]) -> set[int]:
+    """The op ids of the gid's states in the buckets of ``prompt``'s segments: one per
+    page_apply.lua part each bucket received for this generation."""
+    keys = index.keys(model)
+    states = {keys.bucket_of_segment(page.segment).state(handle.gid) for page in pages_of(prompt)}
+    return {int(await client.hget(state, "op") or 0) for state in states}
 
 
-async def test_an_engine_batch_of_thousands_of_blocks_is_one_apply_call_per_bucket(redis_client, unique_name):
+async def test_a_write_of_thousands_of_blocks_is_one_page_apply_call(redis_client, unique_name):
     index = RedisIndex(redis_client)
     handle = await index.register(WorkerInfo("a", unique_name, "http://a", 16), LONG_TTL)
-    stored = chain(1, 5000)  # above the 4,096 operations one call used to carry
-    evicted = chain(2, 1000)  # under RELOG_SLACK: no log compaction (which would take an op id)
+    stored = chain(1, 5000)  # 157 pages in 9 segment keys
+    evicted = chain(2, 1000)
     await handle.store([StoredRun(None, evicted)])
+    await redis_client.config_resetstat()
     await handle.apply([StoredRun(None, stored), RemovedBlocks(evicted[::-1])])
-    assert await applied_calls(redis_client, index, unique_name, handle, stored[0]) == 1
-    assert await applied_calls(redis_client, index, unique_name, handle, evicted[0]) == 2
+    stats = await redis_client.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 3  # claim.lua (new buckets), page_apply.lua for all, tally.lua
+    assert await applied_calls(redis_client, index, unique_name, handle, stored) == {1}
+    assert await applied_calls(redis_client, index, unique_name, handle, evicted) == {2}
     assert await index.match(unique_name, list(stored)) == {"a": 5000}
     assert await index.match(unique_name, list(evicted)) == {"a": 0}
 
 
-async def test_batches_share_calls_and_only_an_oversized_one_is_split(redis_client, unique_name):
+async def test_only_a_write_of_more_pages_than_a_call_carries_is_split(redis_client, unique_name, monkeypatch):
+    monkeypatch.setattr(redis_worker, "MAX_PAGES_PER_CALL", 4)
     index = RedisIndex(redis_client)
     handle = await index.register(WorkerInfo("a", unique_name, "http://a", 16), LONG_TTL)
-    third = MAX_ITEMS_PER_CALL // 3 + 1  # two batches fit a call, three do not
-    one = chain(0, 3 * third)  # one chain, so one bucket: three batches storing a third each
-    batches = [[StoredRun(one[k * third - 1] if k else None, one[k * third : (k + 1) * third])] for k in range(3)]
-    await handle.apply_batches(batches)
-    assert await applied_calls(redis_client, index, unique_name, handle, one[0]) == 2
+    small = chain(0, 32 * 4)  # pages 0, 1, 2-3: no bucket has more than 4
+    await handle.store([StoredRun(None, small)])
     assert handle.split_batches == 0
-    big = chain(9, MAX_ITEMS_PER_CALL + 10)
-    await handle.apply([StoredRun(None, big)])
-    assert await applied_calls(redis_client, index, unique_name, handle, big[0]) == 2 and handle.split_batches == 1
-    assert (await index.stats(unique_name)).entries == 3 * third + MAX_ITEMS_PER_CALL + 10
+    big = chain(9, 32 * 20)  # segment 8-15 has 8 pages in one bucket: two parts
+    await handle.store([StoredRun(None, big)])
+    assert handle.split_batches == 1
+    assert await applied_calls(redis_client, index, unique_name, handle, big) == {1, 2}
+    assert await index.match(unique_name, list(big)) == {"a": 640}
+    assert (await index.stats(unique_name)).entries == 128 + 640
 
 
 def watch(url: str, model: str, prompts: list[tuple[int, ...]], stop: threading.Event, seen: list[int]) -> None:
@@ -82,11 +89,10 @@ async def test_a_reader_never_sees_the_worker_emptier_during_a_reassert(redis_se
     index = RedisIndex(client)
     try:
         handle = await index.register(WorkerInfo("a", unique_name, "http://a", 16), LONG_TTL)
-        prompts = [chain(seed, 1000) for seed in range(40)]  # 40,000 blocks: three apply calls
+        prompts = [chain(seed, 1000) for seed in range(40)]  # 40,000 blocks, 1,280 pages: two calls
         await handle.apply_batches([[StoredRun(None, p)] for p in prompts])
-        # The prompts the refill writes last (in its last call): missing longest if it showed.
-        order = {add.block: i for i, add in enumerate(handle.mirror.indexed_in_order())}
-        last = sorted(prompts, key=lambda p: order[p[0]])[-3:]
+        # The prompts whose first segment the refill writes last (segments go in order).
+        last = sorted(prompts, key=lambda p: p[0])[-3:]
         before = handle.registration
         stop, seen = threading.Event(), []
         reader = threading.Thread(target=watch, args=(redis_server.url, unique_name, last, stop, seen))
@@ -108,7 +114,7 @@ async def test_a_reader_never_sees_the_worker_emptier_during_a_reassert(redis_se
         assert set(seen) == {8}, f"the reader saw {sorted(set(seen))} blocks of a 1000-block prompt"
         assert after.gid != before.gid and after.epoch == before.epoch + 1 == handle.registration.epoch
         assert await handle.indexed_blocks() == 40_000
-        assert (await index.gc(unique_name, budget=100_000, grace_ms=0)).entries_removed == 40_000
+        assert (await index.gc(unique_name, budget=100_000, grace_ms=0)).entries_removed == 40 * 32  # holdings
         assert await index.match(unique_name, list(prompts[-1])) == {"a": 1000}
     finally:
         await client.aclose()
@@ -122,24 +128,20 @@ async def test_a_stage_never_swapped_counts_for_nobody_and_gc_collects_it_in_tim
     keys = index.keys(unique_name)
     staged = await stage_generation(index.scripts, keys, "a", handle.gid, 300)  # the writer dies after
     assert staged is not None
-    bucket = keys.bucket_of_chain(prompt[0])
-    kinds, blocks, args = encode_ops(handle.mirror.indexed_in_order())
-    block_keys = [bucket.block(h) for h in blocks]
-    await index.scripts.run(
-        raw_call("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, bucket_of(prompt[0])])
-    )
-    await index.scripts.run(
-        raw_call("apply", [bucket.state(staged), bucket.log(staged), *block_keys], [staged, 0, 1, kinds, *args])
-    )
-    assert await redis_client.sismember(bucket.block(prompt[-1]), str(staged))
+    bucket = keys.bucket_of_segment(prompt[0])
+    await index.scripts.run(raw_call("claim", [keys.worker("a"), keys.gid_buckets(staged)], [staged, bucket.number]))
+    changes = holding_changes({}, page_holdings([prompt]))
+    await index.scripts.run(lua.page_apply(staged, [BucketPages(bucket, 0, 1, len(prompt), changes)]))
+    leaf = f"e:{prompt[-1]:016x}"
+    assert str(staged).encode() in await redis_client.hget(keys.segment(prompt[0]), leaf)
     assert await index.match(unique_name, list(prompt)) == {"a": 20}
     assert (await index.gc(unique_name, grace_ms=0)).entries_removed == 0  # not before its time
 
     async def collected() -> bool:
-        return (await index.gc(unique_name, grace_ms=0)).entries_removed == 20
+        return (await index.gc(unique_name, grace_ms=0)).entries_removed == 1  # its one holding
 
     await wait_until(collected, 5)
-    assert not await redis_client.sismember(bucket.block(prompt[-1]), str(staged))
+    assert str(staged).encode() not in await redis_client.hget(keys.segment(prompt[0]), leaf)
     assert await index.match(unique_name, list(prompt)) == {"a": 20}
     assert await redis_client.hget(keys.gids, str(staged)) is None
 

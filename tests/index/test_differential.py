@@ -141,8 +141,8 @@ async def compare(redis_url: str, model: str, seed: int, ops) -> None:
             assert await redis.index.match(model, full) == await reference.index.match(model, full), f"after {step}"
         assert (await redis.index.stats(model)).entries == (await reference.index.stats(model)).entries
         for block in nodes:
-            root = path_to(forest, block)[0]
-            assert await redis.index.owners(model, block, root) == await reference.index.owners(model, block)
+            chain = path_to(forest, block)
+            assert await redis.index.owners(model, block, chain) == await reference.index.owners(model, block)
     finally:
         await client.aclose()
 

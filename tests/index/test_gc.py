@@ -16,10 +16,6 @@ def worker(model: str, name: str) -> WorkerInfo:
     return WorkerInfo(name, model, f"http://{name}", 16)
 
 
-async def block_keys_left(client, model: str) -> list[bytes]:
-    return [k for k in await model_keys(client, model) if b":b:" in k]
-
-
 async def test_a_cursor_beyond_its_log_counts_from_the_logs_end(redis_client, unique_name):
     index = RedisIndex(redis_client)
     keys = index.keys(unique_name)
@@ -30,20 +26,49 @@ async def test_a_cursor_beyond_its_log_counts_from_the_logs_end(redis_client, un
     shortened, lost = a.gid, b.gid
     await a.clear()
     await b.clear()
-    bucket = keys.bucket_of_chain(CHAIN[0])
+    bucket = keys.bucket_of_segment(CHAIN[0])
     await redis_client.hset(bucket.state(shortened), "c", 8000)
     await redis_client.hset(bucket.state(lost), "c", 24)
-    await redis_client.delete(bucket.log(lost))  # the log is gone, its cursor is not
+    await redis_client.delete(bucket.page_log(lost))  # the log is gone, its cursor is not
     result = await index.gc(unique_name, budget=1000, grace_ms=0)
-    assert (result.entries_removed, result.gids_finished, result.gids_pending) == (10, 2, 0)
-    # b's entries cannot be found without its log: they stay, counted for nobody.
-    assert sorted(await block_keys_left(redis_client, unique_name)) == sorted(
-        bucket.block(h).encode() for h in CHAIN[:4]
-    )
-    for gid in (shortened, lost):  # each state is a tombstone that apply.lua refuses, and expires
+    assert (result.entries_removed, result.gids_finished, result.gids_pending) == (1, 2, 0)  # a's one holding
+    # b's holding cannot be found without its log: it stays, counted for nobody.
+    page = await redis_client.hgetall(keys.segment(CHAIN[0]))
+    assert page[f"e:{CHAIN[3]:016x}".encode()] == f",{lost},".encode()
+    assert not any(str(shortened).encode() in k + v for k, v in page.items())
+    for gid in (shortened, lost):  # each state is a tombstone that page_apply.lua refuses, and expires
         assert await redis_client.hgetall(bucket.state(gid)) == {b"dead": b"1"}
         assert await redis_client.pttl(bucket.state(gid)) > 0
     assert await index.match(unique_name, CHAIN) == {"a": 0, "b": 0}
+
+
+async def test_gc_collects_a_generation_written_by_the_layout_before_pages(redis_client, unique_name):
+    """An index being upgraded: a gid's block keys, block log and claims as the layout before
+    pages wrote them (one SET per block, 8-byte hashes in the log). The upgraded agent registers
+    its worker afresh, which retires the old gid; it writes pages, and gc collects the old keys."""
+    index = RedisIndex(redis_client)
+    keys = index.keys(unique_name)
+    gid = (await index.register(worker(unique_name, "old"), LONG_TTL)).gid
+    bucket = keys.bucket_of_chain(CHAIN[0])
+    for block in CHAIN:
+        await redis_client.sadd(bucket.block(block), gid)
+    await redis_client.sadd(bucket.block(CHAIN[0]), 7)  # another gid's entry stays
+    await redis_client.set(bucket.log(gid), b"".join(h.to_bytes(8, "big") for h in CHAIN))
+    await redis_client.hset(bucket.state(gid), mapping={"op": 1, "n": len(CHAIN)})
+    await redis_client.sadd(keys.gid_buckets(gid), bucket.number)
+    await redis_client.hset(keys.gids, str(gid), "old")
+    await redis_client.hset(keys.meta, "block_keys", len(CHAIN))
+    upgraded = RedisIndex(redis_client)  # the new agent: a registration of its own, pages
+    await upgraded.register(worker(unique_name, "old"), LONG_TTL)
+    await upgraded.store(unique_name, "old", [StoredRun(None, tuple(CHAIN[:6]))])
+    assert await upgraded.match(unique_name, CHAIN) == {"old": 6}  # its pages; the old gid is retired
+    result = await index.gc(unique_name, budget=1000, grace_ms=0)
+    assert result.entries_removed >= len(CHAIN)
+    assert [k for k in await model_keys(redis_client, unique_name) if b":b:" in k] == [bucket.block(CHAIN[0]).encode()]
+    assert await redis_client.smembers(bucket.block(CHAIN[0])) == {b"7"}
+    assert await redis_client.hgetall(bucket.state(gid)) == {b"dead": b"1"}
+    assert (await index.stats(unique_name)).block_keys == 1
+    assert await upgraded.match(unique_name, CHAIN) == {"old": 6}
 
 
 async def test_retired_gids_without_blocks_count_toward_the_budget(redis_client, unique_name):

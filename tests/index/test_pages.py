@@ -151,7 +151,7 @@ async def test_a_replayed_or_out_of_order_write_changes_nothing(redis_client: Re
 
 
 LEAF = "00000000000000aa"
-PAGE = ["1", LEAF]  # key place, first block
+PAGE = ["1", LEAF, "0"]  # key place, first block, leaves held before
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError, ResponseError
 from kvindex.errors import ScriptArgumentError, StaleGenerationError
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import bucket_of
+from kvindex.pages import pages_of
 from kvindex.redis_index import RELOG_SLACK, RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import HeartbeatStatus, StoredRun, WorkerInfo, WorkerLoad
@@ -64,7 +65,7 @@ async def test_a_batch_interrupted_mid_reply_never_leaves_replies_for_the_next(r
             await index.scripts.call_many(index.match_calls(unique_name, CHAIN))
     # Still paused: the interrupted reply will arrive first on that connection, if it is reused.
     replies = await index.scripts.call_many(index.match_calls(other, CHAIN))
-    assert await index.match_result(other, *replies) == {"a": 2}
+    assert await index.match_result(other, CHAIN, replies) == {"a": 2}
     assert await index.match(unique_name, CHAIN) == {"a": 5}
     await client.aclose()
     await admin.aclose()
@@ -97,17 +98,19 @@ async def test_a_restarted_empty_redis_is_refilled_by_reassert(kind, unique_name
 @pytest.mark.parametrize(
     ("script", "args", "message"),
     [
-        ("apply", ["{gid}", 1, "x", b"a", b"\0" * 8, b"r"], "op ids must be integers"),
-        ("apply", ["{gid}", 1, 0, b"a", b"\0" * 8, b"r"], "op > previous op"),
-        ("apply", ["{gid}", 1, 99, b"a", b"\0" * 7, b"r"], "arguments malformed"),
-        ("apply", ["{gid}", 1, 99, b"a", b"\0" * 8, b"c"], "first may not be c"),
-        ("apply", ["{gid}", 1, 99, b"a", b"\0" * 8, b"p"], "need 6 arguments and 4 keys, got 6 and 3"),
-        ("apply", ["{gid}", 1, 99, b"s", b"x"], "subtraction count"),
-        ("apply", ["{gid}", 1, 99, b"sa", 1], "need 7 arguments"),
-        ("apply", ["{gid}", 1, 99, b"x", 1], "kinds must be"),
+        ("page_apply", ["{gid}", 1, 1, "x", 0, 1, 1, 1, "{first}", 0, 0, 0], "op ids"),
+        ("page_apply", ["{gid}", 1, 1, 1, 0, 1, 1, 1, "{first}", 0, 0, 0], "op > previous op"),
+        ("page_apply", ["{gid}", 1, 1, 99, 0, 1, 1, 1, "{first}", 0, 1, 0, "{first}", "00"], "branch"),
+        ("page_apply", ["{gid}", 1, 1, 99, 0, 1, 1, 1, "{first}", 0, 0, 1, "xyz"], "16 hex digits"),
+        ("page_apply", ["{gid}", 1, 1, 99, 0, 1, 1, 2, "{first}", 0, 0, 0], "key place"),
+        ("page_apply", ["{gid}", 1, 1, 99, 0, 1, 1, 1, "{first}", 0, 0, 0, "extra"], "arguments malformed"),
+        ("page_apply", ["{gid}", 0, 1, 99, 0, 1, 1, 1, "{first}", 0, 0, 0], "positive number of buckets"),
+        ("page_match", ["1", "{first}", 2, "e:{first}", "h:{first}"], "malformed"),
+        ("page_match", ["1", "{first}", "x", "e:{first}", "h:{first}"], "page count"),
+        ("page_match", ["1", "{first}" * 33, 1, "e:{first}", "h:{first}"], "do not agree"),
         ("load", ["{gid}", -1, 0, "0.5"], "non-negative running"),
         ("load", ["{gid}", 1, 0, "1.5"], "within 0..1"),
-        ("relog", ["{gid}", 1, 99, b"\0" * 9], "8 bytes per block"),
+        ("relog", ["{gid}", 1, 99, b"\0" * 9], "8 bytes per entry"),
     ],
 )
 async def test_malformed_script_arguments_are_rejected_without_changes(
@@ -117,14 +120,16 @@ async def test_malformed_script_arguments_are_rejected_without_changes(
     registration = await index.register(worker(unique_name), LONG_TTL)
     await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
     keys = index.keys(unique_name)
-    bucket = keys.bucket_of_chain(CHAIN[0])
+    bucket = keys.bucket_of_segment(CHAIN[0])
     gid = registration.gid
     key_lists = {
-        "apply": [bucket.state(gid), bucket.log(gid), bucket.block(CHAIN[0])],
+        "page_apply": [bucket.state(gid), bucket.page_log(gid), keys.segment(CHAIN[0])],
+        "page_match": [keys.segment(CHAIN[0])],
         "load": [keys.worker("a")],
-        "relog": [bucket.state(gid), bucket.log(gid)],
+        "relog": [bucket.state(gid), bucket.page_log(gid)],
     }
-    filled = [str(gid) if a == "{gid}" else a for a in args]
+    first = f"{CHAIN[0]:016x}"
+    filled = [a.replace("{gid}", str(gid)).replace("{first}", first) if isinstance(a, str) else a for a in args]
     before = await model_keys(redis_client, unique_name)
     with pytest.raises(ResponseError, match=message):
         await index.scripts.call(raw_call(script, key_lists[script], filled))
@@ -156,7 +161,7 @@ async def test_gc_removes_every_entry_of_retired_generations_in_bounded_steps(re
     index = RedisIndex(redis_client)
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.register(worker(unique_name, "b"), LONG_TTL)
-    chains = [sequence_hashes([i] * 16 + list(range(400)), 16) for i in range(20)]
+    chains = [sequence_hashes([i] * 16 + list(range(16 * 300)), 16) for i in range(20)]  # 10 pages each
     for chain in chains:
         await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
         await index.store(unique_name, "b", [StoredRun(None, tuple(chain[:3]))])
@@ -164,31 +169,32 @@ async def test_gc_removes_every_entry_of_retired_generations_in_bounded_steps(re
     await index.heartbeat(unique_name, "b", 0)
     steps = 0
     while True:
-        result = await index.gc(unique_name, budget=50, grace_ms=0)
-        assert result.entries_removed <= 50
+        result = await index.gc(unique_name, budget=30, grace_ms=0)
+        assert result.entries_removed <= 30
         steps += 1
         if result.gids_pending == 0:
             break
     assert steps > 5
     keys = await model_keys(redis_client, unique_name)
-    leftovers = [k for k in keys if b":b:" in k or b":log:" in k]
+    leftovers = [k for k in keys if any(kind in k for kind in (b":s:", b":pl:", b":b:", b":log:"))]
     assert leftovers == []
     stats = await index.stats(unique_name)
-    assert (stats.workers, stats.entries, stats.block_keys, stats.gids_pending_gc) == (1, 0, 0, 0)
+    assert (stats.workers, stats.entries, stats.pages, stats.gids_pending_gc) == (1, 0, 0, 0)
 
 
-async def test_churn_compacts_the_block_log_and_gc_still_finds_everything(redis_client, unique_name):
+async def test_churn_compacts_the_page_log_and_gc_still_finds_everything(redis_client, unique_name):
     index = RedisIndex(redis_client)
     registration = await index.register(worker(unique_name), LONG_TTL)
-    chain = sequence_hashes(list(range(16 * 64)), 16)
-    for _ in range(40):  # evict the tail and store it again, as a busy LRU cache does
+    chain = sequence_hashes(list(range(16 * 64)), 16)  # pages 0 and 1, two segment keys
+    for _ in range(RELOG_SLACK + 20):  # evict the whole prompt and store it again, as a busy LRU cache does
         await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
         await index.remove(unique_name, "a", chain[32:][::-1])
         await index.remove(unique_name, "a", chain[:32][::-1])
     await index.store(unique_name, "a", [StoredRun(None, tuple(chain[:40]))])
-    log_key = index.keys(unique_name).bucket_of_chain(chain[0]).log(registration.gid)
-    log_entries = await redis_client.strlen(log_key) // 8
-    assert log_entries <= 2 * 40 + RELOG_SLACK
+    keys = index.keys(unique_name)
+    for first in (chain[0], chain[32]):
+        log_key = keys.bucket_of_segment(first).page_log(registration.gid)
+        assert 1 <= await redis_client.strlen(log_key) // 32 <= 2 * 1 + RELOG_SLACK  # one page held there
     assert await index.match(unique_name, chain) == {"a": 40}
     await index.clear(unique_name, "a")
     while (await index.gc(unique_name, budget=1000, grace_ms=0)).gids_pending:
@@ -196,10 +202,10 @@ async def test_churn_compacts_the_block_log_and_gc_still_finds_everything(redis_
     assert [k for k in await model_keys(redis_client, unique_name) if b":b:" in k] == []
 
 
-async def test_a_models_control_keys_share_a_slot_and_each_chain_lives_in_its_buckets_slot(redis_client, unique_name):
+async def test_a_models_control_keys_share_a_slot_and_each_segment_lives_in_its_buckets_slot(redis_client, unique_name):
     index = RedisIndex(redis_client)
     await index.register(worker(unique_name), LONG_TTL)
-    chains = [sequence_hashes([seed] * 16 + list(range(64)), 16) for seed in range(20)]
+    chains = [sequence_hashes([seed] * 16 + list(range(16 * 70)), 16) for seed in range(20)]  # pages 0-2
     for chain in chains:
         await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
     await index.clear(unique_name, "a")
@@ -207,10 +213,11 @@ async def test_a_models_control_keys_share_a_slot_and_each_chain_lives_in_its_bu
     control = {k for k in keys if k.startswith(f"kvr:{{{unique_name}}}:".encode())}
     assert len(control) >= 5 and {key_slot(k) for k in control} == {key_slot(unique_name.encode())}
     for chain in chains:
-        bucket = index.keys(unique_name).bucket_of_chain(chain[0])
-        mine = {k for k in keys if k.startswith(bucket.base.encode())}
-        assert {bucket.block(h).encode() for h in chain} <= mine  # the whole chain, in one slot
-        assert len({key_slot(k) for k in mine}) == 1
+        for page in pages_of(chain):
+            bucket = index.keys(unique_name).bucket_of_segment(page.segment)
+            mine = {k for k in keys if k.startswith(bucket.base.encode())}
+            assert bucket.segment(page.segment).encode() in mine  # the segment, in its bucket's slot
+            assert len({key_slot(k) for k in mine}) == 1
     slots = {key_slot(k) for k in set(keys) - control}
     assert len(slots) >= 10  # 20 roots: the model spreads over many slots (and a cluster's masters)
 
@@ -247,12 +254,11 @@ async def test_reassert_renews_the_same_handle_in_place(redis_client, unique_nam
     before = handle.registration
     bucket = bucket_of(CHAIN[0])
     assert handle.writes.ops == {bucket: 1} and await handle.indexed_blocks() == 6 == handle.mirror.indexed_count
-    block_key = index.keys(unique_name).bucket(bucket).block(CHAIN[5])
-    await redis_client.delete(block_key)  # drift: Redis lost a block
+    await redis_client.delete(index.keys(unique_name).segment(CHAIN[0]))  # drift: Redis lost the holdings
     assert await handle.indexed_blocks() == 6  # the bucket's count does not know
     after = await handle.reassert()
     assert handle.registration == after and after.gid != before.gid and after.epoch == before.epoch + 1
-    assert handle.writes.ops == {bucket: 1}  # one apply: op ids start again with the generation
+    assert handle.writes.ops == {bucket: 1}  # one page_apply: op ids start again with the generation
     assert index.handle(unique_name, "a") is handle and handle.active
     assert await index.match(unique_name, CHAIN) == {"a": 6}
     assert (await index.workers(unique_name))[0].load == WorkerLoad(1, 2, 0.5)

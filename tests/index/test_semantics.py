@@ -42,14 +42,14 @@ async def test_a_hole_in_the_chain_ends_the_match(index, unique_name):
     assert await index.match(unique_name, CHAIN) == {"a": 9}
     await index.remove(unique_name, "a", [CHAIN[2]])
     assert await index.match(unique_name, CHAIN) == {"a": 2}
-    assert await index.owners(unique_name, CHAIN[6]) == {}
+    assert await index.owners(unique_name, CHAIN[6], CHAIN[:7]) == {}
 
 
 async def test_duplicate_stores_are_reference_counted(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
     await index.store(unique_name, "a", [run(CHAIN, 3, 4)])  # vLLM's second copy of the last block
-    assert await index.owners(unique_name, CHAIN[3]) == {"a": 1}  # held; copies are the writer's
+    assert await index.owners(unique_name, CHAIN[3], CHAIN[:4]) == {"a": 1}  # held; copies are the writer's
     await index.remove(unique_name, "a", [CHAIN[3]])
     assert await index.match(unique_name, CHAIN) == {"a": 4}
     await index.remove(unique_name, "a", [CHAIN[3]])
@@ -80,7 +80,7 @@ async def test_dead_workers_never_count(index, unique_name):
         await index.store(unique_name, name, [run(CHAIN, 0, 8)])
     assert await index.heartbeat(unique_name, "b", 0) == HeartbeatStatus.OK  # deadline = now
     assert await index.match(unique_name, CHAIN) == {"a": 8}
-    assert await index.owners(unique_name, CHAIN[0]) == {"a": 1}
+    assert await index.owners(unique_name, CHAIN[0], CHAIN[:1]) == {"a": 1}
     assert await index.heartbeat(unique_name, "b", LONG_TTL) == HeartbeatStatus.OK
     assert await index.match(unique_name, CHAIN) == {"a": 8, "b": 8}
 
@@ -109,7 +109,7 @@ async def test_gc_forgets_long_dead_workers(index, unique_name):
     with pytest.raises(KVIndexError):
         await index.store(unique_name, "b", [run(CHAIN, 0, 1)])
     stats = await index.stats(unique_name)
-    assert (stats.workers, stats.alive_workers, stats.entries, stats.block_keys) == (1, 1, 0, 0)
+    assert (stats.workers, stats.alive_workers, stats.entries, stats.pages) == (1, 1, 0, 0)
 
 
 async def test_reregistering_starts_empty(index, unique_name):
@@ -186,7 +186,7 @@ async def test_models_are_separate_namespaces(index, unique_name):
     assert await index.match(other, CHAIN) == {"a": 0}
     assert {unique_name, other} <= set(await index.models())
     stats = await index.stats(unique_name)
-    assert (stats.block_size, stats.workers, stats.entries, stats.block_keys) == (4, 1, 5, 5)
+    assert (stats.block_size, stats.workers, stats.entries, stats.block_keys, stats.pages) == (4, 1, 5, 0, 1)
 
 
 async def test_apply_takes_changes_in_their_order(index, unique_name):
@@ -208,7 +208,7 @@ async def test_apply_counts_copies_like_store_and_remove(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.apply(unique_name, "a", [run(CHAIN, 0, 3), run(CHAIN, 2, 3), RemovedBlocks((CHAIN[2],))])
     assert await index.match(unique_name, CHAIN) == {"a": 3}
-    assert await index.owners(unique_name, CHAIN[2]) == {"a": 1}
+    assert await index.owners(unique_name, CHAIN[2], CHAIN[:3]) == {"a": 1}
 
 
 async def test_reported_load_is_shown_with_the_worker(index, unique_name):

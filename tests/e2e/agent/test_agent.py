@@ -268,17 +268,17 @@ async def test_an_agent_binds_for_an_engine_that_connects(unique_name, server, i
 
 
 @pytest.mark.faults
-async def test_a_block_key_lost_in_redis_heals_at_the_next_store_below_it(engine, agent, index, unique_name, server):
+async def test_a_segment_key_lost_in_redis_heals_at_the_next_store_into_it(engine, agent, index, unique_name, server):
     pub = engine.publisher
     await pub.publish([stored(0, 6)])
     await wait_for_match(index, unique_name, [6])
     client = Redis.from_url(server.url)
     try:
-        await client.delete(index.keys(unique_name).bucket_of_chain(CHAIN[0]).block(CHAIN[5]))  # as Redis evicting
+        await client.delete(index.keys(unique_name).segment(CHAIN[0]))  # as Redis evicting
     finally:
         await client.aclose()
-    await wait_for_match(index, unique_name, [5])
-    await pub.publish([stored(6, 8)])  # Redis refuses block 6 (its parent is gone): re-assert
+    await wait_for_match(index, unique_name, [0])
+    await pub.publish([stored(6, 8)])  # the page lost the leaf this store moves: re-assert
     await wait_for_match(index, unique_name, [8])
     assert await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
 

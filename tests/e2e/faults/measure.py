@@ -39,7 +39,7 @@ from kvindex.hashing import sequence_hashes
 from kvroute.devstack.embedded_redis import RedisServer
 from router.main import RunningRouter
 from tests.e2e.faults.traffic import BLOCK, Traffic, make_prefixes
-from tests.e2e.faults.views import engine_block_roots, index_blocks, leading_run, route_view
+from tests.e2e.faults.views import engine_block_parents, index_blocks, leading_run, route_view
 from tests.e2e.router.support import start_router, wait_for_workers
 from tests.support import SimFleet
 
@@ -105,7 +105,7 @@ class Scene:
     client: Redis
     session: aiohttp.ClientSession
     dead: set[int] = field(default_factory=set)  # engines killed on purpose (their cache is gone)
-    seen: dict[int, int] = field(default_factory=dict)  # every index hash an engine held -> its chain's root
+    seen: dict[int, int | None] = field(default_factory=dict)  # every index hash an engine held -> its parent
     extra_router_urls: list[str] = field(default_factory=list)  # router processes, checked too
 
     @property
@@ -150,12 +150,12 @@ class Scene:
         snap = Snapshot(caught_up=await self.caught_up())
         held: dict[str, set[int]] = {}
         for i, engine in enumerate(self.fleet.engines):
-            roots = {} if i in self.dead else await engine_block_roots(self.session, engine.url, BLOCK)
-            held[self.worker(i)] = set(roots)
-            self.seen.update(roots)
+            parents = {} if i in self.dead else await engine_block_parents(self.session, engine.url, BLOCK)
+            held[self.worker(i)] = set(parents)
+            self.seen.update(parents)
         chains = [sequence_hashes(p, BLOCK) for p in self.probes]
         for chain in chains:
-            self.seen.update(dict.fromkeys(chain, chain[0]))
+            self.seen.update(zip(chain, [None, *chain[:-1]], strict=True))
         try:
             async with asyncio.timeout(3):
                 indexed = await index_blocks(self.client, MODEL, self.seen)

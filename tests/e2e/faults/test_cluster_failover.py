@@ -25,7 +25,6 @@ from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
 from router.main import RunningRouter
 from tests.e2e.cluster_support import (
     BLOCK,
-    block_keys_per_master,
     bounded,
     chain_of,
     control_slot,
@@ -33,12 +32,13 @@ from tests.e2e.cluster_support import (
     make_acl_user,
     prime,
     prompts_on_every_master,
+    segment_keys_per_master,
     start_router_process,
     wait_for_workers,
     wait_held,
 )
 from tests.e2e.faults.traffic import Traffic, make_prefixes
-from tests.e2e.faults.views import engine_block_roots, index_blocks, leading_run
+from tests.e2e.faults.views import engine_block_parents, index_blocks, leading_run
 from tests.e2e.router.support import start_router
 from tests.support import SimFleet, wait_until
 
@@ -58,7 +58,7 @@ class ClusterScene:
     client: RedisClient
     session: aiohttp.ClientSession
     probes: list[tuple[list[int], str]] = field(default_factory=list)  # (prompt, the worker it was primed on)
-    seen: dict[int, int] = field(default_factory=dict)  # every block an engine held -> its chain's root
+    seen: dict[int, int | None] = field(default_factory=dict)  # every block an engine held -> its parent
     extra_router_urls: list[str] = field(default_factory=list)  # router processes, sent traffic and checked too
 
     @property
@@ -98,7 +98,7 @@ class ClusterScene:
         for prompt, worker in self.probes:
             chain = chain_of(prompt)
             held = leading_run(
-                chain, set(await engine_block_roots(self.session, self.fleet.engine_of(worker).url, BLOCK))
+                chain, set(await engine_block_parents(self.session, self.fleet.engine_of(worker).url, BLOCK))
             )
             if (await self.index.match(MODEL, chain)).get(worker) != held:
                 return False
@@ -112,7 +112,7 @@ class ClusterScene:
         if not await self.caught_up():
             return False
         held = {
-            self.fleet.worker_id(i): await engine_block_roots(self.session, engine.url, BLOCK)
+            self.fleet.worker_id(i): await engine_block_parents(self.session, engine.url, BLOCK)
             for i, engine in enumerate(self.fleet.engines)
         }
         assert all(held.values()), "an engine holds nothing: the comparison would prove nothing"
@@ -219,7 +219,7 @@ async def survive(scene: ClusterScene, fault, port: int) -> int:
 async def test_failovers_of_the_control_master_and_of_a_bucket_master(scene: ClusterScene):
     cluster = scene.cluster
     control = cluster.master_for_slot(control_slot(MODEL))
-    buckets = next(port for port, count in block_keys_per_master(cluster, MODEL).items() if port != control and count)
+    buckets = next(port for port, count in segment_keys_per_master(cluster, MODEL).items() if port != control and count)
     await survive(scene, cluster.failover, control)
     assert cluster.master_for_slot(control_slot(MODEL)) != control
     await survive(scene, cluster.failover, buckets)
@@ -237,7 +237,7 @@ async def test_the_control_master_killed(scene: ClusterScene):
 async def test_a_bucket_master_killed(scene: ClusterScene):
     cluster = scene.cluster
     control = cluster.master_for_slot(control_slot(MODEL))
-    buckets = next(port for port, count in block_keys_per_master(cluster, MODEL).items() if port != control and count)
+    buckets = next(port for port, count in segment_keys_per_master(cluster, MODEL).items() if port != control and count)
     await survive(scene, cluster.kill_master, buckets)
     print(f"FIGURES cluster_kill_bucket_master: requests={scene.traffic.sent} failed={scene.traffic.failed}")
 
@@ -264,7 +264,7 @@ async def test_least_privilege_users_through_a_failover_and_a_killed_master(clus
 async def test_a_router_reading_from_replicas_through_a_failover_and_a_killed_master(cluster: LocalCluster):
     async with cluster_scene(cluster, router_processes=[["--read-from-replicas"]]) as scene:
         control = cluster.master_for_slot(control_slot(MODEL))
-        buckets = next(p for p, n in block_keys_per_master(cluster, MODEL).items() if p != control and n)
+        buckets = next(p for p, n in segment_keys_per_master(cluster, MODEL).items() if p != control and n)
         await survive(scene, cluster.failover, buckets)  # its replica, read from, becomes the master
         await survive(scene, cluster.kill_master, control)
 

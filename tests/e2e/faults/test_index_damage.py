@@ -25,19 +25,18 @@ pytestmark = pytest.mark.faults
 AGENT_ARGS = ["--reassert-interval", "4", "--ttl-ms", "30000"]
 
 
-async def delete_block_keys(scene: Scene, rng: random.Random, share: float) -> dict[int, int]:
-    """Delete, for probe p, its block at depth 1 + p % 6, and ``share`` of all block keys.
-    Returns each probe's first deleted depth."""
+async def delete_segment_keys(scene: Scene, rng: random.Random, share: float) -> dict[int, int]:
+    """Delete the segment key of every other probe (its one page: the probes are shorter than a
+    page), and ``share`` of all segment keys. Returns each probe's first deleted depth (0: its
+    page's key is gone; its length: nothing of it is)."""
     keys = KeySchema().for_model(MODEL)
-    chains = []
-    for probe in scene.probes:
-        hashes = sequence_hashes(probe, BLOCK)
-        chains.append([keys.bucket_of_chain(hashes[0]).block(h).encode() for h in hashes])
-    doomed = {chain[1 + p % 6] for p, chain in enumerate(chains)}
-    every = [key async for key in scene.client.scan_iter(match=keys.bucket_base("*") + "b:*", count=1000)]
+    chains = [sequence_hashes(probe, BLOCK) for probe in scene.probes]
+    segments = [keys.segment(chain[0]).encode() for chain in chains]
+    doomed = {segment for p, segment in enumerate(segments) if p % 2 == 0}
+    every = [key async for key in scene.client.scan_iter(match=keys.bucket_base("*") + "s:*", count=1000)]
     doomed |= {key for key in every if rng.random() < share}
     await scene.client.delete(*doomed)
-    return {p: next(d for d, key in enumerate(chain) if key in doomed) for p, chain in enumerate(chains)}
+    return {p: 0 if segments[p] in doomed else len(chain) for p, chain in enumerate(chains)}
 
 
 async def match_errors(scene: Scene, first_deleted: dict[int, int]) -> list[str]:
@@ -72,7 +71,7 @@ async def test_random_block_keys_deleted(redis_server):
         for process in agents:
             process.send_signal(signal.SIGSTOP)
         try:
-            first_deleted = await delete_block_keys(scene, random.Random(5), share=0.2)
+            first_deleted = await delete_segment_keys(scene, random.Random(5), share=0.2)
             since = time.monotonic()
             errors = await match_errors(scene, first_deleted)
             lost_at_once = len((await scene.snapshot()).lost)
@@ -87,12 +86,13 @@ async def test_random_block_keys_deleted(redis_server):
         scene.check(figures, [recovery])
 
 
-async def add_member(scene: Scene, key: str, gid: str) -> None:
-    """Add ``gid`` to a block key whatever its type (a set of gids; a sorted set before)."""
-    if (await scene.client.type(key)) == b"zset":
-        await scene.client.zadd(key, {gid: 1})
-    else:
-        await scene.client.sadd(key, gid)
+async def add_holder(scene: Scene, chain: list[int], depth: int, gid: str) -> None:
+    """List ``gid`` by hand as holding ``chain``'s page from its start through block ``depth``
+    (the probes are one page long)."""
+    key = KeySchema().for_model(MODEL).segment(chain[0])
+    for field in (f"e:{chain[depth]:016x}", f"h:{chain[0]:016x}"):
+        listed = (await scene.client.hget(key, field) or b",").decode()
+        await scene.client.hset(key, field, f"{listed}{gid},")
 
 
 async def test_a_malformed_entry_leaves_other_workers_matches_exact(redis_server):
@@ -107,7 +107,7 @@ async def test_a_malformed_entry_leaves_other_workers_matches_exact(redis_server
                 assert response.status == 200
         await wait_until(scene.caught_up, 10)
         chain = sequence_hashes(probe, BLOCK)
-        await add_member(scene, KeySchema().for_model(MODEL).bucket_of_chain(chain[0]).block(chain[7]), "999999")
+        await add_holder(scene, chain, 7, "999999")
         errors = []
         for url in scene.router_urls:
             view = await route_view(scene.session, url, probe)

@@ -17,18 +17,18 @@ from kvindex.redis_index import RedisIndex
 async def engine_blocks(session: aiohttp.ClientSession, url: str, block_size: int) -> set[int]:
     """The index hashes of every block the engine caches whose whole chain it caches (the part
     an agent indexes: a block is indexed only under its parent)."""
-    return set(await engine_block_roots(session, url, block_size))
+    return set(await engine_block_parents(session, url, block_size))
 
 
-async def engine_block_roots(session: aiohttp.ClientSession, url: str, block_size: int) -> dict[int, int]:
-    """:func:`engine_blocks`, each with the index hash of its chain's first block (which says
-    the block's bucket in the index)."""
+async def engine_block_parents(session: aiohttp.ClientSession, url: str, block_size: int) -> dict[int, int | None]:
+    """:func:`engine_blocks`, each with the index hash of its parent (None for a chain's first
+    block): the chains the index stores it in."""
     async with session.get(url + "/debug/cache", params={"detail": "1"}) as response:
         response.raise_for_status()
         body = await response.json()
     content = {int(b["hash"], 16): b for b in body["blocks"]}
     hashed: dict[int, int | None] = {}
-    roots: dict[int, int] = {}
+    parents: dict[int, int | None] = {}
 
     def index_hash(engine_hash: int) -> int | None:
         if engine_hash in hashed:
@@ -43,26 +43,43 @@ async def engine_block_roots(session: aiohttp.ClientSession, url: str, block_siz
         salt = block["salt"] if parent is None else None
         value = extend_sequence_hashes(parent, block["token_ids"], block_size, cache_salt=salt)[0]
         hashed[engine_hash] = value
-        roots[value] = value if parent is None else roots[parent]
+        parents[value] = parent
         return value
 
     indexed = {h for h in (index_hash(e) for e in content) if h is not None}
-    return {h: roots[h] for h in indexed}
+    return {h: parents[h] for h in indexed}
 
 
-async def index_blocks(client: RedisClient, model: str, roots: dict[int, int]) -> dict[str, set[int]]:
-    """For each alive worker, which of the blocks in ``roots`` (block -> its chain's first block,
-    which says its bucket) the index credits it with."""
+def chains_through(parents: dict[int, int | None]) -> list[list[int]]:
+    """The chains, from their first block, that end at each block of ``parents`` (block -> its
+    parent, None for a first block) with no child there: between them, every block whose whole
+    chain is known."""
+    inner = {p for p in parents.values() if p is not None}
+    chains = []
+    for leaf in set(parents) - inner:
+        chain = [leaf]
+        while (parent := parents.get(chain[-1])) is not None and len(chain) <= len(parents):
+            chain.append(parent)
+        if chain[-1] in parents and parents[chain[-1]] is None:
+            chains.append(chain[::-1])
+    return chains
+
+
+async def index_blocks(client: RedisClient, model: str, parents: dict[int, int | None]) -> dict[str, set[int]]:
+    """For each alive worker, which of the blocks in ``parents`` (block -> its parent) the index
+    credits it with: a match down every chain they form (the index finds a block by its chain),
+    all sent in one batch."""
     index = RedisIndex(client)
-    by_root: dict[int, list[int]] = {}
-    for block, root in roots.items():
-        by_root.setdefault(root, []).append(block)
+    chains = chains_through(parents)
+    batches = [index.match_calls(model, chain) for chain in chains]
+    replies = await index.scripts.call_many([call for calls in batches for call in calls])
     held: dict[str, set[int]] = {}
-    for root, blocks in by_root.items():
-        chain = [root, *(b for b in blocks if b != root)]  # owners_of_chain reads the bucket of chain[0]
-        for block, workers in zip(chain, await index.owners_of_chain(model, chain), strict=True):
-            for worker in workers:
-                held.setdefault(worker, set()).add(block)
+    at = 0
+    for chain, calls in zip(chains, batches, strict=True):
+        depths = await index.match_result(model, chain, replies[at : at + len(calls)])
+        at += len(calls)
+        for worker, depth in depths.items():
+            held.setdefault(worker, set()).update(chain[:depth])
     return held
 
 

@@ -185,8 +185,8 @@ async def test_a_replica_alone_reads_only_the_index(router: RunningRouter, redis
     assert load.shared.alone("tiny")
     alone = await _scripts_run_by(decider.decide("tiny", PREFIX), redis_server.url)
     liveness = {"alive", "alive_since"}
-    assert "match" in alone and liveness & alone and not {"inflight", "expected"} & alone
+    assert "page_match" in alone and liveness & alone and not {"inflight", "expected"} & alone
 
     await _ready_to_carry(router, "tiny", redis_server.url)
     shared = await _scripts_run_by(decider.decide("tiny", PREFIX), redis_server.url)
-    assert {"match", "inflight", "expected"} <= shared and liveness & shared
+    assert {"page_match", "inflight", "expected"} <= shared and liveness & shared
