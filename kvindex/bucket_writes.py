@@ -42,6 +42,8 @@ class GenerationWrites:
         self.entries[bucket] = entries
         self.key_delta += key_delta
 
-    def buckets_to_relog(self, slack: int) -> list[int]:
-        """Buckets whose page log lists more than twice the pages the gid holds there, plus slack."""
-        return [b for b, n in self.logs.items() if n > 2 * self.sent.per_bucket.get(b, 0) + slack]
+    def buckets_to_relog(self, slack: int, buckets: Iterable[int]) -> list[int]:
+        """Of ``buckets`` (those a write just touched: only a write grows a log), those whose page
+        log lists more than twice the pages the gid holds there, plus slack."""
+        per_bucket = self.sent.per_bucket
+        return [b for b in buckets if self.logs.get(b, 0) > 2 * per_bucket.get(b, 0) + slack]

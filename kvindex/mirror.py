@@ -22,24 +22,22 @@ Pure data structure, no I/O: it turns stores and removals into ordered index ope
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvindex.types import BlockChange, RemovedBlocks, StoredRun, WriteResult
 
 
-@dataclass(frozen=True)
-class IndexAdd:
+class IndexAdd(NamedTuple):
     """Add ``block`` to the worker's indexed blocks; ``parent`` is indexed already (or None).
-    ``root`` is the first block of its chain (the block itself when it has no parent): it picks
-    the bucket the entry lives in (kvindex.keys.bucket_of)."""
+    ``root`` is the first block of its chain (the block itself when it has no parent). (A tuple:
+    a writer makes one per block it stores.)"""
 
     block: int
     parent: int | None
     root: int
 
 
-@dataclass(frozen=True)
-class IndexSub:
+class IndexSub(NamedTuple):
     """Take ``block`` (of the chain starting at ``root``) out of the worker's indexed blocks."""
 
     block: int
@@ -184,6 +182,13 @@ class BlockMirror:
             return False
         if parent is not None and parent not in self._indexed:
             return False
+        if block not in self._children:  # the common case: a new block with nothing below it
+            root = block if parent is None else self._root[parent]
+            self._indexed.add(block)
+            self._root[block] = root
+            self._capped.discard(block)
+            adds.append(IndexAdd(block, parent, root))
+            return True
         self._collect_subtree(block, adds)
         return True
 

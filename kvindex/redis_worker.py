@@ -329,7 +329,7 @@ class RedisWorker:
         status = await self._tally(writes, self.mirror.indexed_count)
         if status != "ok":
             raise StaleGenerationError(f"worker {self.worker_id!r} is {status} in the index: register again")
-        for bucket in writes.buckets_to_relog(RELOG_SLACK):
+        for bucket in writes.buckets_to_relog(RELOG_SLACK, [plan.bucket for plan in plans]):
             await self._relog(bucket)
 
     async def _tally(self, writes: GenerationWrites, blocks: int) -> str:
