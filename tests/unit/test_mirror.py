@@ -173,9 +173,12 @@ def test_an_engines_evictions_show_its_cache_size(num_blocks, lengths, seed):
             if inferred is not None:
                 assert inferred <= num_blocks
     if evicted:
-        # one request at a time: at an eviction, every block but the null block and the running
-        # request's partly filled ones holds a hash
-        assert mirror.inferred_capacity() >= num_blocks - 2
+        # One request at a time: at an eviction every block holds a hash but the null block and
+        # the unhashed blocks the new request took first from the free queue: earlier requests'
+        # partly filled blocks (their prompt's last block, the one their decoded tokens began),
+        # which pile up there while short, cached prompts need fewer new blocks than they free
+        # (hypothesis found 104 of 107 and 85 of 89).
+        assert mirror.inferred_capacity() >= num_blocks - 8
 
 
 @given(st.integers(40, 120), st.lists(st.integers(5, 70), min_size=12, max_size=40), st.integers(0, 3))
