@@ -5,7 +5,9 @@
 -- cursor beyond the log's end (the log was lost or replaced) counts from the end. When the log is
 -- done the state becomes a tombstone (`dead`, expiring after dead_ttl_ms) that page_apply.lua
 -- refuses. A log entry whose page no longer lists the gid (it let go, or was collected) costs a
--- lookup and nothing more. A retired gid counts in no match, so the order does not matter.
+-- lookup and nothing more. A retired gid counts in no match, so the order does not matter. The
+-- gid also leaves the list of the block after its page's stem (`k:`), and a page nobody holds
+-- any more loses its stem (`c:`, `K:`, `k:`: see page_apply.lua).
 --
 -- KEYS[1] state  HASH    the gid's state in this bucket (field c: log bytes still to collect)
 -- KEYS[2] log    STRING  the gid's page log in this bucket (32 hex digits an entry: the page's
@@ -56,7 +58,22 @@ if take > 0 then
     local mine_field = 'g:' .. page .. ':' .. gid
     local mine = redis.call('HGET', key, mine_field)
     if mine then
+      local stem, registry = unpack(redis.call('HMGET', key, 'c:' .. page, 'K:' .. page))
+      stem = stem or nil  -- HMGET's nil is false in Lua
+      local s = stem and #stem / 16
+      registry = registry or ','
       for leaf in string.gmatch(mine, '(%x+),') do
+        local branch = redis.call('HGET', key, 't:' .. leaf) or ''
+        if s and #branch >= 16 * (s + 1) then  -- out of the list of the block after the stem
+          local b = string.sub(branch, 16 * s + 1, 16 * s + 16)
+          local listed = without(redis.call('HGET', key, 'k:' .. b) or ',', gid)
+          if listed == ',' then
+            redis.call('HDEL', key, 'k:' .. b)
+            registry = without(registry, b)
+          else
+            redis.call('HSET', key, 'k:' .. b, listed)
+          end
+        end
         local holders = without(redis.call('HGET', key, 'e:' .. leaf) or ',', gid)
         if holders == ',' then
           redis.call('HDEL', key, 'e:' .. leaf, 't:' .. leaf)
@@ -68,12 +85,22 @@ if take > 0 then
       redis.call('HDEL', key, mine_field)
       local holders_field = 'h:' .. page
       local holders = without(redis.call('HGET', key, holders_field) or ',', gid)
-      if holders == ',' then
-        if redis.call('HDEL', key, holders_field) == 1 then
+      if holders == ',' then  -- nobody holds the page: its stem goes too
+        local gone = {holders_field, 'c:' .. page, 'K:' .. page}
+        for b in string.gmatch(registry, '(%x+),') do
+          gone[#gone + 1] = 'k:' .. b
+        end
+        if redis.call('HEXISTS', key, holders_field) == 1 then
           emptied = emptied + 1
         end
+        redis.call('HDEL', key, unpack(gone))
       else
         redis.call('HSET', key, holders_field, holders)
+        if registry == ',' then
+          redis.call('HDEL', key, 'K:' .. page)
+        elseif stem then
+          redis.call('HSET', key, 'K:' .. page, registry)
+        end
       end
     end
   end

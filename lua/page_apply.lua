@@ -10,6 +10,11 @@
 -- are chained); `g:<P>:<gid>` the gid's leaves in P. Lists are `,item,item,`. A leaf nobody
 -- holds loses its `e:` and `t:`, a page nobody holds its `h:`, and a segment key with no
 -- fields left is gone (Redis drops an empty HASH).
+-- The page's stem: `c:<P>`, blocks that every branch in P starts with (a gained branch can only
+-- shorten it); `k:<block>` for each block right after the stem, the gids holding a branch
+-- through it; `K:<P>` the names of those blocks. page_match.lua reads them where holders stop
+-- inside P: a gid not listed after the stem along the prompt stops at the stem's end, with no
+-- look at its leaves (a shared system prompt that ends inside a page: every match stops there).
 --
 -- Continuity, per (gid, bucket), as apply.lua: the state's `op` is the id of the last call
 -- applied there, and a call names the op id it follows. Not that one: 'lost' (the bucket lost
@@ -99,12 +104,136 @@ local function without(list, item)
   return string.sub(list, 1, at) .. string.sub(list, at + #item + 2), true
 end
 
+-- How many leading blocks two branches (16 hex digits a block) share.
+local function shared(a, b)
+  local n = math.min(#a, #b)
+  if string.sub(a, 1, n) == string.sub(b, 1, n) then
+    return n / 16
+  end
+  local lo, hi = 0, n / 16
+  while lo < hi do
+    local mid = math.ceil((lo + hi) / 2)
+    if string.sub(a, 1, 16 * mid) == string.sub(b, 1, 16 * mid) then
+      lo = mid
+    else
+      hi = mid - 1
+    end
+  end
+  return lo
+end
+
+-- The block of a branch at position s (0-based), or nil past its end.
+local function block_at(branch, s)
+  if #branch < 16 * (s + 1) then
+    return nil
+  end
+  return string.sub(branch, 16 * s + 1, 16 * s + 16)
+end
+
+-- `gid` in or out of `k:<b>`, the registry `K:<P>` kept with it; returns the registry.
+local function mark(key, b, gid, on, registry)
+  local field = 'k:' .. b
+  local listed = redis.call('HGET', key, field) or ','
+  local has = string.find(listed, ',' .. gid .. ',', 1, true) ~= nil
+  if on and not has then
+    redis.call('HSET', key, field, listed .. gid .. ',')
+    if listed == ',' then
+      registry = registry .. b .. ','
+    end
+  elseif not on and has then
+    listed = without(listed, gid)
+    if listed == ',' then
+      redis.call('HDEL', key, field)
+      registry = without(registry, b)
+    else
+      redis.call('HSET', key, field, listed)
+    end
+  end
+  return registry
+end
+
+-- Keep page P's stem (c:, k:, K:) true after `gid` gained the branches `gained` and lost the
+-- branches `lost`, with `mine` its leaves now and `before` the page's holders before the change.
+local function keep_stem(key, first, gid, gained, lost, mine, before, after)
+  local stem_field, registry_field = 'c:' .. first, 'K:' .. first
+  local stem, registry = unpack(redis.call('HMGET', key, stem_field, registry_field))
+  stem, registry = stem or nil, registry or ','  -- HMGET's nil is false in Lua
+  if after == ',' then  -- nobody holds the page: no stem
+    local gone = {stem_field, registry_field}
+    for b in string.gmatch(registry, '(%x+),') do
+      gone[#gone + 1] = 'k:' .. b
+    end
+    redis.call('HDEL', key, unpack(gone))
+    return
+  end
+  local new_stem = stem
+  for _, path in ipairs(gained) do
+    if new_stem == nil then
+      new_stem = path
+    else
+      new_stem = string.sub(new_stem, 1, 16 * shared(new_stem, path))
+    end
+  end
+  if new_stem == nil then  -- holders but no stem: a damaged page; page_match.lua looks at leaves
+    return
+  end
+  local s = #new_stem / 16
+  if new_stem ~= stem then
+    -- The blocks after the old stem lie deeper than the new one's end: their lists go. Every
+    -- earlier branch went through the old stem's block at the new end.
+    local gone = {}
+    for b in string.gmatch(registry, '(%x+),') do
+      gone[#gone + 1] = 'k:' .. b
+    end
+    if #gone > 0 then
+      redis.call('HDEL', key, unpack(gone))
+    end
+    registry = ','
+    local b = stem and block_at(stem, s)
+    if b and before ~= ',' then
+      redis.call('HSET', key, 'k:' .. b, before)
+      registry = ',' .. b .. ','
+    end
+  end
+  for _, path in ipairs(gained) do
+    local b = block_at(path, s)
+    if b then
+      registry = mark(key, b, gid, true, registry)
+    end
+  end
+  local recheck = {}
+  for _, path in ipairs(lost) do
+    local b = block_at(path, s)
+    if b then
+      recheck[b] = true
+    end
+  end
+  if next(recheck) then  -- still through that block by another branch?
+    for leaf in string.gmatch(mine, '(%x+),') do
+      local b = block_at(redis.call('HGET', key, 't:' .. leaf) or '', s)
+      if b then
+        recheck[b] = nil
+      end
+    end
+    for b in pairs(recheck) do
+      registry = mark(key, b, gid, false, registry)
+    end
+  end
+  if registry == ',' then
+    redis.call('HDEL', key, registry_field)
+    redis.call('HSET', key, stem_field, new_stem)
+  else
+    redis.call('HSET', key, stem_field, new_stem, registry_field, registry)
+  end
+end
+
 -- One page's change; returns leaves gained, lost, missing, the page's new log entry or nil,
 -- and +1 / -1 / 0 for a page that gained its first / lost its last holder.
 local function apply_page(page)
   local key, mine_field = KEYS[page.key], 'g:' .. page.first .. ':' .. gid
   local mine = redis.call('HGET', key, mine_field) or ','
   local had, gained, lost, missing, found = mine ~= ',', 0, 0, 0, false
+  local gained_paths, lost_paths = {}, {}
   if #mine ~= 1 + 17 * page.held then  -- each leaf is 16 hex digits and a comma
     missing = missing + 1
   end
@@ -112,6 +241,7 @@ local function apply_page(page)
     local leaf = ARGV[j]
     mine, found = without(mine, leaf)
     if found then
+      lost_paths[#lost_paths + 1] = redis.call('HGET', key, 't:' .. leaf) or ''
       local holders = without(redis.call('HGET', key, 'e:' .. leaf) or ',', gid)
       if holders == ',' then
         redis.call('HDEL', key, 'e:' .. leaf, 't:' .. leaf)
@@ -130,6 +260,7 @@ local function apply_page(page)
       mine = mine .. leaf .. ','
       local holders = without(redis.call('HGET', key, 'e:' .. leaf) or ',', gid)
       redis.call('HSET', key, 'e:' .. leaf, holders .. gid .. ',', 't:' .. leaf, ARGV[j + 1])
+      gained_paths[#gained_paths + 1] = ARGV[j + 1]
       gained = gained + 1
       whole = whole or #ARGV[j + 1] == 16 * 32
     end
@@ -141,27 +272,32 @@ local function apply_page(page)
     redis.call('HDEL', key, mine_field)
   end
   local entry, pages = nil, 0
+  local holders_field = 'h:' .. page.first
+  local before = redis.call('HGET', key, holders_field) or ','
+  local after = before
   -- A gid that comes to hold the page, or to hold it whole, goes to the end of `h:<P>`, as it
   -- goes to the end of `e:<leaf>`: while every holder holds the page whole, both lists are then
   -- the same string, and page_match.lua sees at once that nobody stops in the page.
   if has ~= had or (has and whole) then
-    local holders_field = 'h:' .. page.first
-    local holders = redis.call('HGET', key, holders_field) or ','
     if has then
-      pages = holders == ',' and 1 or 0
-      redis.call('HSET', key, holders_field, without(holders, gid) .. gid .. ',')
+      pages = before == ',' and 1 or 0
+      after = without(before, gid) .. gid .. ','
+      redis.call('HSET', key, holders_field, after)
       if not had then
         entry = string.sub(key, -16) .. page.first
       end
     else
-      holders = without(holders, gid)
-      if holders == ',' then
+      after = without(before, gid)
+      if after == ',' then
         redis.call('HDEL', key, holders_field)
         pages = -1
       else
-        redis.call('HSET', key, holders_field, holders)
+        redis.call('HSET', key, holders_field, after)
       end
     end
+  end
+  if #gained_paths > 0 or #lost_paths > 0 then
+    keep_stem(key, page.first, gid, gained_paths, lost_paths, mine, before, after)
   end
   return gained, lost, missing, entry, pages
 end

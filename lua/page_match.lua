@@ -9,8 +9,10 @@
 -- holding in P; `e:<leaf>` the gids whose holding ends at that leaf block; `t:<leaf>` the branch
 -- from P's first block to the leaf (16 hex digits a block); `g:<P>:<gid>` the gid's leaves in P.
 -- Gid and leaf lists are `,item,item,`.
--- Cost: one HMGET per segment key (each page's last block and holders), and for a gid that
--- stops inside a page, its leaves there and their branches.
+-- `c:<P>` the page's stem, `k:<block>` the gids holding a branch through the block after it
+-- (page_apply.lua). Cost: one HMGET per segment key (each page's last block and holders); where
+-- gids stop inside a page, its stem, and for those that go on past it along the prompt, their
+-- leaves there and their branches.
 --
 -- KEYS[1..n] the segment keys of the pages read, in chain order, each once
 -- ARGV[1] '1' when the pages are the prompt's first pages, consecutive: a gid that does not
@@ -66,13 +68,38 @@ local function stops_in(key, first, page, whole, holders, before)
   if before and #before < #holders then
     among, other = before, holders
   end
-  local by_depth, stops = {}, {}
+  local stopping = {}
   for gid in string.gmatch(among, '(%d+),') do
     if not lists(whole, gid) and (other == nil or lists(other, gid)) then
-      local d = depth_of(key, first, gid, page)
-      if d > 0 then
-        by_depth[d] = (by_depth[d] or ',') .. gid .. ','
-      end
+      stopping[#stopping + 1] = gid
+    end
+  end
+  if #stopping == 0 then
+    return {}
+  end
+  -- The page's stem (page_apply.lua): every branch in P starts with it. Where the prompt leaves
+  -- it, every gid stops there; where the prompt follows it, only the gids listed for the
+  -- prompt's block after it go on, and the others stop at its end. Only those listed have their
+  -- leaves looked at (a page that holds a shared system prompt's end costs one field, not one
+  -- look per gid). A page without a stem (damaged) has every gid's leaves looked at.
+  local at, deeper = nil, nil
+  local stem = redis.call('HGET', key, 'c:' .. first)
+  if stem then
+    local s, k = #stem / 16, common(stem, page)
+    if k < s or k >= #page / 16 then
+      at, deeper = k, ','
+    else
+      at, deeper = s, redis.call('HGET', key, 'k:' .. string.sub(page, 16 * s + 1, 16 * s + 16)) or ','
+    end
+  end
+  local by_depth, stops = {}, {}
+  for _, gid in ipairs(stopping) do
+    local d = at
+    if d == nil or lists(deeper, gid) then
+      d = depth_of(key, first, gid, page)
+    end
+    if d > 0 then
+      by_depth[d] = (by_depth[d] or ',') .. gid .. ','
     end
   end
   for d, gids in pairs(by_depth) do

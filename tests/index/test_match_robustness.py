@@ -46,6 +46,22 @@ def _common(branch: str, page: str) -> int:
     return n
 
 
+def _stop_depth(fields: dict[bytes, bytes], hexes: str, me: str) -> int:
+    """Where a gid that holds part of a page (``hexes``, the prompt's blocks there) stops in it:
+    at the stem's end when the prompt follows the stem and the gid is not listed for the
+    prompt's block after it; where the prompt leaves the stem; else along its own branches."""
+    stem = fields.get(f"c:{hexes[:16]}".encode(), b"").decode()
+    if stem:
+        s, k = len(stem) // 16, _common(stem, hexes)
+        if k < s or k >= len(hexes) // 16:
+            return k
+        if me not in _listed(fields.get(f"k:{hexes[16 * s : 16 * s + 16]}".encode())):
+            return s
+    leaves = _listed(fields.get(f"g:{hexes[:16]}:{me}".encode()))
+    branches = [fields.get(f"t:{leaf}".encode(), b"").decode() for leaf in leaves]
+    return max((_common(b, hexes) for b in branches if b), default=0)
+
+
 async def held_prefix(client: Redis, index: RedisIndex, model: str, gid: int, chain: list[int]) -> int:
     """The oracle: how many leading blocks of ``chain`` the holdings Redis lists for ``gid`` cover."""
     keys, me, depth, previous = index.keys(model), str(gid), 0, b"(no page before)"
@@ -59,9 +75,7 @@ async def held_prefix(client: Redis, index: RedisIndex, model: str, gid: int, ch
         # page_match.lua looks for a stop only where the page's holders are not listed as its
         # whole holders, and the previous page's whole holders are not this page's.
         if me in _listed(holders) and (holders or b",") != (whole or b",") and previous != (whole or b","):
-            leaves = _listed(fields.get(f"g:{hexes[:16]}:{me}".encode()))
-            branches = [fields.get(f"t:{leaf}".encode(), b"").decode() for leaf in leaves]
-            depth = page.start + max((_common(b, hexes) for b in branches if b), default=0)
+            depth = page.start + _stop_depth(fields, hexes, me)
         return depth
     return depth
 
@@ -102,12 +116,13 @@ async def test_holdings_added_by_hand_credit_nobody_beyond_what_they_hold(redis_
     page0_whole = f"e:{CHAIN[PAGE_BLOCKS - 1]:016x}"
     await redis_client.hset(keys.segment(CHAIN[0]), page0_whole, f",{a.gid},{7 << 40},")
     assert await index.match(unique_name, CHAIN) == {"a": 80, "b": 20}
-    # a listed no more as holding page 1 whole: its own leaf there still says 32 blocks of the
-    # page, so its match ends at the page's end (64), not beyond; b's does not move.
+    # a listed no more as holding page 1 whole: it is still one of the page's holders, and the
+    # page's stem (its one branch, all 32 blocks) says every holder holds that much, so its match
+    # ends at the page's end (64), not beyond; b's does not move.
     await redis_client.hset(page1, whole, f",{b.gid},")
     assert await index.match(unique_name, CHAIN) == {"a": 64, "b": 20}
-    # and its leaves there gone too: its match ends at page 0.
-    await redis_client.hdel(page1, f"g:{CHAIN[PAGE_BLOCKS]:016x}:{a.gid}")
+    # and no more among the page's holders: its match ends at page 0.
+    await redis_client.hset(page1, f"h:{CHAIN[PAGE_BLOCKS]:016x}", ",")
     assert await index.match(unique_name, CHAIN) == {"a": 32, "b": 20}
 
 

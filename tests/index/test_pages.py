@@ -133,6 +133,7 @@ async def test_a_page_shows_its_holdings_as_text(redis_client: Redis):
         f"g:{first}:99".encode(): f",{leaf},".encode(),
         f"e:{leaf}".encode(): b",99,",
         f"t:{leaf}".encode(): f"{first}{2:016x}{leaf}".encode(),
+        f"c:{first}".encode(): f"{first}{2:016x}{leaf}".encode(),  # the stem: one branch, all of it
     }
     log = await redis_client.get(KEYS.bucket_of_segment(1).page_log(99))
     assert log == f"{first}{first}".encode()
@@ -170,3 +171,46 @@ async def test_page_apply_refuses_malformed_arguments_with_a_message(redis_clien
     call = lua.PAGE_APPLY.call([bucket.state(3), bucket.page_log(3), bucket.segment(0)], args)
     with pytest.raises(Exception, match=message):
         await Scripts(redis_client).run(call)
+
+
+async def test_a_shared_stem_inside_a_page_costs_a_match_one_look_not_one_per_gid(redis_client: Redis):
+    """Twenty gids each hold their own conversation after a 40-block system prompt: page 1 holds
+    the prompt's last 8 blocks and twenty branches. A new conversation stops there for every gid:
+    the page's stem says so at once (no look at each gid's leaves), and exactly."""
+    await redis_client.flushall()
+    scripts = Scripts(redis_client)
+    rng = random.Random(4)
+    system = [rng.getrandbits(64) for _ in range(40)]
+    for g in range(20):
+        await PageWriter(scripts, 1000 + g).hold([system + [rng.getrandbits(64) for _ in range(30)]])
+    page1 = await redis_client.hgetall(KEYS.segment(system[PAGE_BLOCKS]))
+    assert page1[f"c:{system[PAGE_BLOCKS]:016x}".encode()] == "".join(f"{h:016x}" for h in system[32:]).encode()
+    assert len(page1[f"K:{system[PAGE_BLOCKS]:016x}".encode()].split(b",")) == 20 + 2  # a block after it per gid
+    query = system + [rng.getrandbits(64) for _ in range(30)]
+    await redis_client.config_resetstat()
+    chained, apart = await match_both_ways(scripts, query)
+    assert chained == apart == {1000 + g: 40 for g in range(20)}
+    calls = (await redis_client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
+    assert calls <= 4  # the stem, once per way of matching (and no gid's leaves)
+
+
+async def test_a_branch_that_leaves_the_stem_early_shortens_it_and_matches_stay_exact(redis_client: Redis):
+    await redis_client.flushall()
+    scripts = Scripts(redis_client)
+    rng = random.Random(5)
+    system = [rng.getrandbits(64) for _ in range(40)]
+    a, b, c = (PageWriter(scripts, gid) for gid in (7, 8, 9))
+    long_a = system + [rng.getrandbits(64) for _ in range(20)]
+    await a.hold([long_a])
+    await b.hold([system + [rng.getrandbits(64) for _ in range(20)]])
+    early = system[:35] + [rng.getrandbits(64) for _ in range(20)]  # leaves the stem at block 35
+    await c.hold([early])
+    stem = await redis_client.hget(KEYS.segment(system[PAGE_BLOCKS]), f"c:{system[PAGE_BLOCKS]:016x}")
+    assert len(stem) == 16 * 3  # blocks 32, 33, 34
+    assert (await match_both_ways(scripts, long_a)) == ({7: 60, 8: 40, 9: 35}, {7: 60, 8: 40, 9: 35})
+    await a.hold([long_a[:45]])  # a's branch shortens; c lets go: the stem stays as it is
+    await c.hold([])
+    assert (await match_both_ways(scripts, long_a)) == ({7: 45, 8: 40}, {7: 45, 8: 40})
+    await a.hold([])
+    await b.hold([])
+    assert await redis_client.keys(KEYS.bucket_base("*") + "s:*") == []  # stems gone with the holders
