@@ -6,8 +6,8 @@
 -- done the state becomes a tombstone (`dead`, expiring after dead_ttl_ms) that page_apply.lua
 -- refuses. A log entry whose page no longer lists the gid (it let go, or was collected) costs a
 -- lookup and nothing more. A retired gid counts in no match, so the order does not matter. The
--- gid also leaves the list of the block after its page's stem (`k:`), and a page nobody holds
--- any more loses its stem (`c:`, `K:`, `k:`: see page_apply.lua).
+-- gid also leaves the list of the block after its page's stem (`k:`), and a page left with one
+-- holder or none loses its stem (`c:`, `K:`, `k:`: see page_apply.lua).
 --
 -- KEYS[1] state  HASH    the gid's state in this bucket (field c: log bytes still to collect)
 -- KEYS[2] log    STRING  the gid's page log in this bucket (32 hex digits an entry: the page's
@@ -85,22 +85,24 @@ if take > 0 then
       redis.call('HDEL', key, mine_field)
       local holders_field = 'h:' .. page
       local holders = without(redis.call('HGET', key, holders_field) or ',', gid)
-      if holders == ',' then  -- nobody holds the page: its stem goes too
-        local gone = {holders_field, 'c:' .. page, 'K:' .. page}
+      local _, commas = string.gsub(holders, ',', ',')
+      if commas <= 2 then  -- one holder or none: the page has no stem (page_apply.lua)
+        local gone = {'c:' .. page, 'K:' .. page}
         for b in string.gmatch(registry, '(%x+),') do
           gone[#gone + 1] = 'k:' .. b
         end
-        if redis.call('HEXISTS', key, holders_field) == 1 then
+        redis.call('HDEL', key, unpack(gone))
+      elseif registry == ',' then
+        redis.call('HDEL', key, 'K:' .. page)
+      elseif stem then
+        redis.call('HSET', key, 'K:' .. page, registry)
+      end
+      if holders == ',' then
+        if redis.call('HDEL', key, holders_field) == 1 then
           emptied = emptied + 1
         end
-        redis.call('HDEL', key, unpack(gone))
       else
         redis.call('HSET', key, holders_field, holders)
-        if registry == ',' then
-          redis.call('HDEL', key, 'K:' .. page)
-        elseif stem then
-          redis.call('HSET', key, 'K:' .. page, registry)
-        end
       end
     end
   end

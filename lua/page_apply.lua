@@ -10,9 +10,9 @@
 -- are chained); `g:<P>:<gid>` the gid's leaves in P. Lists are `,item,item,`. A leaf nobody
 -- holds loses its `e:` and `t:`, a page nobody holds its `h:`, and a segment key with no
 -- fields left is gone (Redis drops an empty HASH).
--- The page's stem: `c:<P>`, blocks that every branch in P starts with (a gained branch can only
--- shorten it); `k:<block>` for each block right after the stem, the gids holding a branch
--- through it; `K:<P>` the names of those blocks. page_match.lua reads them where holders stop
+-- The page's stem, once it has two holders or more: `c:<P>`, blocks that every branch in P starts
+-- with (a gained branch can only shorten it); `k:<block>` for each block right after the stem,
+-- the gids holding a branch through it; `K:<P>` the names of those blocks. page_match.lua reads them where holders stop
 -- inside P: a gid not listed after the stem along the prompt stops at the stem's end, with no
 -- look at its leaves (a shared system prompt that ends inside a page: every match stops there).
 --
@@ -152,18 +152,75 @@ local function mark(key, b, gid, on, registry)
   return registry
 end
 
+-- How many gids a list names.
+local function count(list)
+  local _, commas = string.gsub(list, ',', ',')
+  return math.max(commas - 1, 0)
+end
+
+-- Page P's stem built afresh from every holder's branches: for a page that came to have two
+-- holders (a page of one holder has none: page_match.lua looks at that gid's leaves), or a
+-- damaged one.
+local function build_stem(key, first, holders, stem_field, registry_field)
+  local branches, stem = {}, nil
+  for holder in string.gmatch(holders, '(%d+),') do
+    for leaf in string.gmatch(redis.call('HGET', key, 'g:' .. first .. ':' .. holder) or '', '(%x+),') do
+      local path = redis.call('HGET', key, 't:' .. leaf)
+      if path then
+        branches[#branches + 1] = {holder, path}
+        stem = stem and string.sub(stem, 1, 16 * shared(stem, path)) or path
+      end
+    end
+  end
+  if stem == nil then
+    return
+  end
+  local s, lists, registry = #stem / 16, {}, ','
+  for _, branch in ipairs(branches) do
+    local b = block_at(branch[2], s)
+    if b then
+      local listed = lists[b]
+      if listed == nil then
+        listed, registry = ',', registry .. b .. ','
+      end
+      if not string.find(listed, ',' .. branch[1] .. ',', 1, true) then
+        lists[b] = listed .. branch[1] .. ','
+      end
+    end
+  end
+  local fields = {stem_field, stem}
+  for b, listed in pairs(lists) do
+    fields[#fields + 1] = 'k:' .. b
+    fields[#fields + 1] = listed
+  end
+  if registry ~= ',' then
+    fields[#fields + 1] = registry_field
+    fields[#fields + 1] = registry
+  end
+  redis.call('HSET', key, unpack(fields))
+end
+
 -- Keep page P's stem (c:, k:, K:) true after `gid` gained the branches `gained` and lost the
--- branches `lost`, with `mine` its leaves now and `before` the page's holders before the change.
+-- branches `lost`, with `mine` its leaves now and `before` / `after` the page's holders. Only a
+-- page of two holders or more has a stem (most pages have one: they cost nothing here).
 local function keep_stem(key, first, gid, gained, lost, mine, before, after)
   local stem_field, registry_field = 'c:' .. first, 'K:' .. first
+  local holders_before, holders_after = count(before), count(after)
+  if holders_after < 2 and holders_before < 2 then
+    return
+  end
   local stem, registry = unpack(redis.call('HMGET', key, stem_field, registry_field))
   stem, registry = stem or nil, registry or ','  -- HMGET's nil is false in Lua
-  if after == ',' then  -- nobody holds the page: no stem
+  if holders_after < 2 then  -- one holder or none: no stem
     local gone = {stem_field, registry_field}
     for b in string.gmatch(registry, '(%x+),') do
       gone[#gone + 1] = 'k:' .. b
     end
     redis.call('HDEL', key, unpack(gone))
+    return
+  end
+  if holders_before < 2 or stem == nil then
+    build_stem(key, first, after, stem_field, registry_field)
     return
   end
   local new_stem = stem
@@ -174,10 +231,8 @@ local function keep_stem(key, first, gid, gained, lost, mine, before, after)
       new_stem = string.sub(new_stem, 1, 16 * shared(new_stem, path))
     end
   end
-  if new_stem == nil then  -- holders but no stem: a damaged page; page_match.lua looks at leaves
-    return
-  end
   local s = #new_stem / 16
+  local old_registry = registry
   if new_stem ~= stem then
     -- The blocks after the old stem lie deeper than the new one's end: their lists go. Every
     -- earlier branch went through the old stem's block at the new end.
@@ -195,20 +250,22 @@ local function keep_stem(key, first, gid, gained, lost, mine, before, after)
       registry = ',' .. b .. ','
     end
   end
+  local through = {}  -- blocks after the stem the gid now goes through by a gained branch
   for _, path in ipairs(gained) do
     local b = block_at(path, s)
-    if b then
+    if b and not through[b] then
+      through[b] = true
       registry = mark(key, b, gid, true, registry)
     end
   end
-  local recheck = {}
+  local recheck, any = {}, false
   for _, path in ipairs(lost) do
     local b = block_at(path, s)
-    if b then
-      recheck[b] = true
+    if b and not through[b] then
+      recheck[b], any = true, true
     end
   end
-  if next(recheck) then  -- still through that block by another branch?
+  if any then  -- still through that block by another branch?
     for leaf in string.gmatch(mine, '(%x+),') do
       local b = block_at(redis.call('HGET', key, 't:' .. leaf) or '', s)
       if b then
@@ -219,16 +276,18 @@ local function keep_stem(key, first, gid, gained, lost, mine, before, after)
       registry = mark(key, b, gid, false, registry)
     end
   end
-  if registry == ',' then
-    redis.call('HDEL', key, registry_field)
+  if new_stem ~= stem then
     redis.call('HSET', key, stem_field, new_stem)
-  else
-    redis.call('HSET', key, stem_field, new_stem, registry_field, registry)
+  end
+  if registry ~= old_registry then
+    if registry == ',' then
+      redis.call('HDEL', key, registry_field)
+    else
+      redis.call('HSET', key, registry_field, registry)
+    end
   end
 end
 
--- One page's change; returns leaves gained, lost, missing, the page's new log entry or nil,
--- and +1 / -1 / 0 for a page that gained its first / lost its last holder.
 local function apply_page(page)
   local key, mine_field = KEYS[page.key], 'g:' .. page.first .. ':' .. gid
   local mine = redis.call('HGET', key, mine_field) or ','

@@ -81,9 +81,11 @@ local function stops_in(key, first, page, whole, holders, before)
   -- it, every gid stops there; where the prompt follows it, only the gids listed for the
   -- prompt's block after it go on, and the others stop at its end. Only those listed have their
   -- leaves looked at (a page that holds a shared system prompt's end costs one field, not one
-  -- look per gid). A page without a stem (damaged) has every gid's leaves looked at.
+  -- look per gid). A page of one holder has no stem, and a page without one (damaged) has every
+  -- gid's leaves looked at.
   local at, deeper = nil, nil
-  local stem = redis.call('HGET', key, 'c:' .. first)
+  local _, commas = string.gsub(holders, ',', ',')
+  local stem = commas > 2 and redis.call('HGET', key, 'c:' .. first)  -- two holders or more
   if stem then
     local s, k = #stem / 16, common(stem, page)
     if k < s or k >= #page / 16 then

@@ -50,7 +50,8 @@ def _stop_depth(fields: dict[bytes, bytes], hexes: str, me: str) -> int:
     """Where a gid that holds part of a page (``hexes``, the prompt's blocks there) stops in it:
     at the stem's end when the prompt follows the stem and the gid is not listed for the
     prompt's block after it; where the prompt leaves the stem; else along its own branches."""
-    stem = fields.get(f"c:{hexes[:16]}".encode(), b"").decode()
+    listed = (fields.get(f"h:{hexes[:16]}".encode()) or b",").count(b",") - 1  # as page_match.lua counts
+    stem = fields.get(f"c:{hexes[:16]}".encode(), b"").decode() if listed >= 2 else ""
     if stem:
         s, k = len(stem) // 16, _common(stem, hexes)
         if k < s or k >= len(hexes) // 16:

@@ -133,8 +133,7 @@ async def test_a_page_shows_its_holdings_as_text(redis_client: Redis):
         f"g:{first}:99".encode(): f",{leaf},".encode(),
         f"e:{leaf}".encode(): b",99,",
         f"t:{leaf}".encode(): f"{first}{2:016x}{leaf}".encode(),
-        f"c:{first}".encode(): f"{first}{2:016x}{leaf}".encode(),  # the stem: one branch, all of it
-    }
+    }  # one holder: no stem
     log = await redis_client.get(KEYS.bucket_of_segment(1).page_log(99))
     assert log == f"{first}{first}".encode()
 
