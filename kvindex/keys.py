@@ -5,11 +5,12 @@ each script call still touches one slot:
 
 * *Control keys* of a model (its meta, workers, gids, liveness, records, router replicas' load)
   share the hash tag ``{<model>}``: one slot, one shard.
-* *Bucket keys* (block keys, and each gid's block log and state in that bucket) carry the tag
-  ``{<model>#<bucket>}``, where the bucket (0..BUCKETS-1) is drawn from the hash of the chain's
-  first block, the *root*. Every block of a chain has the same root (block hashes are chained),
-  so a prompt's whole chain lives in one bucket: a match is one script call on one shard, and
-  the model's many prompts (different roots) spread over 1,024 buckets, hence over all masters.
+* *Bucket keys* (segment keys, and each gid's page log and state in that bucket) carry the tag
+  ``{<model>#<bucket>}``, where the bucket (0..BUCKETS-1) is drawn from the hash of the
+  segment's first block (kvindex.pages: a chain's pages in segments that double along it). So
+  one prompt's segments lie in many buckets, hence on every master, even when all of a model's
+  prompts start alike; a match is one script call per segment key (one in all on a single
+  Redis). The block keys and block logs of the layout before pages keep their names, for gc.
 
 Every key a script touches is declared in its KEYS. On a single Redis the same layout is used;
 the tags then mean nothing. See docs/index-schema.md for the layout and redis-cli recipes.
@@ -153,7 +154,8 @@ class ModelKeys:
         return self.bucket_of_segment(first_block).segment(first_block)
 
     def bucket_of_chain(self, chain_root: int) -> BucketKeys:
-        """The bucket keys of the chain whose first block hashes to ``chain_root``."""
+        """The bucket keys of the chain whose first block hashes to ``chain_root`` (the layout
+        before pages, whose block keys gc still collects)."""
         return self.bucket(bucket_of(chain_root))
 
     # --- shared routing state (router replicas) ---------------------------------------------
@@ -217,7 +219,7 @@ class BucketKeys:
         """HASH: the holdings in the pages of the segment whose first block hashes to
         ``first_block``; for a page P: ``h:<P>`` (gids with a holding), ``e:<leaf>`` (gids whose
         holding ends there), ``t:<leaf>`` (the branch to the leaf), ``g:<P>:<gid>`` (the gid's
-        leaves). See kvindex.pages and docs/index-schema.md, "The next layout"."""
+        leaves). See kvindex.pages and docs/index-schema.md, "Pages, segments and buckets"."""
         return self.segment_prefix + block_hex(first_block)
 
     @property

@@ -1,4 +1,4 @@
-"""The next layout of the index (docs/index-schema.md, "The next layout"): chains cut into pages of
+"""The layout of the index (docs/index-schema.md, "Pages, segments and buckets"): chains cut into pages of
 ``PAGE_BLOCKS`` blocks at fixed positions, and holdings stated per page.
 
 Pages are kept in *segment* keys that double in size along a chain: page 0, page 1, pages 2-3,

@@ -1,5 +1,5 @@
 -- gc_pages.lua: delete a retired gid's holdings in one bucket of the page layout
--- (docs/index-schema.md, "The next layout"), a chunk of its page log at a time, newest first.
+-- (docs/index-schema.md, "Pages, segments and buckets"), a chunk of its page log at a time, newest first.
 -- The caller reads the chunk (GETRANGE) and declares each entry's segment key; the script checks
 -- they are the chunk's, at the state's cursor, so a stale or concurrent caller changes nothing. A
 -- cursor beyond the log's end (the log was lost or replaced) counts from the end. When the log is

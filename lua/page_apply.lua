@@ -1,5 +1,5 @@
 -- page_apply.lua: one worker generation's (gid's) changes to its holdings, in the segment keys
--- of one or more buckets, atomically (docs/index-schema.md, "The next layout"). A holding says
+-- of one or more buckets, atomically (docs/index-schema.md, "Pages, segments and buckets"). A holding says
 -- "the gid holds page P's blocks from its first through this leaf"; the writer's mirror works
 -- out which leaves a gid gains and loses in each page, so a write costs per page, not per block.
 -- On a single Redis a write sends all its buckets in one call; on a cluster one call a bucket.

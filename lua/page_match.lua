@@ -1,7 +1,7 @@
 #!lua flags=no-writes
 -- page_match.lua: for a prompt's pages (32 blocks each, kept in segment keys: docs/index-schema.md,
--- "The next layout"), which gids hold each page whole along the prompt, and how deep those that
--- hold part of it go. The caller combines the pages in chain order (kvindex.pages.combine): a
+-- "Pages, segments and buckets"), which gids hold each page whole along the prompt, and how deep
+-- those that hold part of it go. The caller combines the pages in chain order (kvindex.pages.combine): a
 -- gid's match is the pages it holds whole from the first on, plus its depth in the page where
 -- it stops. Nothing is inferred from another gid's holdings.
 --

@@ -139,7 +139,7 @@ def _run_lookup(args: argparse.Namespace) -> int:
         matches = await index.match(args.model, chain)
         _hint_if_empty(bool(await index.workers(args.model)), f"workers of model {args.model!r}", settings)
         keys = index.keys(args.model)
-        # Each block's holdings live in its page's segment key (docs/index-schema.md, "The next layout").
+        # Each block's holdings live in its page's segment key (docs/index-schema.md, "Pages, segments and buckets").
         segments = [keys.segment(page.segment) for page in pages_of(chain) for _ in range(page.length)]
         return {
             "model": args.model,

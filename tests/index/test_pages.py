@@ -1,4 +1,4 @@
-"""The next layout's scripts (page_apply.lua, page_match.lua; kvindex.pages) on a real server:
+"""The page layout's scripts (page_apply.lua, page_match.lua; kvindex.pages) on a real server:
 holdings written page by page and matched exactly, whatever the prompts share."""
 
 from __future__ import annotations
