@@ -3,8 +3,9 @@
 1. Workers whose heartbeat deadline passed more than ``grace_ms`` ago are deregistered
    (gc_retire.lua): their gid is retired and their record deleted.
 2. Retired gids that are due (not a re-assert's staged gid) are collected bucket by bucket
-   (gc_bucket.lua): the gid's block log in the bucket is read backwards a chunk at a time,
-   children before parents, and the gid leaves each block key. A gid done in every bucket it
+   (gc_pages.lua): the gid's page log in the bucket is read backwards a chunk at a time, and the
+   gid leaves each page's lists. A gid written by the layout before pages has a block log
+   instead, and gc_bucket.lua takes it out of each block key. A gid done in every bucket it
    claimed is forgotten (gc_finish.lua).
 
 One call does at most ``budget`` units of work: one per entry removed, and one per bucket or gid
@@ -15,7 +16,9 @@ collect first, and each script checks it again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from kvindex import calls as lua
 from kvindex.cluster import RedisClient
@@ -23,7 +26,7 @@ from kvindex.codec import unpack_hashes
 from kvindex.keys import BucketKeys, ModelKeys
 from kvindex.redis_worker import DEAD_TTL_MS
 from kvindex.replies import decode
-from kvindex.scripts import Scripts
+from kvindex.scripts import ScriptCall, Scripts
 from kvindex.types import GcResult
 
 MAX_DEAD_PER_CALL = 1000  # retiring a worker is O(1); the budget bounds entry removal
@@ -34,8 +37,7 @@ MAX_DUE_PER_CALL = 1000  # retired gids looked at per call (each costs at least 
 class _Work:
     budget: int
     removed: int = 0
-    gone_keys: int = 0
-    pages_emptied: int = 0
+    emptied: Counter[str] = field(default_factory=Counter)  # meta field -> what gc emptied of it
 
 
 async def collect(client: RedisClient, scripts: Scripts, keys: ModelKeys, budget: int, grace_ms: int) -> GcResult:
@@ -52,10 +54,9 @@ async def collect(client: RedisClient, scripts: Scripts, keys: ModelKeys, budget
             break
         if await _collect_gid(client, scripts, keys, gid, work):
             finished += await scripts.run(lua.gc_finish(keys, gid))
-    if work.gone_keys:
-        await client.hincrby(keys.meta, "block_keys", -work.gone_keys)
-    if work.pages_emptied:
-        await client.hincrby(keys.meta, "pages", -work.pages_emptied)
+    for meta_field, emptied in work.emptied.items():
+        if emptied:
+            await client.hincrby(keys.meta, meta_field, -emptied)
     pending = await client.zcard(keys.retired)
     return GcResult(retired, work.removed, finished, int(pending))
 
@@ -82,53 +83,60 @@ async def _collect_gid(client: RedisClient, scripts: Scripts, keys: ModelKeys, g
     return True
 
 
+@dataclass(frozen=True)
+class _Log:
+    """One kind of a gid's log in a bucket, as gc reads it: its key, bytes per entry, the keys a
+    chunk of it names, the script that collects them, and the meta field counting what it empties."""
+
+    key: Callable[[BucketKeys, str], str]
+    entry: int
+    keys: Callable[[BucketKeys, bytes], list[str]]
+    script: Callable[[BucketKeys, str, int, int, Sequence[str]], ScriptCall[tuple[str, ...]]]
+    emptied: str
+
+
+# The page log: 32 hex digits per page held, its segment's first block then its own.
+PAGE_LOG = _Log(
+    BucketKeys.page_log,
+    32,
+    lambda bucket, chunk: [bucket.segment_prefix + chunk[i : i + 16].decode() for i in range(0, len(chunk), 32)],
+    lua.gc_pages,
+    "pages",
+)
+# The block log of the layout before pages (an index being upgraded): 8-byte block hashes.
+BLOCK_LOG = _Log(
+    BucketKeys.log,
+    8,
+    lambda bucket, chunk: [bucket.block(h) for h in unpack_hashes(chunk)],
+    lua.gc_bucket,
+    "block_keys",
+)
+
+
 async def _collect_bucket(client: RedisClient, scripts: Scripts, bucket: BucketKeys, gid: str, work: _Work) -> bool:
+    """Collect ``gid`` in one bucket, a chunk of its log at a time, newest first; True when done."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.strlen(bucket.page_log(gid))
+        pipe.strlen(bucket.log(gid))
+        page_log_bytes, block_log_bytes = await pipe.execute()
+    log = BLOCK_LOG if block_log_bytes and not page_log_bytes else PAGE_LOG
     while work.budget > 0:
         async with client.pipeline(transaction=False) as pipe:
             pipe.hmget(bucket.state(gid), ["c", "dead"])
-            pipe.strlen(bucket.log(gid))
-            pipe.strlen(bucket.page_log(gid))
-            (cursor_field, dead), log_bytes, page_log_bytes = await pipe.execute()
-        if dead is not None:
-            return True
-        if page_log_bytes or not log_bytes:
-            return await _collect_pages(client, scripts, bucket, gid, work)
-        # A gid written by the layout before pages (an index being upgraded): its block log.
-        cursor = min(int(cursor_field) if cursor_field is not None else log_bytes, log_bytes)
-        cursor -= cursor % 8
-        take = min(work.budget, cursor // 8)
-        chunk = await client.getrange(bucket.log(gid), cursor - 8 * take, cursor - 1) if take else b""
-        block_keys = [bucket.block(h) for h in unpack_hashes(chunk if isinstance(chunk, bytes) else chunk.encode())]
-        status, removed, gone, _ = await scripts.run(lua.gc_bucket(bucket, gid, cursor, DEAD_TTL_MS, block_keys))
-        work.removed += int(removed)
-        work.gone_keys += int(gone)
-        work.budget -= max(take, 1)
-        if status == "done":
-            return True
-    return False
-
-
-PAGE_ENTRY = 32  # a page log entry: the segment's first block and the page's, in hex
-
-
-async def _collect_pages(client: RedisClient, scripts: Scripts, bucket: BucketKeys, gid: str, work: _Work) -> bool:
-    """Collect ``gid``'s holdings in one bucket of the page layout, a chunk of its page log at a time."""
-    while work.budget > 0:
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.hmget(bucket.state(gid), ["c", "dead"])
-            pipe.strlen(bucket.page_log(gid))
+            pipe.strlen(log.key(bucket, gid))
             (cursor_field, dead), log_bytes = await pipe.execute()
         if dead is not None:
             return True
         cursor = min(int(cursor_field) if cursor_field is not None else log_bytes, log_bytes)
-        cursor -= cursor % PAGE_ENTRY
-        take = min(work.budget, cursor // PAGE_ENTRY)
-        raw = await client.getrange(bucket.page_log(gid), cursor - PAGE_ENTRY * take, cursor - 1) if take else b""
-        chunk = raw.decode() if isinstance(raw, bytes) else raw
-        segments = [bucket.segment_prefix + chunk[i : i + 16] for i in range(0, len(chunk), PAGE_ENTRY)]
-        status, removed, emptied, _ = await scripts.run(lua.gc_pages(bucket, gid, cursor, DEAD_TTL_MS, segments))
+        cursor -= cursor % log.entry
+        take = min(work.budget, cursor // log.entry)
+        raw = await client.getrange(log.key(bucket, gid), cursor - log.entry * take, cursor - 1) if take else b""
+        chunk = raw if isinstance(raw, bytes) else raw.encode()
+        status, removed, emptied, _ = await scripts.run(
+            log.script(bucket, gid, cursor, DEAD_TTL_MS, log.keys(bucket, chunk))
+        )
         work.removed += int(removed)
-        work.pages_emptied += int(emptied)
+        work.emptied[log.emptied] += int(emptied)
         work.budget -= max(take, 1)
         if status == "done":
             return True

@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 
 from kvindex.keys import bucket_of
 from kvindex.mirror import IndexAdd, IndexOp
-from kvindex.pages import PAGE_BLOCKS, Branch, PageChange, segment_start
-
-Where = tuple[int, int]  # (segment's first block, page's first block)
+from kvindex.pages import PAGE_BLOCKS, Branch, PageChange, Where, page_change, segment_start
 
 
 class PagePlacer:
@@ -134,14 +132,12 @@ def plan_pages(placer: PagePlacer, sent: SentPages, touched: Mapping[Where, int]
     plans: dict[int, BucketPlan] = {}
     for where in sorted(touched):
         now = placer.leaves(where)
-        before = sent.holdings.get(where, {})
-        gained = tuple((leaf, branch) for leaf, branch in sorted(now.items()) if before.get(leaf) != branch)
-        lost = tuple(sorted(leaf for leaf in before if leaf not in now))
         bucket = bucket_of(where[0])
         plan = plans.setdefault(bucket, BucketPlan(bucket))
         plan.block_delta += touched[where]
-        if gained or lost:
-            plan.changes.append(PageChange(where[0], where[1], gained, lost, len(before)))
+        change = page_change(where, sent.holdings.get(where, {}), now)
+        if change is not None:
+            plan.changes.append(change)
         sent.set(where, bucket, now)
     return [plans[b] for b in sorted(plans) if plans[b].changes or plans[b].block_delta]
 

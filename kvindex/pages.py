@@ -57,15 +57,16 @@ def pages_of(chain: Sequence[int]) -> list[Page]:
     ]
 
 
-# A gid's holdings: {(segment's first block, page's first block): {leaf: branch}}
-Holdings = dict[tuple[int, int], dict[int, Branch]]
+Where = tuple[int, int]  # a page's place: (its segment's first block, its own first block)
+# A gid's holdings: {where: {leaf: branch}}
+Holdings = dict[Where, dict[int, Branch]]
 
 
 def page_holdings(chains: Iterable[Sequence[int]]) -> Holdings:
     """A gid's holdings, from the chains whose every block it holds (each from the chain's
     first block). A branch that is the start of another branch in the same page is not a
     holding: the longer one says it already."""
-    branches: dict[tuple[int, int], set[Branch]] = {}
+    branches: dict[Where, set[Branch]] = {}
     for chain in chains:
         for page in pages_of(chain):
             branch = tuple(chain[page.start : page.start + page.length])
@@ -90,19 +91,20 @@ class PageChange:
     held: int = 0
 
 
+def page_change(where: Where, old: Mapping[int, Branch], new: Mapping[int, Branch]) -> PageChange | None:
+    """The change that turns a page's holdings ``old`` into ``new`` (leaf -> branch), or None."""
+    gained = tuple((leaf, branch) for leaf, branch in sorted(new.items()) if old.get(leaf) != branch)
+    lost = tuple(sorted(leaf for leaf in old if leaf not in new))
+    return PageChange(where[0], where[1], gained, lost, len(old)) if gained or lost else None
+
+
 def holding_changes(
-    before: Mapping[tuple[int, int], Mapping[int, Branch]], after: Mapping[tuple[int, int], Mapping[int, Branch]]
+    before: Mapping[Where, Mapping[int, Branch]], after: Mapping[Where, Mapping[int, Branch]]
 ) -> list[PageChange]:
     """The page changes that turn holdings ``before`` into ``after`` (page_holdings' shape), in
     the order of the pages' (segment, first block)."""
-    changes = []
-    for where in sorted(set(before) | set(after)):
-        old, new = before.get(where, {}), after.get(where, {})
-        gained = tuple((leaf, branch) for leaf, branch in sorted(new.items()) if old.get(leaf) != branch)
-        lost = tuple(sorted(leaf for leaf in old if leaf not in new))
-        if gained or lost:
-            changes.append(PageChange(where[0], where[1], gained, lost, len(old)))
-    return changes
+    changes = (page_change(where, before.get(where, {}), after.get(where, {})) for where in sorted({*before, *after}))
+    return [change for change in changes if change is not None]
 
 
 def branch_hex(branch: Sequence[int]) -> str:
@@ -178,5 +180,4 @@ def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int
             break
     for gid in going or ():
         depths[gid] = end
-    depths = {gid: depth for gid, depth in depths.items() if depth}
-    return {int(gid): depth for gid, depth in depths.items()}
+    return {int(gid): depth for gid, depth in depths.items() if depth}

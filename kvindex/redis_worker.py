@@ -27,7 +27,8 @@ from kvindex.errors import NotRegisteredError, StaleGenerationError
 from kvindex.generations import register_worker, retire, stage_generation, swap_generation
 from kvindex.keys import KeySchema
 from kvindex.mirror import BlockMirror
-from kvindex.page_writes import BucketPlan, PagePlacer, Where, log_entries, plan_pages
+from kvindex.page_writes import BucketPlan, PagePlacer, log_entries, plan_pages
+from kvindex.pages import Where
 from kvindex.replies import decode, raise_script_error
 from kvindex.scripts import Scripts
 from kvindex.types import (

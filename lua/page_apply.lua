@@ -152,6 +152,17 @@ local function mark(key, b, gid, on, registry)
   return registry
 end
 
+-- Delete the `k:` lists a registry names, and the other fields given.
+local function drop_lists(key, registry, ...)
+  local gone = {...}
+  for b in string.gmatch(registry, '(%x+),') do
+    gone[#gone + 1] = 'k:' .. b
+  end
+  if #gone > 0 then
+    redis.call('HDEL', key, unpack(gone))
+  end
+end
+
 -- How many gids a list names.
 local function count(list)
   local _, commas = string.gsub(list, ',', ',')
@@ -212,11 +223,7 @@ local function keep_stem(key, first, gid, gained, lost, mine, before, after)
   local stem, registry = unpack(redis.call('HMGET', key, stem_field, registry_field))
   stem, registry = stem or nil, registry or ','  -- HMGET's nil is false in Lua
   if holders_after < 2 then  -- one holder or none: no stem
-    local gone = {stem_field, registry_field}
-    for b in string.gmatch(registry, '(%x+),') do
-      gone[#gone + 1] = 'k:' .. b
-    end
-    redis.call('HDEL', key, unpack(gone))
+    drop_lists(key, registry, stem_field, registry_field)
     return
   end
   if holders_before < 2 or stem == nil then
@@ -225,24 +232,14 @@ local function keep_stem(key, first, gid, gained, lost, mine, before, after)
   end
   local new_stem = stem
   for _, path in ipairs(gained) do
-    if new_stem == nil then
-      new_stem = path
-    else
-      new_stem = string.sub(new_stem, 1, 16 * shared(new_stem, path))
-    end
+    new_stem = string.sub(new_stem, 1, 16 * shared(new_stem, path))
   end
   local s = #new_stem / 16
   local old_registry = registry
   if new_stem ~= stem then
     -- The blocks after the old stem lie deeper than the new one's end: their lists go. Every
     -- earlier branch went through the old stem's block at the new end.
-    local gone = {}
-    for b in string.gmatch(registry, '(%x+),') do
-      gone[#gone + 1] = 'k:' .. b
-    end
-    if #gone > 0 then
-      redis.call('HDEL', key, unpack(gone))
-    end
+    drop_lists(key, registry)
     registry = ','
     local b = stem and block_at(stem, s)
     if b and before ~= ',' then

@@ -86,13 +86,15 @@ async def _cpu_us(client: Redis) -> float:
     return 1e6 * (float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
 
 
-async def _script_usec(client: Redis) -> dict[str, float]:
-    """The scripts' time (commandstats counts the commands a script calls once more under their
-    own names: only the script commands are summed), reads and writes apart."""
+async def _script_totals(client: Redis) -> dict[str, float]:
+    """The scripts' time, reads and writes apart, and their calls (commandstats counts the
+    commands a script calls once more under their own names: only the script commands count)."""
     stats = await client.info("commandstats")
-    out = {"reads": 0.0, "writes": 0.0}
+    out = {"reads": 0.0, "writes": 0.0, "calls": 0.0}
     for name, kind in SCRIPT_COMMANDS.items():
-        out[kind] += float(stats.get(f"cmdstat_{name}", {}).get("usec", 0))
+        command = stats.get(f"cmdstat_{name}", {})
+        out[kind] += float(command.get("usec", 0))
+        out["calls"] += int(command.get("calls", 0))
     return out
 
 
@@ -120,9 +122,8 @@ async def run_trace(url: str, trace: Path, requests: int, workers: int, capacity
         await chosen.serve(chain)
     elapsed = time.perf_counter() - started
     process_us = await _cpu_us(client) - cpu_before
-    scripts = await _script_usec(client)
+    scripts = await _script_totals(client)
     measured = len(chains) - warm
-    calls = await client.info("commandstats")
     await client.aclose()
     return {
         "requests": measured,
@@ -133,10 +134,7 @@ async def run_trace(url: str, trace: Path, requests: int, workers: int, capacity
         "read_script_us_per_request": scripts["reads"] / measured,
         "write_script_us_per_request": scripts["writes"] / measured,
         "process_cpu_us_per_request": process_us / measured,
-        "script_calls_per_request": sum(
-            int(calls.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in SCRIPT_COMMANDS
-        )
-        / measured,
+        "script_calls_per_request": scripts["calls"] / measured,
         "seconds": elapsed,
     }
 
