@@ -46,13 +46,15 @@ def _status_and_ints(reply: Any) -> tuple[str, ...]:
 class ScriptSpec(Generic[R]):
     """A script's declaration. ``keys`` and ``args`` name its KEYS and ARGV by position; a
     last name ending in ``...`` takes any number more (none included), one ending in ``?`` is
-    optional."""
+    optional. With ``command``, a plain Redis command sent in a batch beside script calls
+    instead of a script (its keys route it on a cluster); it has no file in lua/."""
 
     name: str
     keys: tuple[str, ...]
     args: tuple[str, ...]
     read_only: bool
     parse: Callable[[Any], R]
+    command: str | None = None
 
     def call(self, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg] = ()) -> ScriptCall[R]:
         _check_count(self.name, "KEYS", self.keys, len(keys))
@@ -107,7 +109,9 @@ SWAP = _spec(
 CLAIM = _spec("claim", "record gid_buckets", "gid bucket...", _status)
 TALLY = _spec("tally", "record meta", "gid blocks key_delta", _status)
 ALIVE = _spec("alive", "zset", "mode? limit? grace_ms?", _raw, read_only=True)
-ALIVE_SINCE = _spec("alive_since", "alive alive_version", "version refresh_before_ms", _raw, read_only=True)
+ALIVE_SINCE = _spec("alive_since", "alive alive_version", "version refresh_before_ms tag?", _raw, read_only=True)
+# A reader's copy of the alive gids confirmed by their version alone (kvindex.alive_cache).
+ALIVE_VERSION = ScriptSpec("alive_version", ("alive_version",), (), True, _raw, command="GET")
 GC_RETIRE = _spec("gc_retire", "workers gids alive retired record...", "grace_ms gid...", _integer)
 GC_FINISH = _spec("gc_finish", "gids retired gid_buckets", "gid", _integer)
 
@@ -198,9 +202,15 @@ def alive(zset: str, mode: str | None = None, *limits: int) -> ScriptCall[Any]:
     return ALIVE.call([zset], [] if mode is None else [mode, *limits])
 
 
-def alive_since(keys: ModelKeys, version: str, refresh_before_ms: int) -> ScriptCall[Any]:
+def alive_since(keys: ModelKeys, version: str, refresh_before_ms: int, tag: str | None = None) -> ScriptCall[Any]:
     """alive_since.lua: the alive gids unless the reader's copy of ``version`` still holds."""
-    return ALIVE_SINCE.call([keys.alive, keys.alive_version], [version, refresh_before_ms])
+    args: list[KeyOrArg] = [version, refresh_before_ms] if tag is None else [version, refresh_before_ms, tag]
+    return ALIVE_SINCE.call([keys.alive, keys.alive_version], args)
+
+
+def alive_version(keys: ModelKeys) -> ScriptCall[Any]:
+    """GET of the model's ``alive_version``: what confirms a reader's copy between its reads."""
+    return ALIVE_VERSION.call([keys.alive_version])
 
 
 def gc_retire(keys: ModelKeys, grace_ms: int, gids: Sequence[str], records: Sequence[str]) -> ScriptCall[int]:

@@ -51,10 +51,11 @@ class Page(NamedTuple):
 def pages_of(chain: Sequence[int]) -> list[Page]:
     """The pages of a chain of block hashes, in order."""
     n = len(chain)
-    return [
-        Page(chain[start], start, min(PAGE_BLOCKS, n - start), chain[segment_start(start // PAGE_BLOCKS) * PAGE_BLOCKS])
-        for start in range(0, n, PAGE_BLOCKS)
-    ]
+    pages = []
+    for index, start in enumerate(range(0, n, PAGE_BLOCKS)):
+        segment = chain[segment_start(index) * PAGE_BLOCKS]
+        pages.append(Page(chain[start], start, PAGE_BLOCKS if n - start > PAGE_BLOCKS else n - start, segment))
+    return pages
 
 
 Where = tuple[int, int]  # a page's place: (its segment's first block, its own first block)
@@ -133,33 +134,44 @@ def segments(pages: Sequence[Page]) -> list[tuple[int, int]]:
     return runs
 
 
-def match_args(pages: Sequence[Page], chain: Sequence[int], chained: bool) -> list[str | int]:
+def match_args(pages: Sequence[Page], chain: Sequence[int], chained: bool) -> list[bytes]:
     """page_match.lua's ARGV for ``pages`` of ``chain`` (consecutive): whether they are the
     chain's first pages, their blocks, then per segment key its page count and per page the
-    fields of its last block's whole holders and its holders."""
+    fields of its last block's whole holders and its holders. (Bytes, built in one pass: a
+    router builds these for every decision.)"""
     start, end = pages[0].start, pages[-1].start + pages[-1].length
-    blocks = struct.pack(f">{end - start}Q", *chain[start:end]).hex()
-    args: list[str | int] = ["1" if chained else "0", blocks]
-    at = 0
-    for _, count in segments(pages):
-        args.append(count)
-        for page in pages[at : at + count]:
-            last, first = 16 * (page.start + page.length - start - 1), 16 * (page.start - start)
-            args += ["e:" + blocks[last : last + 16], "h:" + blocks[first : first + 16]]
-        at += count
-    return args
+    blocks = struct.pack(f">{end - start}Q", *chain[start:end]).hex().encode()
+    args: list[bytes | int] = [b"1" if chained else b"0", blocks]
+    count_at, segment = 0, None
+    for page in pages:
+        if page.segment != segment:
+            segment, count_at = page.segment, len(args)
+            args.append(0)
+        args[count_at] += 1  # type: ignore[operator]
+        last, first = 16 * (page.start + page.length - start - 1), 16 * (page.start - start)
+        args += [b"e:" + blocks[last : last + 16], b"h:" + blocks[first : first + 16]]
+    return [b"%d" % arg if isinstance(arg, int) else arg for arg in args]
 
 
 def _listed(listed: bytes | str) -> set[bytes]:
     raw = listed.encode() if isinstance(listed, str) else listed
-    return set(raw.split(b",")) - {b""}
+    found = set(raw.split(b","))
+    found.discard(b"")
+    return found
 
 
 def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int]:
+    """:func:`combine_listed` with the gids as ints."""
+    return {int(gid): depth for gid, depth in combine_listed(pages, replies).items()}
+
+
+def combine_listed(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[bytes, int]:
     """Each gid's depth over ``pages`` (a chain's pages in order) from page_match.lua's
     ``{whole, {depth, gids, ...}}`` per page. A gid counts a page's blocks only while it has held
     every earlier page whole, and the page where it stops adds its depth there. Gids that match
-    no block are left out. A chained call may answer fewer pages than asked (the walk ended)."""
+    no block are left out. A chained call may answer fewer pages than asked (the walk ended).
+    The gids are as the script lists them (decimal digits, bytes): a router names them from
+    that form, with no int per gid per match."""
     depths: dict[bytes, int] = {}
     going: set[bytes] | None = None  # held every page so far whole (None: all, at page 0)
     previous: object = None
@@ -180,4 +192,4 @@ def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int
             break
     for gid in going or ():
         depths[gid] = end
-    return {int(gid): depth for gid, depth in depths.items() if depth}
+    return {gid: depth for gid, depth in depths.items() if depth}

@@ -11,7 +11,7 @@ its data (see kvindex.generations).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -24,7 +24,7 @@ from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror
-from kvindex.pages import combine, pages_of, segments
+from kvindex.pages import combine_listed, pages_of, segments
 from kvindex.redis_worker import MAX_PAGES_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import decode, raise_script_error, worker_record
 from kvindex.scripts import ScriptCall, Scripts
@@ -47,6 +47,14 @@ MAX_CACHED_NAMES = 100_000
 __all__ = ["MAX_PAGES_PER_CALL", "RELOG_SLACK", "RedisIndex", "RedisWorker"]
 
 
+class _NamedGids(NamedTuple):
+    """A model's alive gids with their worker ids, and every one of those at depth 0."""
+
+    alive: frozenset[int]
+    listed: dict[bytes, str]  # gid as page_match.lua lists it -> worker id
+    zeros: dict[str, int]
+
+
 class RedisIndex:
     """:class:`kvindex.interface.KVIndex` backed by Redis (or Valkey, or Redis Cluster)."""
 
@@ -57,6 +65,7 @@ class RedisIndex:
         self._handles: dict[tuple[str, str], RedisWorker] = {}
         self._gid_names: dict[tuple[str, int], str] = {}
         self._alive = AliveCache()
+        self._alive_named: dict[str, _NamedGids] = {}
         self._cluster = is_cluster(client)
 
     @property
@@ -179,12 +188,27 @@ class RedisIndex:
                 raise_script_error(reply)
             if isinstance(reply, Exception):
                 raise reply
-        alive = await self._alive_from(model, replies[0])
+        named = await self._named(model, await self._alive_from(model, replies[0]))
+        depths = dict(named.zeros)
         pages = [page for reply in replies[1:] for page in reply]
-        depths = dict.fromkeys(alive, 0)
-        depths.update({g: d for g, d in combine(pages_of(chain), pages).items() if g in alive})
-        names = await self._worker_names(model, list(depths))
-        return {names[gid]: depth for gid, depth in depths.items() if gid in names}
+        for gid, depth in combine_listed(pages_of(chain), pages).items():
+            name = named.listed.get(gid)
+            if name is not None:
+                depths[name] = depth
+        return depths
+
+    async def _named(self, model: str, alive: frozenset[int]) -> _NamedGids:
+        """The worker ids of ``alive``, kept for the next match while the alive set is the same
+        object (kvindex.alive_cache hands out one set while its copy holds)."""
+        held = self._alive_named.get(model)
+        if held is not None and held.alive is alive:
+            return held
+        names = await self._worker_names(model, list(alive))
+        listed = {str(gid).encode(): name for gid, name in names.items()}
+        named = _NamedGids(alive, listed, dict.fromkeys(names.values(), 0))
+        if len(names) == len(alive):  # else a name not written yet: looked up again next time
+            self._alive_named[model] = named
+        return named
 
     async def _worker_names(self, model: str, gids: Sequence[int]) -> dict[int, str]:
         unknown = [gid for gid in gids if (model, gid) not in self._gid_names]
@@ -197,15 +221,15 @@ class RedisIndex:
                     self._gid_names[(model, gid)] = decode(name)
         return {gid: self._gid_names[(model, gid)] for gid in gids if (model, gid) in self._gid_names}
 
-    async def _alive_gids(self, model: str) -> set[int]:
+    async def _alive_gids(self, model: str) -> frozenset[int]:
         return await self._alive_from(model, await self._scripts.run(self._alive.call(self.keys(model))))
 
-    async def _alive_from(self, model: str, reply: Any) -> set[int]:
+    async def _alive_from(self, model: str, reply: Any) -> frozenset[int]:
         """alive_since.lua's reply -> the gids alive at its time, reading the whole set again in
         the rare case the copy it confirms was dropped meanwhile (many refreshes in flight)."""
         alive = self._alive.alive(model, reply)
         while alive is None:
-            alive = self._alive.alive(model, await self._scripts.run(lua.alive_since(self.keys(model), "", 0)))
+            alive = self._alive.alive(model, await self._scripts.run(self._alive.whole_call(self.keys(model))))
         return alive
 
     async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:

@@ -194,23 +194,35 @@ class Scripts:
         with any other argument goes through redis-py's encoder (``connection.pack_command``)."""
         out: list[bytes] = []
         for call in calls:
-            name, keys, args = call.name, call.keys, call.args
+            name, keys, args, command = call.name, call.keys, call.args, call.spec.command
             try:
-                key_part = b"".join(map(_bulk, keys))
-                arg_part = b"".join(map(_bulk, args))
-            except TypeError:  # a float, a memoryview, a bool (refused there)...
-                out += connection.pack_command(_command(name), self._scripts[name].sha, len(keys), *keys, *args)
+                key_part = _bulks(keys)
+                arg_part = _bulks(args)
+            except TypeError:  # a float, a bool (refused there)...
+                out += connection.pack_command(*self._words(call))
+                continue
+            if command is not None:
+                out.append(b"*%d\r\n%s%s%s" % (1 + len(keys) + len(args), _bulk(command), key_part, arg_part))
                 continue
             head = self._heads[name]
             out.append(b"*%d\r\n%s%s%s%s" % (3 + len(keys) + len(args), head, _bulk(len(keys)), key_part, arg_part))
         return out
 
+    def _words(self, call: ScriptCall[Any]) -> tuple[KeyOrArg, ...]:
+        """The call as a command's words: EVALSHA(_RO) with its script's SHA, or a plain command."""
+        if call.spec.command is not None:
+            return (call.spec.command, *call.keys, *call.args)
+        name = call.name
+        return (_command(name), self._scripts[name].sha, len(call.keys), *call.keys, *call.args)
+
     async def call(self, call: ScriptCall[Any]) -> Any:
         """One call, its reply as Redis sent it (see :meth:`run` for the parsed one)."""
+        if call.spec.command is not None:
+            return await self._client.execute_command(*self._words(call))
         name, keys, args = call.name, call.keys, call.args
         script = self._scripts[name]
         try:
-            return await self._client.execute_command(_command(name), script.sha, len(keys), *keys, *args)
+            return await self._client.execute_command(*self._words(call))
         except NoScriptError:
             self.reloads += 1
             # EVAL caches the script on whichever server the call lands on (a cluster's shard or
@@ -223,8 +235,7 @@ class Scripts:
         shards at once. A call the shard does not know the script for is sent again with it."""
         pipe = self._client.pipeline(transaction=False)
         for call in calls:
-            name, keys, args = call.name, call.keys, call.args
-            pipe.execute_command(_command(name), self._scripts[name].sha, len(keys), *keys, *args)
+            pipe.execute_command(*self._words(call))
         try:
             results: list[Any] = list(await pipe.execute(raise_on_error=False))
         except RedisError:
@@ -309,6 +320,15 @@ def _bulk(value: KeyOrArg) -> bytes:
     elif not isinstance(value, bytes):
         raise TypeError(f"not packed here: {type(value).__name__}")
     return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def _bulks(values: Sequence[KeyOrArg]) -> bytes:
+    """RESP bulk strings of ``values``: all bytes in one pass (what the index's hot calls send),
+    else one by one (:func:`_bulk`)."""
+    try:
+        return b"".join([b"$%d\r\n%b\r\n" % (len(v), v) for v in values])  # type: ignore[arg-type,str-format]
+    except TypeError:  # a str, an int: len() or %b refuses it
+        return b"".join(map(_bulk, values))
 
 
 def _evaluation(name: str) -> str:

@@ -15,7 +15,9 @@ from redis.asyncio.cluster import RedisCluster
 from kvindex.settings import RedisSettings
 from kvservice.lifecycle import StartupError
 
-READ_SCRIPTS = ("cmdstat_evalsha_ro", "cmdstat_eval_ro")
+# The reads of a match: its scripts, and the GET that confirms a router's copy of the alive gids
+# between scripts (kvindex.alive_cache).
+READ_SCRIPTS = ("cmdstat_evalsha_ro", "cmdstat_eval_ro", "cmdstat_get")
 
 
 @dataclass

@@ -51,10 +51,13 @@ class Fleet:
 
 
 async def _redis_cpu_us_per_match(client: Redis, matches: int) -> float:
-    """The scripts' Redis CPU per match: match.lua and alive.lua are read-only (EVALSHA_RO), two
-    calls per match; EVALSHA is counted too, for servers that lack EVALSHA_RO (Redis < 7)."""
+    """The Redis CPU per match: page_match.lua and alive_since.lua are read-only (EVALSHA_RO),
+    EVALSHA is counted too, for servers that lack EVALSHA_RO (Redis < 7); and the GET of the
+    alive version that confirms a router's copy between scripts (kvindex.alive_cache; a GET
+    inside alive_since.lua, once a second, is counted twice: a fraction of a us)."""
     stats = await client.info("commandstats")
-    usec = sum(float(stats.get(f"cmdstat_{cmd}", {}).get("usec", 0)) for cmd in ("evalsha", "evalsha_ro", "eval_ro"))
+    commands = ("evalsha", "evalsha_ro", "eval_ro", "get")
+    usec = sum(float(stats.get(f"cmdstat_{cmd}", {}).get("usec", 0)) for cmd in commands)
     return usec / matches if matches else float("nan")
 
 
