@@ -56,18 +56,31 @@ class ScriptSpec(Generic[R]):
     parse: Callable[[Any], R]
     command: str | None = None
 
+    def __post_init__(self) -> None:
+        # How many KEYS and ARGV a call may have, worked out once: a router builds calls per decision.
+        object.__setattr__(self, "_key_counts", _counts(self.keys))
+        object.__setattr__(self, "_arg_counts", _counts(self.args))
+
     def call(self, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg] = ()) -> ScriptCall[R]:
-        _check_count(self.name, "KEYS", self.keys, len(keys))
-        _check_count(self.name, "ARGV", self.args, len(args))
+        low, high = self._key_counts  # type: ignore[attr-defined]
+        if not low <= len(keys) <= high:
+            _refuse(self.name, "KEYS", self.keys, len(keys))
+        low, high = self._arg_counts  # type: ignore[attr-defined]
+        if not low <= len(args) <= high:
+            _refuse(self.name, "ARGV", self.args, len(args))
         return ScriptCall(self, keys, args)
 
 
-def _check_count(script: str, what: str, names: tuple[str, ...], given: int) -> None:
+def _counts(names: tuple[str, ...]) -> tuple[int, float]:
+    """The least and most values a list of ``names`` takes."""
     fixed = sum(1 for n in names if not n.endswith(("...", "?")))
     optional = sum(1 for n in names if n.endswith("?"))
     variadic = bool(names) and names[-1].endswith("...")
-    if given < fixed or (not variadic and given > fixed + optional):
-        raise ValueError(f"{script}.lua takes {what} {', '.join(names) or 'none'}; {given} given")
+    return fixed, float("inf") if variadic else fixed + optional
+
+
+def _refuse(script: str, what: str, names: tuple[str, ...], given: int) -> None:
+    raise ValueError(f"{script}.lua takes {what} {', '.join(names) or 'none'}; {given} given")
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,10 +162,19 @@ class PipelinedConnection:
         """One beside ``client`` (a redis-py asyncio ``Redis``), with its settings; None where its
         connections are of a kind this does not know how to take over (then use the client)."""
         pool = getattr(client, "connection_pool", None)
-        kind = getattr(pool, "connection_class", None)
+        return cls._for(getattr(pool, "connection_class", None), getattr(pool, "connection_kwargs", {}))
+
+    @classmethod
+    def for_node(cls, node: Any) -> PipelinedConnection | None:
+        """One to a Redis Cluster node (redis-py's asyncio ``ClusterNode``), with the settings of
+        the node's own connections (READONLY on connecting where the client reads replicas)."""
+        return cls._for(getattr(node, "connection_class", None), getattr(node, "connection_kwargs", {}))
+
+    @classmethod
+    def _for(cls, kind: Any, connection_kwargs: dict[str, Any]) -> PipelinedConnection | None:
         if kind not in SUPPORTED_CONNECTIONS:
             return None
-        options = dict(pool.connection_kwargs)  # type: ignore[union-attr]
+        options = dict(connection_kwargs)
         # The takeover reads redis-py's private stream fields: a redis-py without them (a later
         # release) falls back to the client's own path rather than failing every call.
         if not all(hasattr(kind(**options), field) for field in ("_writer", "_reader", "_parser")):
@@ -185,13 +194,25 @@ class PipelinedConnection:
         closes the connection and raises its ``TimeoutError``."""
         if count == 0:
             return []  # nothing would ever answer it
+        sent = self.send_now(commands, count)
+        if sent is not None:
+            return await sent
+        return await self._send(await self._connected(), commands, count)
+
+    def send_now(self, commands: list[bytes], count: int) -> asyncio.Future[list[Any]] | None:
+        """:meth:`execute`'s request sent at once on a connection already open, its replies'
+        future returned (many connections' requests then wait together, with no task each);
+        None where the connection must be opened first (then use :meth:`execute`)."""
         link = self._link
-        loop = asyncio.get_running_loop()
-        if link is None or link.closed or link.loop is not loop:  # (a socket of another loop is left alone)
-            link = await self._connected()
-        request = _Request(loop.create_future(), count, loop.time(), wire_watch.get())
+        if count == 0 or link is None or link.closed or link.loop is not asyncio.get_running_loop():
+            return None  # (a socket of another loop is left alone)
+        return self._send(link, commands, count)
+
+    @staticmethod
+    def _send(link: _Link, commands: list[bytes], count: int) -> asyncio.Future[list[Any]]:
+        request = _Request(link.loop.create_future(), count, link.loop.time(), wire_watch.get())
         link.send(commands, request)
-        return await request.future
+        return request.future
 
     async def _connected(self) -> _Link:
         if self._connecting is None:

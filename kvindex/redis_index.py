@@ -24,7 +24,7 @@ from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.keys import KeySchema, ModelKeys
 from kvindex.mirror import BlockMirror
-from kvindex.pages import combine_listed, pages_of, segments
+from kvindex.pages import Page, combine_listed, pages_of, segments
 from kvindex.redis_worker import MAX_PAGES_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import decode, raise_script_error, worker_record
 from kvindex.scripts import ScriptCall, Scripts
@@ -66,6 +66,7 @@ class RedisIndex:
         self._gid_names: dict[tuple[str, int], str] = {}
         self._alive = AliveCache()
         self._alive_named: dict[str, _NamedGids] = {}
+        self._pages_memo: tuple[Sequence[int], int, int | None, list[Page]] | None = None
         self._cluster = is_cluster(client)
 
     @property
@@ -165,8 +166,18 @@ class RedisIndex:
         keys = self.keys(model)
         return [self._alive.call(keys), *self._page_calls(keys, chain)]
 
-    def _page_calls(self, keys: ModelKeys, chain: Sequence[int]) -> list[ScriptCall]:
+    def _pages(self, chain: Sequence[int]) -> list[Page]:
+        """``chain``'s pages, kept from :meth:`match_calls` for its :meth:`match_result` (the same
+        list object, of the same length and last block) in the common case of one match at a time."""
+        memo = self._pages_memo
+        if memo is not None and memo[0] is chain and memo[1] == len(chain) and (not chain or memo[2] == chain[-1]):
+            return memo[3]
         pages = pages_of(chain)
+        self._pages_memo = (chain, len(chain), chain[-1] if chain else None, pages)
+        return pages
+
+    def _page_calls(self, keys: ModelKeys, chain: Sequence[int]) -> list[ScriptCall]:
+        pages = self._pages(chain)
         if not pages:
             return []
         if not self._cluster:
@@ -191,7 +202,7 @@ class RedisIndex:
         named = await self._named(model, await self._alive_from(model, replies[0]))
         depths = dict(named.zeros)
         pages = [page for reply in replies[1:] for page in reply]
-        for gid, depth in combine_listed(pages_of(chain), pages).items():
+        for gid, depth in combine_listed(self._pages(chain), pages).items():
             name = named.listed.get(gid)
             if name is not None:
                 depths[name] = depth

@@ -32,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvindex.calls import SPECS, KeyOrArg, ScriptCall
 from kvindex.cluster import RedisClient, is_cluster
+from kvindex.cluster_links import ClusterLinks
 from kvindex.pipelined import PipelinedConnection
 from kvindex.replies import raise_script_error
 
@@ -80,6 +81,7 @@ class Scripts:
         self._heads = {name: _bulk(_command(name)) + _bulk(s.sha) for name, s in self._scripts.items()}
         # A single server's batches go over one pipelined connection beside the client's pool.
         self._pipelined = None if self._cluster else PipelinedConnection.for_client(client)
+        self._links = ClusterLinks(client) if self._cluster else None  # type: ignore[arg-type]
         self.reloads = 0
         self._loading: asyncio.Future[None] | None = None  # the load of every script under way
 
@@ -94,6 +96,8 @@ class Scripts:
         """Close the pipelined connection (the client's own pool is closed by the client)."""
         if self._pipelined is not None:
             await self._pipelined.aclose()
+        if self._links is not None:
+            await self._links.aclose()
 
     async def load_all(self) -> None:
         """Load every script, in one round trip (a single server; a cluster's shards learn them
@@ -230,18 +234,21 @@ class Scripts:
             return await self._client.execute_command(_evaluation(name), script.source, len(keys), *keys, *args)
 
     async def _cluster_round_trip(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
-        """The calls as one cluster pipeline: one connection and one round trip per shard that
-        has calls (a decision's alive, load and expected reads share the model's shard), the
-        shards at once. A call the shard does not know the script for is sent again with it."""
-        pipe = self._client.pipeline(transaction=False)
-        for call in calls:
-            pipe.execute_command(*self._words(call))
-        try:
-            results: list[Any] = list(await pipe.execute(raise_on_error=False))
-        except RedisError:
-            # A shard that went away mid-pipeline (a failover): each call on its own, with the
-            # cluster client's retries (it refreshes the slot map and follows MOVED and ASK).
-            results = [RedisError()] * len(calls)
+        """The calls in one round trip per shard that has calls (a decision's alive, load and
+        expected reads share the model's shard), the shards at once: on each node's pipelined
+        connection (:mod:`kvindex.cluster_links`), else as one redis-py cluster pipeline. A call
+        the shard does not know the script for is sent again with it; a call that met a moved
+        slot or a lost connection is sent again on its own, with the cluster client's retries
+        (it refreshes the slot map and follows MOVED and ASK)."""
+        results = await self._links.round_trip(calls, self._pack) if self._links is not None else None
+        if results is None:
+            pipe = self._client.pipeline(transaction=False)
+            for call in calls:
+                pipe.execute_command(*self._words(call))
+            try:
+                results = list(await pipe.execute(raise_on_error=False))
+            except RedisError:
+                results = [RedisError()] * len(calls)  # a shard that went away mid-pipeline (a failover)
         unknown = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if unknown:
             await self._evaluate_on_their_shards(calls, unknown, results)
