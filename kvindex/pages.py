@@ -160,6 +160,22 @@ def _listed(listed: bytes | str) -> set[bytes]:
     return found
 
 
+def _stops(start: int, stops: Sequence) -> tuple[dict[bytes, int], bytes | None, int]:
+    """A page's ``{depth, gids, ...}``: the depths in the chain of the gids listed, and the list
+    under a negative depth (every other gid of it stops at that depth: page_match.lua) with its
+    depth in the chain."""
+    stopped: dict[bytes, int] = {}
+    others, others_depth = None, 0
+    for i in range(0, len(stops), 2):
+        depth, listed = int(stops[i]), stops[i + 1]
+        if depth < 0:
+            others, others_depth = listed.encode() if isinstance(listed, str) else listed, start - depth
+            continue
+        for gid in _listed(listed):
+            stopped[gid] = start + depth
+    return stopped, others, others_depth
+
+
 def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int]:
     """:func:`combine_listed` with the gids as ints."""
     return {int(gid): depth for gid, depth in combine_listed(pages, replies).items()}
@@ -168,7 +184,8 @@ def combine(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[int, int
 def combine_listed(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[bytes, int]:
     """Each gid's depth over ``pages`` (a chain's pages in order) from page_match.lua's
     ``{whole, {depth, gids, ...}}`` per page. A gid counts a page's blocks only while it has held
-    every earlier page whole, and the page where it stops adds its depth there. Gids that match
+    every earlier page whole, and the page where it stops adds its depth there (a gid listed
+    under a negative depth and at no other stops at that depth, unless it holds the page whole). Gids that match
     no block are left out. A chained call may answer fewer pages than asked (the walk ended).
     The gids are as the script lists them (decimal digits, bytes): a router names them from
     that form, with no int per gid per match."""
@@ -177,14 +194,19 @@ def combine_listed(pages: Sequence[Page], replies: Sequence[Sequence]) -> dict[b
     previous: object = None
     end = 0
     for page, (whole, stops) in zip(pages, replies, strict=False):
-        stopped: dict[bytes, int] = {}
-        for i in range(0, len(stops), 2):
-            for gid in _listed(stops[i + 1]):
-                stopped[gid] = page.start + int(stops[i])
-        if whole != previous or stopped:  # pages along one chain mostly list the same holders
+        if whole != previous or stops:  # pages along one chain mostly list the same holders
             held = _listed(whole)
-            for gid in (going - held) if going is not None else stopped:
-                depths[gid] = stopped.get(gid, page.start)
+            stopped, others, others_depth = _stops(page.start, stops)
+            if going is None:  # page 0: every gid listed stops here
+                leaving = set(stopped) if others is None else set(stopped) | (_listed(others) - held)
+            else:
+                leaving = going - held
+            for gid in leaving:
+                depth = stopped.get(gid)
+                if depth is None:
+                    listed = others is not None and b"," + gid + b"," in others
+                    depth = others_depth if listed else page.start
+                depths[gid] = depth
             going = held if going is None else going & held
             previous = whole
         end = page.start + page.length

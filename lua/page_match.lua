@@ -23,8 +23,9 @@
 -- ARGV[3..] per key: its number of pages n, then per page the fields `e:<its last block>` and
 --         `h:<its first block>` (the client builds them: Lua's string work costs ~0.4 us a call)
 -- Returns one {whole, {depth, ',gid,...,', ...}} per page read, in order: `whole` the gids that
--- hold the page whole along the prompt (',' for none), then the depths (1..length-1) of those
--- that stop inside it. Chained, a page lists only gids that held the previous page whole.
+-- hold the page whole along the prompt (',' for none), then the depths (0..length-1) of those
+-- that stop inside it, and at most one negative depth: the depth of every other gid of its list
+-- (see stops_in). Chained, a page's depths list only gids that held the previous page whole.
 local chained, blocks = ARGV[1] == '1', ARGV[2]
 local PAGE_HEX = 16 * 32
 
@@ -63,50 +64,51 @@ end
 
 -- The gids of `holders` (P's) that do not hold it whole, and when chained held the one before:
 -- {depth, gids, ...} for those that hold part of it along the prompt.
+--
+-- The page's stem (page_apply.lua): every branch in P starts with it. Where the prompt leaves it,
+-- every holder stops there; where the prompt follows it, only the gids listed for the prompt's
+-- block after it go on, and the others stop at its end. So with a stem the reply names those
+-- others by the page's whole holder list, under a negative depth: {-depth, holders} says "every
+-- gid of this list that holds the page neither whole nor at a depth listed here stops at depth"
+-- (kvindex.pages.combine). A page that ends a shared system prompt then costs its fields and no
+-- work per holder. Only the gids that go on past the stem have their leaves looked at. A page of
+-- one holder has no stem, and a page without one (damaged) has every gid's leaves looked at.
 local function stops_in(key, first, page, whole, holders, before)
-  local among, other = holders, before
-  if before and #before < #holders then
-    among, other = before, holders
-  end
-  local stopping = {}
-  for gid in string.gmatch(among, '(%d+),') do
-    if not lists(whole, gid) and (other == nil or lists(other, gid)) then
-      stopping[#stopping + 1] = gid
-    end
-  end
-  if #stopping == 0 then
-    return {}
-  end
-  -- The page's stem (page_apply.lua): every branch in P starts with it. Where the prompt leaves
-  -- it, every gid stops there; where the prompt follows it, only the gids listed for the
-  -- prompt's block after it go on, and the others stop at its end. Only those listed have their
-  -- leaves looked at (a page that holds a shared system prompt's end costs one field, not one
-  -- look per gid). A page of one holder has no stem, and a page without one (damaged) has every
-  -- gid's leaves looked at.
-  local at, deeper = nil, nil
   local _, commas = string.gsub(holders, ',', ',')
   local stem = commas > 2 and redis.call('HGET', key, 'c:' .. first)  -- two holders or more
+  local by_depth, candidates, at = {}, holders, nil
   if stem then
     local s, k = #stem / 16, common(stem, page)
     if k < s or k >= #page / 16 then
-      at, deeper = k, ','
+      at, candidates = k, ','
     else
-      at, deeper = s, redis.call('HGET', key, 'k:' .. string.sub(page, 16 * s + 1, 16 * s + 16)) or ','
+      at, candidates = s, redis.call('HGET', key, 'k:' .. string.sub(page, 16 * s + 1, 16 * s + 16)) or ','
     end
   end
-  local by_depth, stops = {}, {}
-  for _, gid in ipairs(stopping) do
-    local d = at
-    if d == nil or lists(deeper, gid) then
-      d = depth_of(key, first, gid, page)
+  local among, other = candidates, before
+  if before and #before < #candidates then
+    among, other = before, candidates
+  end
+  for gid in string.gmatch(among, '(%d+),') do
+    if not lists(whole, gid) and (other == nil or lists(other, gid)) then
+      local d = depth_of(key, first, gid, page)
+      if d > 0 or at then  -- (with a stem, 0 is said: it overrides the stem's depth)
+        local listed = by_depth[d]
+        if listed == nil then
+          listed = {}
+          by_depth[d] = listed
+        end
+        listed[#listed + 1] = gid
+      end
     end
-    if d > 0 then
-      by_depth[d] = (by_depth[d] or ',') .. gid .. ','
-    end
+  end
+  local stops = {}
+  if at and at > 0 then
+    stops[1], stops[2] = -at, holders
   end
   for d, gids in pairs(by_depth) do
     stops[#stops + 1] = d
-    stops[#stops + 1] = gids
+    stops[#stops + 1] = ',' .. table.concat(gids, ',') .. ','
   end
   return stops
 end

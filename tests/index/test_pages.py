@@ -191,6 +191,11 @@ async def test_a_shared_stem_inside_a_page_costs_a_match_one_look_not_one_per_gi
     assert chained == apart == {1000 + g: 40 for g in range(20)}
     calls = (await redis_client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
     assert calls <= 4  # the stem, once per way of matching (and no gid's leaves)
+    # Page 1 answers by its holder list under the stem's depth, negative: no work per gid.
+    pages = pages_of(query)
+    whole, stops = (await scripts.run(lua.page_match(KEYS, pages, query, chained=True)))[1]
+    assert whole == b"," and stops[0] == -8 and len(stops) == 2
+    assert {int(g) for g in stops[1].split(b",") if g} == {1000 + g for g in range(20)}
 
 
 async def test_a_branch_that_leaves_the_stem_early_shortens_it_and_matches_stay_exact(redis_client: Redis):
