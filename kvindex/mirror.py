@@ -22,6 +22,8 @@ Pure data structure, no I/O: it turns stores and removals into ordered index ope
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
+from itertools import pairwise, repeat
 from typing import NamedTuple
 
 from kvindex.types import BlockChange, RemovedBlocks, StoredRun, WriteResult
@@ -45,6 +47,7 @@ class IndexSub(NamedTuple):
 
 
 IndexOp = IndexAdd | IndexSub
+_index_add = partial(tuple.__new__, IndexAdd)  # IndexAdd from a (block, parent, root) tuple, at C speed
 
 
 class BlockMirror:
@@ -101,6 +104,8 @@ class BlockMirror:
         adds: list[IndexAdd] = []
         orphaned = 0
         for run in runs:
+            if self._store_new_run(run, adds):
+                continue
             parent = run.parent
             for block in run.hashes:
                 if not self._store_one(block, parent, adds):
@@ -159,6 +164,33 @@ class BlockMirror:
             out.append(IndexAdd(block, self._parent[block], self._root[block]))
             stack.extend(c for c in self._children.get(block, ()) if c in self._indexed)
         return out
+
+    def _store_new_run(self, run: StoredRun, adds: list[IndexAdd]) -> bool:
+        """The common store at once: a run of blocks none of which is held or has a child held,
+        under an indexed parent (or none), within the limit; False (nothing done) otherwise,
+        for :meth:`_store_one` block by block. An agent stores mostly such runs: a prompt's
+        new blocks after its cached prefix."""
+        hashes, parent = run.hashes, run.parent
+        if not hashes or (parent is not None and parent not in self._indexed):
+            return False
+        if self.limit is not None and len(self._indexed) + len(hashes) > self.limit:
+            return False
+        if not self._copies.keys().isdisjoint(hashes) or not self._children.keys().isdisjoint(hashes):
+            return False
+        if len(set(hashes)) != len(hashes):
+            return False  # a block twice in one run: its copies are counted one by one
+        parents = (parent, *hashes[:-1])
+        root = hashes[0] if parent is None else self._root[parent]
+        self.held += len(hashes)
+        self._copies.update(dict.fromkeys(hashes, 1))
+        self._parent.update(zip(hashes, parents, strict=True))
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(hashes[0])
+        self._children.update({above: {below} for above, below in pairwise(hashes)})
+        self._indexed.update(hashes)
+        self._root.update(dict.fromkeys(hashes, root))
+        adds.extend(map(_index_add, zip(hashes, parents, repeat(root, len(hashes)), strict=True)))
+        return True
 
     def _store_one(self, block: int, parent: int | None, adds: list[IndexAdd]) -> bool:
         self.held += 1

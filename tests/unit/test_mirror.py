@@ -206,3 +206,29 @@ def test_the_inferred_cache_size_stays_a_lower_bound_with_requests_running_toget
             engine.complete(plan)
             inferred = mirror.inferred_capacity()
             assert inferred is None or inferred <= num_blocks
+
+
+class BlockByBlock(BlockMirror):
+    """The mirror without its fast path for runs of new blocks."""
+
+    def _store_new_run(self, run, adds):
+        return False
+
+
+@settings(max_examples=300)
+@given(ops, st.integers(0, 12) | st.none())
+def test_a_run_of_new_blocks_stored_at_once_does_what_storing_each_does(operations, limit):
+    fast, slow = BlockMirror(limit), BlockByBlock(limit)
+    for kind, arg, length in operations:
+        if kind == "store":
+            run = path_to(arg)[-length:]
+            stored = StoredRun(PARENT[run[0]], tuple(run))
+            assert fast.store([stored]) == slow.store([stored])
+        elif kind == "remove":
+            assert fast.remove(arg) == slow.remove(arg)
+        else:
+            fast.clear()
+            slow.clear()
+        assert sorted(fast.indexed_in_order()) == sorted(slow.indexed_in_order())
+        assert (fast.held, fast.over_limit, len(fast)) == (slow.held, slow.over_limit, len(slow))
+        assert all(fast.copies(b) == slow.copies(b) for b in PARENT)
