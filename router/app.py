@@ -1,24 +1,27 @@
-"""The router's HTTP application: OpenAI-compatible endpoints over the decision and the proxy."""
+"""The router's endpoints: OpenAI-compatible completions over the decision and the proxy, the
+models list, probes, metrics, the OpenAPI document, the debug routes and the dashboard, in one
+route table (:mod:`router.http.routes`) that :mod:`router.http.server` serves."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
+from urllib.parse import parse_qs
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.completions import Incoming, decide, decoded, proxy_completion, split_fields
+from router.completions import decide, decoded, proxy_completion, split_fields
 from router.dashboard import add_dashboard_routes
 from router.decide import Decision
-from router.middleware import LOG_FIELDS, REQUEST_ID, Admission, ApiError, EdgeSettings, edge_middleware
+from router.http.edges import Admission, ApiError, EdgeSettings
+from router.http.routes import Routes
+from router.http.wire import HttpRequest, Reply
 from router.openapi import document_bytes
-from router.proxy import AiohttpDownstream
 from router.state import RouterState
 from router.ttft import TtftLearner
 
-APP_KEY: web.AppKey[RouterState] = web.AppKey("router_state")
 COMPLETION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path: is it a chat
 
 
@@ -84,73 +87,64 @@ def new_admission(state: RouterState) -> Admission:
     return Admission(state.settings.max_inflight, state.metrics.admitted.set)
 
 
-async def _completion(request: web.Request) -> web.StreamResponse:
-    """A completion endpoint on aiohttp's front (the lean front takes most: :mod:`router.front`)."""
-    incoming = Incoming(request.path, request.headers, await request.read(), request[REQUEST_ID])
-    downstream = AiohttpDownstream(request)
-    try:
-        await proxy_completion(request.app[APP_KEY], incoming, downstream, COMPLETION_ROUTES[request.path])
-    finally:
-        request[LOG_FIELDS] = incoming.log_fields
-    assert downstream.response is not None  # the flow either relayed a reply or raised
-    return downstream.response
+async def _completion(state: RouterState, chat: bool, request: HttpRequest, reply: Reply) -> None:
+    await proxy_completion(state, request, reply, chat)
 
 
-def create_app(state: RouterState, admission: Admission | None = None) -> web.Application:
-    async def explain(request: web.Request) -> web.Response:
-        body = await decoded(state, await request.read())
+def _query(request: HttpRequest, name: str) -> str | None:
+    values = parse_qs(request.query).get(name)
+    return values[-1] if values else None
+
+
+def create_routes(state: RouterState) -> Routes:
+    """Every route the router serves, with its handler."""
+
+    async def explain(request: HttpRequest, reply: Reply) -> None:
+        body = await decoded(state, request.body)
         decision = await decide(state, body, chat="messages" in body, dry_run=True)
-        return web.json_response(_explain(decision))
+        await reply.send_json(_explain(decision))
 
-    async def learned(request: web.Request) -> web.Response:
-        return web.json_response(_learned(state, request.query.get("model")))
+    async def learned(request: HttpRequest, reply: Reply) -> None:
+        await reply.send_json(_learned(state, _query(request, "model")))
 
-    async def models(_: web.Request) -> web.Response:
+    async def models(_: HttpRequest, reply: Reply) -> None:
         data = [{"id": m, "object": "model", "owned_by": "kvroute"} for m in state.fleet.models_with_workers()]
-        return web.json_response({"object": "list", "data": data})
+        await reply.send_json({"object": "list", "data": data})
 
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "replica": state.settings.replica_id})
+    async def health(_: HttpRequest, reply: Reply) -> None:
+        await reply.send_json({"status": "ok", "replica": state.settings.replica_id})
 
-    async def ready(_: web.Request) -> web.Response:
-        return _readiness(state)
+    async def ready(_: HttpRequest, reply: Reply) -> None:
+        body, status = _readiness(state)
+        await reply.send_json(body, status)
 
-    async def openapi(_: web.Request) -> web.Response:
-        return web.Response(body=document_bytes(), content_type="application/json")
+    async def openapi(_: HttpRequest, reply: Reply) -> None:
+        await reply.send_whole(200, {"Content-Type": "application/json"}, document_bytes())
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(_: HttpRequest, reply: Reply) -> None:
         state.metrics.alive_workers.clear()  # read at scrape time (the fleet refreshes every second)
         for model in state.fleet.known_models():
             state.metrics.alive_workers.labels(model).set(len(state.fleet.alive(model)))
         recent = state.window.total(time.monotonic())[0]
         state.metrics.regret_ratio.set(recent.regretted / recent.reported_requests if recent.reported_requests else 0)
-        response = web.Response(body=generate_latest(state.metrics.registry))
-        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
-        return response
+        await reply.send_whole(200, {"Content-Type": CONTENT_TYPE_LATEST}, generate_latest(state.metrics.registry))
 
-    settings = state.settings
-    middleware = edge_middleware(
-        edge_settings(state),
-        count_request(state),
-        admission or new_admission(state),
-    )
-    app = web.Application(middlewares=[middleware], client_max_size=state.settings.max_body_bytes)
-    app[APP_KEY] = state
-    for path in COMPLETION_ROUTES:
-        app.router.add_post(path, _completion)
-    if settings.enable_debug:  # it shows worker URLs and what the index holds: opt-in
-        app.router.add_post("/debug/route", explain)
-        app.router.add_get("/debug/model", learned)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
-    add_dashboard_routes(app, state)
-    return app
+    routes = Routes()
+    for path, chat in COMPLETION_ROUTES.items():
+        routes.post(path, partial(_completion, state, chat))
+    if state.settings.enable_debug:  # it shows worker URLs and what the index holds: opt-in
+        routes.post("/debug/route", explain)
+        routes.get("/debug/model", learned)
+    routes.get("/v1/models", models)
+    routes.get("/health", health)
+    routes.get("/ready", ready)
+    routes.get("/metrics", metrics)
+    routes.get("/openapi.json", openapi)
+    add_dashboard_routes(routes, state)
+    return routes
 
 
-def _readiness(state: RouterState) -> web.Response:
+def _readiness(state: RouterState) -> tuple[dict[str, Any], int]:
     """Ready = this replica can route: it has a view of alive workers, from Redis now or the last
     one it read (degraded routing carries the traffic while Redis is away, so a probe must not
     drain every replica exactly then). ``redis`` says whether the last refresh reached Redis;
@@ -174,4 +168,4 @@ def _readiness(state: RouterState) -> web.Response:
         body["reason"] = f"no worker view yet: Redis unreachable ({why})"
     elif not models:
         body["reason"] = "no alive worker is registered in the index"
-    return web.json_response(body, status=200 if models else 503)
+    return body, 200 if models else 503

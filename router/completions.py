@@ -1,4 +1,4 @@
-"""The completion endpoints' flow, whichever HTTP front took the request: the body decoded,
+"""The completion endpoints' flow: the body decoded,
 the prompt tokenized, the decision, the request forwarded and its reply relayed, then what the
 reply taught (usage, the TTFT model, the accounting, the access log's fields)."""
 
@@ -7,35 +7,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
-
-import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.accounting import Split
 from router.body import TOO_DEEP, BodyError, decode_body
 from router.booking import Booking
 from router.decide import Decision, NoWorkers
-from router.middleware import ApiError
-from router.prompts import BadPrompt, PromptTooLong
+from router.http.edges import ApiError
+from router.http.wire import HttpRequest
+from router.prompts import BadPrompt, PromptTooLong, TokenizeFailed
 from router.proxy import Downstream, Outgoing, UpstreamFailed, forward
 from router.scoring import Candidate
 from router.state import RouterState
 
 log = logging.getLogger("router.app")
-
-
-@dataclass
-class Incoming:
-    """A completion request as a front hands it over: read whole, with the id the router logs.
-    ``log_fields`` are filled in for the access log."""
-
-    path: str
-    headers: CIMultiDictProxy[str] | CIMultiDict[str]
-    body: bytes
-    request_id: str
-    log_fields: dict[str, Any] = field(default_factory=dict)
 
 
 async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
@@ -68,7 +53,7 @@ async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: 
         raise ApiError(400, str(exc)) from None
     except RecursionError:
         raise ApiError(400, TOO_DEEP) from None
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (OSError, TokenizeFailed) as exc:  # ConnectionError, TimeoutError, a refused or failed /tokenize
         # The detail names the worker's address: the log's, not the client's.
         log.warning("tokenizing through worker %s failed: %s", workers[0].worker_id, exc)
         raise ApiError(502, "could not tokenize the prompt through a worker", "upstream_error") from None
@@ -156,7 +141,7 @@ def _record_usage(state: RouterState, decision: Decision, candidate: Candidate, 
     state.metrics.prediction_error_tokens.observe(abs(predicted - int(cached)))
 
 
-async def proxy_completion(state: RouterState, incoming: Incoming, downstream: Downstream, chat: bool) -> None:
+async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream: Downstream, chat: bool) -> None:
     """Route ``incoming`` and relay its reply to ``downstream``; ApiError for the client's
     mistakes and for what the router cannot do (no worker, every try failed)."""
     body = await decoded(state, incoming.body)

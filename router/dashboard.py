@@ -23,18 +23,18 @@ from dataclasses import fields
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from router.accounting import Bucket, summary
+from router.http.routes import Routes
+from router.http.wire import Handler, HttpRequest, Reply
 from router.shared_load import InflightLoad
 
 if TYPE_CHECKING:
-    from router.app import RouterState
+    from router.state import RouterState
 
 STATIC = {  # file -> content type
-    "dashboard.html": "text/html",
-    "dashboard.js": "text/javascript",
-    "dashboard.css": "text/css",
+    "dashboard.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
 }
 API_PREFIX = "/dashboard/api/"
 TOTALS_WAIT_S = 0.25  # how long a fleet answer waits for the shared load before showing this replica's
@@ -127,31 +127,31 @@ def accounting_view(state: RouterState) -> dict[str, Any]:
     }
 
 
-def add_dashboard_routes(app: web.Application, state: RouterState) -> None:
+def add_dashboard_routes(routes: Routes, state: RouterState) -> None:
     totals = SharedTotals()
 
-    def page(name: str) -> Any:
-        async def serve(_: web.Request) -> web.Response:
-            return web.Response(body=_static(name), content_type=STATIC[name])
+    def page(name: str) -> Handler:
+        async def serve(_: HttpRequest, reply: Reply) -> None:
+            await reply.send_whole(200, {"Content-Type": STATIC[name]}, _static(name))
 
         return serve
 
-    async def fleet(_: web.Request) -> web.Response:
-        return web.json_response(await fleet_view(state, totals), headers=NO_STORE)
+    async def fleet(_: HttpRequest, reply: Reply) -> None:
+        await reply.send_json(await fleet_view(state, totals), headers=NO_STORE)
 
-    async def accounting(_: web.Request) -> web.Response:
-        return web.json_response(accounting_view(state), headers=NO_STORE)
+    async def accounting(_: HttpRequest, reply: Reply) -> None:
+        await reply.send_json(accounting_view(state), headers=NO_STORE)
 
-    async def prefixes(_: web.Request) -> web.Response:
+    async def prefixes(_: HttpRequest, reply: Reply) -> None:
         top = state.prefixes.top(TOP_PREFIXES, time.monotonic())
-        return web.json_response({"prefixes": top, "tracked": len(state.prefixes)}, headers=NO_STORE)
+        await reply.send_json({"prefixes": top, "tracked": len(state.prefixes)}, headers=NO_STORE)
 
-    app.router.add_get("/dashboard", page("dashboard.html"))
-    app.router.add_get("/dashboard/dashboard.js", page("dashboard.js"))
-    app.router.add_get("/dashboard/dashboard.css", page("dashboard.css"))
-    app.router.add_get(API_PREFIX + "fleet", fleet)
-    app.router.add_get(API_PREFIX + "accounting", accounting)
-    app.router.add_get(API_PREFIX + "prefixes", prefixes)
+    routes.get("/dashboard", page("dashboard.html"))
+    routes.get("/dashboard/dashboard.js", page("dashboard.js"))
+    routes.get("/dashboard/dashboard.css", page("dashboard.css"))
+    routes.get(API_PREFIX + "fleet", fleet)
+    routes.get(API_PREFIX + "accounting", accounting)
+    routes.get(API_PREFIX + "prefixes", prefixes)
 
 
 # The JSON answers as router/openapi.py documents them.

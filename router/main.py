@@ -5,14 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
-
-from aiohttp import web
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
@@ -20,19 +15,18 @@ from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
 from router.allow import WorkerAllowList
-from router.app import COMPLETION_ROUTES, RouterState, count_request, create_app, edge_settings, new_admission
-from router.completions import proxy_completion
+from router.app import count_request, create_routes, edge_settings, new_admission
 from router.decide import Decider
 from router.fleet import Fleet
-from router.front import Front, FrontRules
-from router.front_relay import InternalHop
+from router.http.server import HttpServer, ServerRules
 from router.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.metrics import StateCollector, new_metrics
 from router.model_sync import ModelSync
 from router.prompts import Tokenization
 from router.settings import RouterSettings, add_arguments, settings_from_args
 from router.shared_load import SharedLoad
-from router.upstream import UpstreamPool, tokenize_session
+from router.state import RouterState
+from router.upstream import UpstreamPool
 from router.workers import run_workers
 
 log = logging.getLogger("router")
@@ -82,8 +76,6 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         stack.push_async_callback(lambda: load.stop(fleet.models_with_workers()))
         upstream = UpstreamPool.from_settings(settings)
         stack.push_async_callback(upstream.close)
-        session = tokenize_session(settings)
-        stack.push_async_callback(session.close)
         decider = Decider(
             index,
             load,
@@ -107,7 +99,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             await model_sync.try_sync_all(fleet.models_with_workers())
         model_sync.start(fleet.models_with_workers)
         stack.push_async_callback(lambda: model_sync.stop(fleet.models_with_workers()))
-        tokenization = Tokenization(settings.tokenizer_dirs, session, settings.max_prompt_tokens)
+        tokenization = Tokenization(settings.tokenizer_dirs, upstream, settings.max_prompt_tokens)
         state = RouterState(
             settings,
             index,
@@ -126,38 +118,13 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
 
 
 async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
-    """The HTTP API on its port: the lean front of the completion endpoints, aiohttp's server
-    behind it for everything else (:mod:`router.front`); the port bound."""
+    """The HTTP API on its port (:mod:`router.http.server`: every endpoint); the port bound."""
     settings = state.settings
-    admission = new_admission(state)
-    # keepalive_timeout closes a connection whose next request's headers have not all come in
-    # that long: the header timeout (aiohttp has no other), and the idle keep-alive time.
-    runner = web.AppRunner(
-        create_app(state, admission),
-        access_log=None,
-        handler_cancellation=True,
-        keepalive_timeout=settings.header_timeout_s,
-    )
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    address = f"{settings.host}:{settings.port}"
-    if not settings.lean_front:
-        with listening("the router's HTTP API", address, "--port (or --host)"):
-            await web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None).start()
-        return int(runner.addresses[0][1])
-    private = tempfile.mkdtemp(prefix="kvroute-router-")  # 0700: the internal socket is this user's
-    stack.callback(shutil.rmtree, private, ignore_errors=True)  # after the front is shut down
-    socket_path = os.path.join(private, "api.sock")
-    await web.UnixSite(runner, socket_path).start()
-    internal = InternalHop(socket_path, settings.connect_timeout_s, settings.read_timeout_s)
-    stack.push_async_callback(internal.close)
-    assert runner.server is not None
-    rules = FrontRules(edge_settings(state), settings.header_timeout_s, COMPLETION_ROUTES)
-    serve = partial(proxy_completion, state)
-    front = Front(rules, serve, admission, count_request(state), runner.server, state.metrics.handovers.inc, internal)
-    with listening("the router's HTTP API", address, "--port (or --host)"):
-        port = await front.start(settings.host, settings.port, settings.reuse_port)
-    stack.push_async_callback(front.shutdown)  # before aiohttp's: its requests end first
+    rules = ServerRules(edge_settings(state), settings.header_timeout_s)
+    server = HttpServer(rules, create_routes(state), new_admission(state), count_request(state))
+    with listening("the router's HTTP API", f"{settings.host}:{settings.port}", "--port (or --host)"):
+        port = await server.start(settings.host, settings.port, settings.reuse_port)
+    stack.push_async_callback(server.shutdown)
     return port
 
 

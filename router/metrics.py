@@ -100,8 +100,8 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
         ),
         handovers=Counter(
             PREFIX + "http_handovers",
-            "Client connections the lean front handed to aiohttp's server: a request to another endpoint, or "
-            "one it leaves to aiohttp (a chunked or 100-continue body, HTTP/1.0, a head llhttp refuses)",
+            "Always 0 since the router serves every endpoint on one HTTP server (kept so that dashboards "
+            "reading it do not break): were client connections handed from the lean front to aiohttp's",
             registry=r,
         ),
         lost_prefix_tokens=Counter(

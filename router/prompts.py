@@ -14,18 +14,23 @@ import json
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from router.body import BodyError, decode_token_answer, too_long
 from router.token_cache import TokenCache
 from router.token_memo import TokenMemo
 from router.tokenizer import ModelPrompts, PromptError
 
+if TYPE_CHECKING:
+    from router.upstream import UpstreamPool
+
 OFF_LOOP_CHARS = 2_000  # longer texts are tokenized in a thread
 SLICE_PIECES = 32  # much new text is put together this many pieces (~8k characters, ~1 ms) at a time
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
+
+
+class TokenizeFailed(Exception):
+    """A worker could not tokenize a prompt for the router (it answered no tokens)."""
 
 
 class BadPrompt(ValueError):
@@ -40,14 +45,14 @@ class Tokenization:
     def __init__(
         self,
         tokenizer_dirs: dict[str, Path],
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool | None,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ) -> None:
         self._models = {model: ModelPrompts(directory) for model, directory in tokenizer_dirs.items()}
         # Only what is new in a text is tokenized (router.token_memo); None: a tokenizer that cannot
         # be cut exactly, tokenized whole every time.
         self.memos = {model: TokenMemo.for_tokenizer(p.tokenizer) for model, p in self._models.items()}
-        self._session = session
+        self._upstream = upstream  # the workers' connection pool, for /tokenize (None: local tokenizers only)
         self.max_prompt_tokens = max_prompt_tokens
         self.cache = TokenCache()
 
@@ -135,16 +140,24 @@ class Tokenization:
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        async with self._session.post(f"{worker_url}/tokenize", json=request) as response:
-            if response.status == 400:
-                raise BadPrompt((await response.text())[:500])
-            response.raise_for_status()
-            answer = await response.read()
+        if self._upstream is None:
+            raise TokenizeFailed(f"no tokenizer for model {request['model']!r} and no worker connection")
+        reply = await self._upstream.post(
+            f"{worker_url}/tokenize", json.dumps(request).encode(), [("Content-Type", "application/json")]
+        )
+        try:
+            answer = await reply.read()
+        finally:
+            reply.close()
+        if reply.status == 400:
+            raise BadPrompt(answer[:500].decode("utf-8", "replace"))
+        if reply.status != 200:
+            raise TokenizeFailed(f"{worker_url}/tokenize answered {reply.status}")
         try:  # a long answer is decoded in slices, like a long token-id prompt
             ids = await decode_token_answer(answer, self.max_prompt_tokens)
         except BodyError as exc:
             if exc.status == 413:
                 raise PromptTooLong(str(exc)) from None
-            raise aiohttp.ClientPayloadError(f"{worker_url}/tokenize: {exc}") from None
+            raise TokenizeFailed(f"{worker_url}/tokenize: {exc}") from None
         self.cache.put(key, ids)
         return ids

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.booking import Booking
@@ -56,7 +55,7 @@ class UpstreamFailed(Exception):
 
 
 class Downstream(Protocol):
-    """The client's side of a relayed reply, whichever HTTP front took the request: a whole
+    """The client's side of a relayed reply (:class:`router.http.wire.Reply`): a whole
     reply in one go, or a stream's status and headers, its pieces, its end. A write to a client
     that went away raises ConnectionError."""
 
@@ -67,31 +66,6 @@ class Downstream(Protocol):
     async def write(self, chunk: bytes) -> None: ...
 
     async def end(self) -> None: ...
-
-
-class AiohttpDownstream:
-    """:class:`Downstream` over aiohttp's response objects; ``response`` is the handler's return."""
-
-    def __init__(self, request: web.Request) -> None:
-        self._request = request
-        self.response: web.StreamResponse | None = None
-
-    async def send_whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
-        whole = self.response = web.Response(status=status, body=body, headers=headers)
-        await whole.prepare(self._request)
-        await whole.write_eof()
-
-    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
-        self.response = web.StreamResponse(status=status, headers=headers)
-        await self.response.prepare(self._request)
-
-    async def write(self, chunk: bytes) -> None:
-        assert self.response is not None
-        await self.response.write(chunk)
-
-    async def end(self) -> None:
-        assert self.response is not None
-        await self.response.write_eof()
 
 
 @dataclass

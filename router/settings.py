@@ -63,7 +63,7 @@ class RouterSettings:
     worker_allow: tuple[str, ...] = ()  # worker URL hosts/networks routed to; empty: any (warned)
     workers: int = 1  # router processes on this port (router.workers), each its own replica
     reuse_port: bool = False  # SO_REUSEPORT: set for each of --workers' processes
-    lean_front: bool = True  # the completion endpoints on router.front; off: all on aiohttp's server
+    lean_front: bool = True  # kept for compatibility: one HTTP server serves every endpoint (router.http)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -251,8 +251,8 @@ def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings)
         "--lean-front",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="serve the completion endpoints on the router's lean HTTP/1.1 front, everything else on aiohttp's "
-        "(env KVROUTE_LEAN_FRONT; default on; off: all on aiohttp's server, ~0.4 ms slower per request)",
+        help="accepted for compatibility and ignored: the router serves every endpoint on one HTTP server "
+        "(env KVROUTE_LEAN_FRONT)",
     )
     group.add_argument(
         "--worker-allow",

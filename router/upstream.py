@@ -5,10 +5,8 @@ of them to one worker; a request past either waits for one (``kvroute_router_ups
 counts those waiting), so a burst cannot open thousands of sockets to one engine. A connection
 whose reply was read to its end is kept for the next request to that worker, for at most
 ``IDLE_KEEP_S``; one given up mid-reply is closed, which makes the engine abort the request.
-One connection's exchange is :mod:`router.http1`.
-
-The prompts' ``/tokenize`` calls, rare and off the request path's budget, keep an aiohttp
-session (:func:`tokenize_session`).
+One connection's exchange is :mod:`router.http1`. The prompts' ``/tokenize`` calls (models
+without a local tokenizer) go through the same pool: one HTTP client stack to the workers.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from router.deadlines import Deadlines
 from router.http1 import Http1Connection, Reply, UpstreamBroken
@@ -210,12 +206,3 @@ async def _acquire(own: asyncio.Semaphore | None, shared: asyncio.Semaphore | No
             if own is not None:
                 own.release()
             raise
-
-
-def tokenize_session(settings: RouterSettings) -> aiohttp.ClientSession:
-    """The session for ``/tokenize`` through a worker (models without a local tokenizer)."""
-    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
-    connector = aiohttp.TCPConnector(
-        limit=settings.upstream_connections, limit_per_host=settings.upstream_connections_per_worker
-    )
-    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)

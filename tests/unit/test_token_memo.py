@@ -106,7 +106,7 @@ def test_tokenizers_that_cannot_be_cut_exactly_get_no_memo():
 
 def test_the_router_tokenizes_through_the_memo(prompts):
     async def scenario() -> None:
-        tokenization = Tokenization({"tiny": TINY_MODEL_DIR}, session=None)  # type: ignore[arg-type]
+        tokenization = Tokenization({"tiny": TINY_MODEL_DIR}, upstream=None)
         assert tokenization.memos["tiny"] is not None
         long_text = TEXT1 * 30  # past OFF_LOOP_CHARS: tokenized in a thread
         for _ in range(2):
@@ -140,7 +140,7 @@ def test_much_new_text_is_put_together_in_slices_and_remembered(prompts):
     time, the event loop free between slices: the same ids, and every piece remembered."""
 
     async def scenario() -> None:
-        tokenization = Tokenization({"tiny": TINY_MODEL_DIR}, session=None)  # type: ignore[arg-type]
+        tokenization = Tokenization({"tiny": TINY_MODEL_DIR}, upstream=None)
         memo = tokenization.memos["tiny"]
         assert memo is not None
         rng = random.Random(11)

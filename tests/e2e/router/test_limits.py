@@ -31,22 +31,13 @@ from tests.support import wait_until
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
 
 
-# The edge rules hold on both HTTP fronts (router.front; --no-lean-front: aiohttp's alone).
-FRONTS = pytest.mark.parametrize("lean_front", [True, False], ids=["lean-front", "aiohttp-front"])
-
-
 def _port(router: RunningRouter) -> int:
     return int(router.url.rsplit(":", 1)[1])
 
 
-@FRONTS
-async def test_a_half_sent_body_gets_408_and_its_connection_closed_while_others_are_served(
-    redis_server, index, lean_front
-):
+async def test_a_half_sent_body_gets_408_and_its_connection_closed_while_others_are_served(redis_server, index):
     worker = FakeWorker("w1")
-    async with workers_and_router(
-        redis_server, index, [worker], lean_front=lean_front, body_timeout_s=0.5, header_timeout_s=0.5
-    ) as router:
+    async with workers_and_router(redis_server, index, [worker], body_timeout_s=0.5, header_timeout_s=0.5) as router:
         slow = asyncio.create_task(raw_request(_port(router), HEAD + b'{"model": "fake", "prompt"'))
         half_headers = asyncio.create_task(raw_request(_port(router), b"POST /v1/completions HTTP/1.1\r\nHost: r"))
         assert (await post(router.url + "/v1/completions", BODY))[0] == 200  # served meanwhile
@@ -57,12 +48,9 @@ async def test_a_half_sent_body_gets_408_and_its_connection_closed_while_others_
         assert (await post(router.url + "/v1/completions", BODY))[0] == 200
 
 
-@FRONTS
-async def test_an_idle_keep_alive_connection_is_closed_at_the_header_timeout_after_its_requests(
-    redis_server, index, lean_front
-):
+async def test_an_idle_keep_alive_connection_is_closed_at_the_header_timeout_after_its_requests(redis_server, index):
     worker = FakeWorker("w1")
-    async with workers_and_router(redis_server, index, [worker], lean_front=lean_front, header_timeout_s=0.5) as router:
+    async with workers_and_router(redis_server, index, [worker], header_timeout_s=0.5) as router:
         body = json.dumps(BODY).encode()
         request = HEAD.replace(b"100", str(len(body)).encode()) + body
         reader, writer = await asyncio.open_connection("127.0.0.1", _port(router))
@@ -78,10 +66,9 @@ async def test_an_idle_keep_alive_connection_is_closed_at_the_header_timeout_aft
             writer.close()
 
 
-@FRONTS
-async def test_past_the_inflight_limit_429_with_retry_after_then_served_again(redis_server, index, lean_front):
+async def test_past_the_inflight_limit_429_with_retry_after_then_served_again(redis_server, index):
     worker = FakeWorker("w1")
-    async with workers_and_router(redis_server, index, [worker], lean_front=lean_front, max_inflight=1) as router:
+    async with workers_and_router(redis_server, index, [worker], max_inflight=1) as router:
         holder = asyncio.create_task(raw_request(_port(router), HEAD + b'{"model"'))  # holds the one slot
 
         async def held() -> bool:
@@ -125,16 +112,13 @@ async def test_connections_to_one_worker_are_bounded_and_the_rest_wait(redis_ser
         assert worker.most_active == 2 and await metric(router.url, "kvroute_router_upstream_queued") == 0
 
 
-@FRONTS
-async def test_debug_route_is_opt_in_and_behind_the_key(redis_server, index, lean_front):
-    async with workers_and_router(
-        redis_server, index, [FakeWorker("w1")], lean_front=lean_front, enable_debug=False
-    ) as router:
+async def test_debug_route_is_opt_in_and_behind_the_key(redis_server, index):
+    async with workers_and_router(redis_server, index, [FakeWorker("w1")], enable_debug=False) as router:
         status, _, body = await post(router.url + "/debug/route", BODY)
         assert status == 404 and body["error"]["type"] == "not_found_error"
         assert await _get_status(router.url + "/debug/model") == 404
     keyed = {"enable_debug": True, "api_keys": frozenset({"k1"})}
-    async with workers_and_router(redis_server, index, [FakeWorker("w2")], lean_front=lean_front, **keyed) as router:
+    async with workers_and_router(redis_server, index, [FakeWorker("w2")], **keyed) as router:
         assert (await post(router.url + "/debug/route", BODY))[0] == 401
         status, _, body = await post(router.url + "/debug/route", BODY, {"Authorization": "Bearer k1"})
         assert status == 200 and body["chosen"] in ("w1", "w2")
@@ -165,7 +149,6 @@ async def test_debug_route_changes_no_routing_state(redis_server, index):
         assert await metric(url, "kvroute_router_decision_seconds_count") == requests_before + 1
 
 
-@FRONTS
 @pytest.mark.parametrize(
     ("settings", "exposed"),
     [
@@ -175,27 +158,24 @@ async def test_debug_route_changes_no_routing_state(redis_server, index):
         ({"api_keys": frozenset({"k1"}), "expose_routing_headers": True}, True),
     ],
 )
-async def test_routing_headers_switch(redis_server, index, settings, exposed, lean_front):
-    async with workers_and_router(redis_server, index, [FakeWorker("w1")], lean_front=lean_front, **settings) as router:
+async def test_routing_headers_switch(redis_server, index, settings, exposed):
+    async with workers_and_router(redis_server, index, [FakeWorker("w1")], **settings) as router:
         status, headers, body = await post(router.url + "/v1/completions", BODY, {"Authorization": "Bearer k1"})
         assert status == 200 and body == REPLY
         assert ("x-kvroute-worker" in headers, "x-kvroute-cached-tokens" in headers) == (exposed, exposed)
         assert len(headers.getall("x-request-id")) == 1  # the router's, not also the worker's
 
 
-@FRONTS
-async def test_bearer_is_case_insensitive_and_no_key_is_warned_once(redis_server, index, caplog, lean_front):
+async def test_bearer_is_case_insensitive_and_no_key_is_warned_once(redis_server, index, caplog):
     caplog.set_level(logging.WARNING, logger="router")
-    async with workers_and_router(
-        redis_server, index, [FakeWorker("w1")], lean_front=lean_front, api_keys=frozenset({"k1"})
-    ) as router:
+    async with workers_and_router(redis_server, index, [FakeWorker("w1")], api_keys=frozenset({"k1"})) as router:
         url = router.url + "/v1/completions"
         for scheme in ("Bearer", "bearer", "BEARER"):
             assert (await post(url, BODY, {"Authorization": f"{scheme} k1"}))[0] == 200, scheme
         for auth in ("Basic k1", "Bearer k2", "Bearer", "k1"):
             assert (await post(url, BODY, {"Authorization": auth}))[0] == 401, auth
     assert not [r for r in caplog.records if "authentication is OFF" in r.getMessage()]
-    async with workers_and_router(redis_server, index, [FakeWorker("w2")], lean_front=lean_front):
+    async with workers_and_router(redis_server, index, [FakeWorker("w2")]):
         pass
     warned = [r for r in caplog.records if "authentication is OFF" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING

@@ -155,7 +155,8 @@ async def test_a_replica_alone_writes_no_change_of_its_own(router: RunningRouter
 
 async def _scripts_run_by(decision: Awaitable[object], redis_url: str) -> set[str]:
     """The names of the scripts Redis ran while ``decision`` ran, seen by MONITOR up to a marker
-    sent once it is over (the router's background renewals may show too)."""
+    sent once it is over (the router's background renewals may show too); a GET of a model's
+    alive version (the liveness read between scripts, kvindex.alive_cache) as "alive_version"."""
     names = {script.sha: name for name, script in load_scripts().items()}
     client = Redis.from_url(redis_url, decode_responses=True)
     marker = "end-of-decision"
@@ -171,20 +172,22 @@ async def _scripts_run_by(decision: Awaitable[object], redis_url: str) -> set[st
                 words = command.split()
                 if words[0].upper().startswith("EVALSHA") and words[1] in names:
                     seen.add(names[words[1]])
+                elif words[0].strip('"').upper() == "GET" and words[1].strip('"').endswith(":alive_version"):
+                    seen.add("alive_version")
     finally:
         await client.aclose()
 
 
 async def test_a_replica_alone_reads_only_the_index(router: RunningRouter, redis_server):
     """Alone, no other replica's load or expected prefixes exist to read: the lookup is the
-    index's two scripts (the match, and liveness: the whole alive set, or the confirmation of
-    this replica's copy of it by its version). With another replica live, its load and
+    index's (the match, and liveness: the whole alive set, or the confirmation of this replica's
+    copy of it by a script or by a GET of its version). With another replica live, its load and
     expectations are read too."""
     load, decider = router.state.load, router.state.decider
     await load.renew_all(["tiny"])
     assert load.shared.alone("tiny")
     alone = await _scripts_run_by(decider.decide("tiny", PREFIX), redis_server.url)
-    liveness = {"alive", "alive_since"}
+    liveness = {"alive", "alive_since", "alive_version"}
     assert "page_match" in alone and liveness & alone and not {"inflight", "expected"} & alone
 
     await _ready_to_carry(router, "tiny", redis_server.url)
