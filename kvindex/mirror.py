@@ -140,7 +140,7 @@ class BlockMirror:
         makes them common: a request that evicts mid-prefill fills whole blocks); None before any
         eviction (the cache has had room all along). Not a partly filled block per request running
         when it is read: those were not the ones at the eviction, and under load that overstated
-        the size by up to the running count (docs/benchmarks.md, issue 37)."""
+        the size by up to the running count (docs/benchmarks-history.md, issue 37)."""
         if self.eviction_peak is None:
             return None
         return self.eviction_peak + 1

@@ -5,7 +5,7 @@ read timeout of each wait for a worker's reply, the lean front's body and keep-a
 nearly all of them are cancelled a millisecond later, unexpired. An event-loop timer each cost
 ~2 us to arm and cancel and an ``asyncio.timeout`` ~6 us on a warm machine, several times that
 on the benchmark's cold one (~8% of a multi-turn request's busy samples in a profile:
-docs/benchmarks.md, run 17). Here a deadline is an entry in a heap: setting one is a push,
+docs/benchmarks-history.md, run 17). Here a deadline is an entry in a heap: setting one is a push,
 cancelling it a flag; a single loop timer stays armed for the earliest live entry, and cancelled
 entries are dropped when they reach the top or when they are over half of the heap. Callbacks
 run on the loop at their time, within the loop's timer resolution, as ``loop.call_at``'s do.

@@ -4,7 +4,7 @@ Clients that tokenize themselves (a model server's own front end, an agent frame
 pre-processor in front of the router) send the same long prefix as the same JSON text again and
 again: a document, a system prompt, a conversation so far. Decoding an 8k-id list cost msgspec
 ~170 us (one Python int per id) and packing it into u32 another ~60 us: the largest share of such
-a request's router CPU (docs/benchmarks.md, issue 15). So the JSON text of a flat id list is cut
+a request's router CPU (docs/benchmarks-history.md, issue 15). So the JSON text of a flat id list is cut
 at the first comma past every ``chunk_bytes``, and the ids of each piece are remembered under a
 128-bit digest of the text from the list's start to the piece's end. A prompt whose text starts
 as one seen before takes those ids from the memo and decodes only the rest.

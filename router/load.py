@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # byte still counts as queued ahead for them until it is written. At 10 ms, with 4 replicas on the
 # regimes grid's Zipf cells, that stale queue moved 1.5-2x as many prompts off their caches as one
 # replica did (up to 7% of the cacheable tokens) and cost 1-4 points of hit rate against 2 ms
-# (docs/benchmarks.md, "Runs of 2026-12-01, fourth session"). The price: about one flush per request
+# (docs/benchmarks-history.md, "Runs of 2026-12-01, fourth session"). The price: about one flush per request
 # at moderate rates (~0.3-0.5 ms of router CPU each on the 2-core benchmark machine); at high rates
 # the decisions' batches carry nearly every change and few flushes remain.
 FLUSH_WINDOW_S = 0.002
@@ -48,7 +48,7 @@ UNCARRIED_FLUSH_WINDOW_S = 0.010
 # the renewal that finds it writes the lone one's whole load, and the changes flow again, each
 # within the window. At 100 requests/s a flush per request was ~8% of a lone router's CPU, and
 # gathering them in longer windows made the requests that met a large flush wait behind it
-# (docs/benchmarks.md, run 13).
+# (docs/benchmarks-history.md, run 13).
 ALONE_RENEWAL_S = 0.1
 
 

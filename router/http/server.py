@@ -1,7 +1,7 @@
 """The router's HTTP/1.1 server: every endpoint, one route table, one set of edge rules.
 
 Why not aiohttp's server: on the router's request path it spent ~0.7-1.0 ms more CPU per request
-than this server and added ~0.5-0.8 ms more latency (docs/benchmarks.md, run 15 and "One HTTP
+than this server and added ~0.5-0.8 ms more latency (docs/benchmarks-history.md, run 15 and "One HTTP
 server"), most of a Python hop's cost. Requests are parsed by llhttp (``httptools``, the parser of
 uvicorn and of aiohttp's C side), fed every byte as it comes: it frames bodies by their length or
 their chunks, and refuses what request smuggling relies on (a bad or doubled ``Content-Length``,

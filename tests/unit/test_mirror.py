@@ -187,7 +187,7 @@ def test_the_inferred_cache_size_stays_a_lower_bound_with_requests_running_toget
     """Several requests prefilled in chunks at once, as under load: a request evicts while others
     are mid-prefill (no partly filled block), so a block per request running when the size is
     read would overstate it; the survival estimate then kept blocks the engine had evicted
-    (docs/benchmarks.md, issue 37: 387-389 for a cache of 386)."""
+    (docs/benchmarks-history.md, issue 37: 387-389 for a cache of 386)."""
     import random
 
     from sim_engine.engine import SimEngine, SimRequest, TimingModel
