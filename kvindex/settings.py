@@ -212,6 +212,18 @@ _FILE_VARIABLES = {
 }
 
 
+def add_redis_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--redis-url``, ``--prefix`` and :func:`add_redis_security_arguments`: the flags of every
+    command that talks to the index's Redis, declared once."""
+    parser.add_argument(
+        "--redis-url",
+        help="the index's Redis: redis://, rediss:// (TLS), or redis+cluster://HOST:PORT[,HOST:PORT...] "
+        "(env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)",
+    )
+    parser.add_argument("--prefix", help="the index's key prefix (env KVROUTE_PREFIX; default kvr)")
+    add_redis_security_arguments(parser)
+
+
 def add_redis_security_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The flags every command with ``--redis-url`` takes for a password file, TLS and replica reads."""
     parser.add_argument(

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvindex.settings import RedisSettings, add_redis_security_arguments, read_secret_lines, redis_security_overrides
+from kvindex.settings import RedisSettings, add_redis_arguments, read_secret_lines, redis_security_overrides
 from kvservice.logs import add_log_arguments
+from kvservice.options import flag_or_env, parse_switch, typed
 from router.allow import WorkerAllowList
 from router.scoring import Policy, ScoringWeights
 
@@ -115,11 +116,7 @@ def _tokenizer_pair(text: str) -> tuple[str, Path]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d, w = RouterSettings(), ScoringWeights()
-    parser.add_argument(
-        "--redis-url", help="the index's Redis (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)"
-    )
-    parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
-    add_redis_security_arguments(parser)
+    add_redis_arguments(parser)
     parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
     parser.add_argument("--policy", type=Policy, choices=list(Policy), default=Policy.KV, help="default kv")
@@ -298,43 +295,18 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     )
 
 
+_SWITCHES = (
+    ("enable_debug", "KVROUTE_ENABLE_DEBUG"),
+    ("expose_routing_headers", "KVROUTE_EXPOSE_ROUTING_HEADERS"),
+    ("lean_front", "KVROUTE_LEAN_FRONT"),
+)
+
+
 def _flag_or_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
-    """The :data:`ENV_SETTINGS` given by a flag, else by their variable; a malformed variable is
-    a ValueError naming it."""
-    values: dict[str, object] = {}
-    for name, (variable, kind) in ENV_SETTINGS.items():
-        flag = getattr(args, name, None)
-        if flag is not None:
-            values[name] = flag
-        elif env.get(variable):
-            try:
-                values[name] = kind(env[variable])
-            except ValueError:
-                what = "an integer" if kind is int else "a number"
-                raise ValueError(f"{variable} must be {what}, got {env[variable]!r}") from None
-    return values
+    """The :data:`ENV_SETTINGS` given by a flag, else by their variable (kvservice.options)."""
+    return flag_or_env(args, env, [(name, variable, typed(kind)) for name, (variable, kind) in ENV_SETTINGS.items()])
 
 
 def _switches(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
     """The on/off settings: the flag, else the variable (1/true/yes/on or 0/false/no/off)."""
-    values: dict[str, object] = {}
-    for name, variable in (
-        ("enable_debug", "KVROUTE_ENABLE_DEBUG"),
-        ("expose_routing_headers", "KVROUTE_EXPOSE_ROUTING_HEADERS"),
-        ("lean_front", "KVROUTE_LEAN_FRONT"),
-    ):
-        flag = getattr(args, name, None)
-        if flag is not None:
-            values[name] = flag
-        elif env.get(variable):
-            values[name] = _switch(variable, env[variable])
-    return values
-
-
-def _switch(variable: str, text: str) -> bool:
-    word = text.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{variable} must be 1 or 0 (true/false), got {text!r}")
+    return flag_or_env(args, env, [(name, variable, parse_switch) for name, variable in _SWITCHES])

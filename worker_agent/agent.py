@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import Histogram
 
+from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from worker_agent.engine import EngineClient, EngineMetrics
@@ -45,7 +46,7 @@ from worker_agent.pipeline import EventPipeline, Received
 from worker_agent.replay import ReplayClient
 from worker_agent.restarts import RestartEvidence
 from worker_agent.settings import AgentSettings
-from worker_agent.writer import REDIS_FAILURES, WorkerWriter
+from worker_agent.writer import WorkerWriter
 
 log = logging.getLogger(__name__)
 MAX_MESSAGES_PER_STEP = 512  # queued messages applied with one Lua call when the agent lags

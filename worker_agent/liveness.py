@@ -19,11 +19,12 @@ import logging
 import random
 import time
 
+from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import HeartbeatStatus
 from worker_agent.metrics import AgentCounters
 from worker_agent.settings import AgentSettings
-from worker_agent.writer import REDIS_FAILURES, WorkerWriter
+from worker_agent.writer import WorkerWriter
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvindex.settings import RedisSettings, add_redis_security_arguments, redis_security_overrides
+from kvindex.settings import RedisSettings, add_redis_arguments, redis_security_overrides
 from kvservice.logs import add_log_arguments
+from kvservice.options import flag_or_env, parse_switch, typed
 from worker_agent.engine import root_url
 
 # flag dest -> environment variable (flags win over the environment)
@@ -149,9 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="listen on a wildcard --events endpoint (tcp://*:5557) for an engine told to connect to this agent; "
         "off by default: a bound socket takes events from any publisher; env KVROUTE_EVENTS_BIND",
     )
-    parser.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
-    parser.add_argument("--prefix", help="index key prefix (env KVROUTE_PREFIX; default kvr)")
-    add_redis_security_arguments(parser)
+    add_redis_arguments(parser)
     parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
     parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 3600)")
     parser.add_argument("--verify-interval", type=float, help="seconds between block-count checks (default 5)")
@@ -173,31 +172,22 @@ def _is_wildcard(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or "//0.0.0.0:" in endpoint
 
 
-def _coerce(name: str, value: str) -> object:
+def _parser(name: str) -> Callable[[str, str], object]:
+    """How a setting's KVROUTE_* variable is read (kvservice.options)."""
     if name == "events_bind":
-        if value.lower() not in ("1", "true", "0", "false"):
-            raise ValueError(f"KVROUTE_EVENTS_BIND must be 1/0 or true/false, got {value!r}")
-        return value.lower() in ("1", "true")
-    if name not in _INTS and name not in _FLOATS:
-        return value
-    kind, what = (int, "an integer") if name in _INTS else (float, "a number")
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"{ENV_VARS[name]} must be {what}, got {value!r}") from None
+        return parse_switch
+    if name in _INTS:
+        return typed(int)
+    if name in _FLOATS:
+        return typed(float)
+    return lambda _, text: text
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentSettings:
     """Flags first, then KVROUTE_* variables, then defaults. Raises ValueError with a message
     naming the flag when something is missing or malformed."""
     env = os.environ if env is None else env
-    values: dict[str, object] = {}
-    for name, variable in ENV_VARS.items():
-        flag = getattr(args, name, None)
-        if flag is not None:
-            values[name] = flag
-        elif env.get(variable):
-            values[name] = _coerce(name, env[variable])
+    values = flag_or_env(args, env, [(name, variable, _parser(name)) for name, variable in ENV_VARS.items()])
     missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in ("engine_url", "events") if n not in values]
     if missing:
         raise ValueError(f"missing required setting(s): {', '.join(missing)} (or their KVROUTE_* variables)")

@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from redis.exceptions import RedisError
-
-from kvindex.errors import KVIndexError, StaleGenerationError
+from kvindex.errors import REDIS_FAILURES, StaleGenerationError
 from kvindex.mirror import BlockMirror
 from kvindex.redis_index import RedisIndex
 from kvindex.redis_worker import RedisWorker
@@ -22,7 +20,6 @@ from kvindex.types import BlockChange, HeartbeatStatus, WorkerInfo, WorkerLoad
 from worker_agent.metrics import AgentCounters
 
 log = logging.getLogger(__name__)
-REDIS_FAILURES = (RedisError, OSError, KVIndexError)
 
 
 class WorkerWriter:

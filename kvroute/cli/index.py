@@ -17,7 +17,7 @@ from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from kvindex.pages import PAGE_BLOCKS, pages_of
 from kvindex.redis_index import RedisIndex
-from kvindex.settings import RedisSettings, add_redis_security_arguments, redact_url, redis_security_overrides
+from kvindex.settings import RedisSettings, add_redis_arguments, redact_url, redis_security_overrides
 from kvindex.types import WorkerRecord
 from kvroute.bench.common import text_table
 from kvroute.cli.argtypes import positive_int, token_ids
@@ -40,9 +40,7 @@ def add_parser(commands: Any) -> None:
         return p
 
     def with_redis(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--redis-url", help="Redis URL (env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)")
-        p.add_argument("--prefix", help="key prefix (env KVROUTE_PREFIX; default kvr)")
-        add_redis_security_arguments(p)
+        add_redis_arguments(p)
 
     def identity(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tokens", type=token_ids, required=True, help="token ids: 1,2,3 or [1,2,3]")

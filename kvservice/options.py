@@ -1,0 +1,56 @@
+"""A setting from its flag, else its ``KVROUTE_*`` variable, else its default: the rule every
+kvroute command follows, written once. A malformed variable is a ValueError that names the
+variable (not the flag: the user set the variable), in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_switch(variable: str, text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off, any case."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"{variable} must be 1 or 0 (true/false), got {text!r}")
+
+
+def parse_as(kind: Callable[[str], T], variable: str, text: str) -> T:
+    """``kind(text)`` (int, float, str...), a ValueError naming ``variable`` when it is not one."""
+    try:
+        return kind(text)
+    except ValueError:
+        what = {int: "an integer", float: "a number"}.get(kind, "valid")  # type: ignore[call-overload]
+        raise ValueError(f"{variable} must be {what}, got {text!r}") from None
+
+
+def flag_or_env(
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    settings: Iterable[tuple[str, str, Callable[[str, str], Any]]],
+) -> dict[str, Any]:
+    """For each ``(name, variable, parse)``: the flag ``args.<name>`` when given, else
+    ``parse(variable, env[variable])`` when the variable is set and not empty; settings given by
+    neither are left out (their default applies)."""
+    values: dict[str, Any] = {}
+    for name, variable, parse in settings:
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+        elif env.get(variable):
+            values[name] = parse(variable, env[variable])
+    return values
+
+
+def typed(kind: Callable[[str], T]) -> Callable[[str, str], T]:
+    """A ``parse`` for :func:`flag_or_env` of a plain type."""
+    return lambda variable, text: parse_as(kind, variable, text)
