@@ -45,9 +45,9 @@ class ClusterLinks:
     def _route(self, calls: Sequence[ScriptCall[Any]]) -> dict[str, tuple[PipelinedConnection, list[int]]] | None:
         """The calls' positions by the node their first key's slot is served by (a replica for a
         read-only call where the client reads replicas); None where any cannot be routed here."""
-        nodes = self._client.nodes_manager
-        if not nodes.slots_cache:
-            return None  # not initialized yet: redis-py's pipeline does that
+        nodes = getattr(self._client, "nodes_manager", None)
+        if nodes is None or not getattr(nodes, "slots_cache", None):
+            return None  # not initialized yet (redis-py's pipeline does that), or a redis-py without it
         replicas, strategy = self._replica_reads()
         groups: dict[str, tuple[PipelinedConnection, list[int]]] = {}
         for i, call in enumerate(calls):
@@ -58,7 +58,7 @@ class ClusterLinks:
                 node = nodes.get_node_from_slot(
                     self._client.keyslot(call.keys[0]), replica, strategy if replica else None
                 )
-            except (RedisError, RedisClusterException):  # a slot no node serves now
+            except (RedisError, RedisClusterException, TypeError):  # a slot no node serves now; another API
                 return None
             group = groups.get(node.name)
             if group is None:
