@@ -3,6 +3,8 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY kvindex kvindex
+COPY kvservice kvservice
+COPY kvtokens kvtokens
 COPY kvroute kvroute
 COPY router router
 COPY worker_agent worker_agent

@@ -33,13 +33,14 @@ from typing import Any
 import aiohttp
 
 from kvindex.settings import RedisSettings
-from kvroute.bench.common import ProcessFailed, cached_tokens, hit_rate, percentile, text_table, write_json
+from kvroute.bench.common import cached_tokens, hit_rate, percentile, text_table, write_json
 from kvroute.bench.replay import router_lost_tokens
 from kvroute.devstack.embedded_redis import redis_url_or_private
+from kvroute.devstack.processes import ProcessFailed
 from kvroute.devstack.stack import MODEL, CacheCensus, Stack, stream_completion
+from kvtokens.tokenizer import ModelPrompts
 from router.accounting import lost_shares, shares_text
 from router.scoring import Policy
-from router.tokenizer import ModelPrompts
 from sim_engine.settings import TINY_MODEL_DIR
 
 SYSTEM_PROMPTS = [

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtokens.tokenizer import ModelPrompts, PromptError
 from router.body import BodyError, decode_token_answer, too_long
 from router.token_cache import TokenCache
 from router.token_memo import TokenMemo
-from router.tokenizer import ModelPrompts, PromptError
 
 if TYPE_CHECKING:
     from router.upstream import UpstreamPool

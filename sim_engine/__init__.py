@@ -5,7 +5,7 @@ Run it with ``kvroute sim-engine`` or ``python -m sim_engine`` (:mod:`sim_engine
 in-process with :func:`sim_engine.server.running_engine`; docs/sim-engine.md describes it.
 
 It stands in for the engine, which knows nothing about kvroute, so it imports nothing from
-``worker_agent`` or ``kvindex``, and from ``router`` only :mod:`router.tokenizer`: the router and
-the simulated engine tokenize prompts with one implementation. It also uses :mod:`kvservice`
-(logging and start-up/shutdown, shared by every kvroute process).
+``router``, ``worker_agent`` or ``kvindex``: only :mod:`kvtokens` (the router and the simulated
+engine tokenize prompts with one implementation) and :mod:`kvservice` (logging and
+start-up/shutdown, shared by every kvroute process). tests/unit/test_imports.py holds that.
 """

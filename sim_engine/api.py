@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from router.tokenizer import ModelPrompts, PromptError
+from kvtokens.tokenizer import ModelPrompts, PromptError
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvservice.lifecycle import StartupError, listening
 from kvservice.logs import access_log_middleware
-from router.tokenizer import ModelPrompts
+from kvtokens.tokenizer import ModelPrompts
 from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
 from sim_engine.faults import EngineFaults

@@ -22,16 +22,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvroute.bench.common import (
-    exited,
-    poll_until,
-    print_fields,
-    remove_files,
-    serve_app,
-    start_logged,
-    stop_processes,
-)
+from kvroute.bench.common import print_fields
 from kvroute.devstack.embedded_redis import free_port, redis_url_or_private
+from kvroute.devstack.processes import exited, poll_until, remove_files, serve_app, start_logged, stop_processes
 from kvroute.devstack.stack import metric_value
 from kvservice.lifecycle import StartupError
 from sim_engine.kv_events import encode_batch, removed_event, stored_event

@@ -1,12 +1,8 @@
-"""What the benchmarks, the demo and the development stack share, written once.
+"""What the benchmarks share, written once (the processes they start and wait for are
+:mod:`kvroute.devstack.processes`'):
 
 * figures: :func:`percentile`, :func:`cached_tokens` / :func:`hit_rate` (from OpenAI ``usage``);
-* processes: :func:`start_logged` (stderr to a log file), :func:`tail` of that log,
-  :func:`stop_processes` (terminate, then kill what lingers);
-* waiting on observable state: :func:`poll_until`, :func:`wait_healthy` (an HTTP health endpoint,
-  failing early with the log's tail when the process behind it exits);
-* load and servers: :func:`closed_loop` (N clients, each sending its next request when its last
-  one ends), :func:`serve_app` (a local aiohttp server);
+* load: :func:`closed_loop` (N clients, each sending its next request when its last one ends);
 * results: :func:`text_table`, :func:`print_fields`, :func:`write_json`.
 
 It imports nothing from the rest of the project.
@@ -16,20 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-
-
-class ProcessFailed(RuntimeError):
-    """A process this command started exited, or did not come up in time; the message says which."""
-
 
 # ---------------------------------------------------------------------------------------- figures
 
@@ -59,107 +47,7 @@ def hit_rate(usages: Iterable[Mapping[str, Any]]) -> float:
 # -------------------------------------------------------------------------------------- processes
 
 
-def start_logged(command: Sequence[str], name: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``command`` with stdout discarded and stderr in a temporary log file; (process, log path).
-    The caller removes the log (:func:`remove_files`)."""
-    log = tempfile.NamedTemporaryFile(prefix=f"kvroute-{name}-", suffix=".log", delete=False)  # noqa: SIM115
-    try:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log), log.name
-    finally:
-        log.close()
-
-
-def tail(path: str, chars: int = 2000) -> str:
-    """The end of a process's log (what it said before it exited)."""
-    try:
-        return Path(path).read_text(errors="replace")[-chars:].strip()
-    except OSError:
-        return ""
-
-
-def stop_processes(processes: Iterable[subprocess.Popen[Any]], timeout_s: float = 10.0) -> None:
-    """SIGTERM every process, then wait for each; one that does not exit in time is killed."""
-    processes = [p for p in processes if p.poll() is None]
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def remove_files(paths: Iterable[str]) -> None:
-    for path in paths:
-        Path(path).unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------- waiting
-
-
-async def poll_until(
-    check: Callable[[], Awaitable[bool]], what: str, within_s: float = 60.0, interval_s: float = 0.05
-) -> None:
-    """Call ``check`` until it returns True; :class:`ProcessFailed` naming ``what`` after ``within_s``.
-    ``check`` may raise (a process it watches has exited) to end the wait early."""
-    deadline = time.monotonic() + within_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise ProcessFailed(f"{what} within {within_s:.0f} s")
-        await asyncio.sleep(interval_s)
-
-
-def exited(process: subprocess.Popen[Any] | None, log: str | None, name: str) -> ProcessFailed | None:
-    """A :class:`ProcessFailed` saying how ``process`` ended (with its log's tail), or None while it runs."""
-    if process is None or process.poll() is None:
-        return None
-    said = tail(log) if log else ""
-    return ProcessFailed(f"{name} exited with status {process.returncode}" + (f":\n{said}" if said else ""))
-
-
-async def wait_healthy(
-    session: aiohttp.ClientSession,
-    url: str,
-    process: subprocess.Popen[Any] | None = None,
-    log: str | None = None,
-    within_s: float = 60.0,
-    name: str = "",
-) -> None:
-    """GET ``url`` until it answers 200. When ``process`` (the server behind it) exits first, fail at
-    once with the tail of its ``log``; on timeout, the last answer or error is in the message."""
-    name = name or url
-    last = "no answer"
-
-    async def up() -> bool:
-        nonlocal last
-        if (failure := exited(process, log, name)) is not None:
-            raise failure
-        try:
-            async with session.get(url) as response:
-                if response.status == 200:
-                    return True
-                last = f"{response.status} {(await response.text())[:200]}"
-        except aiohttp.ClientError as exc:
-            last = repr(exc)
-        return False
-
-    await poll_until(up, f"{name} did not answer 200 on {url} (last: {last})", within_s, 0.1)
-
-
-# ------------------------------------------------------------------------------------ load, servers
-
-
-async def serve_app(app: web.Application, port: int, host: str = "127.0.0.1") -> web.AppRunner:
-    """Serve ``app`` on ``host:port`` (no access log) until the caller cleans the runner up."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
+# ------------------------------------------------------------------------------------ load
 
 
 async def closed_loop(

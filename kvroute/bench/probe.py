@@ -28,7 +28,7 @@ import aiohttp
 
 from kvroute.bench.common import cached_tokens
 from kvroute.devstack.oracle import cached_prefixes
-from router.tokenizer import ModelPrompts
+from kvtokens.tokenizer import ModelPrompts
 
 
 @dataclass

@@ -38,8 +38,8 @@ from kvroute.bench.replay_workload import reference_hit_rates
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Stack
 from kvservice.lifecycle import StartupError
+from kvtokens.tokenizer import ModelPrompts
 from router.scoring import Policy
-from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from kvroute.bench.replay_workload import TraceRequest
-from router.tokenizer import ModelPrompts
+from kvtokens.tokenizer import ModelPrompts
 from sim_engine.block_pool import chain_hashes
 
 CHAT_SYSTEMS = 8

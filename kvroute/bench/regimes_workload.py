@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from kvroute.bench.regimes_chat import chat_conversations
 from kvroute.bench.replay_workload import TRACE_BLOCK, TraceRequest
-from router.tokenizer import ModelPrompts
+from kvtokens.tokenizer import ModelPrompts
 from sim_engine.settings import TINY_MODEL_DIR
 
 AXES: dict[str, tuple[str, ...]] = {

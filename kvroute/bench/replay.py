@@ -48,9 +48,9 @@ from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.peers import GreedyOracle, SglangRouters
 from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
+from kvtokens.tokenizer import ModelPrompts
 from router.accounting import degraded_share, lost_during, lost_from_exposition, lost_shares
 from router.scoring import Policy
-from router.tokenizer import ModelPrompts
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 

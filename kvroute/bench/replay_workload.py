@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.tokenizer import ModelPrompts
+from kvtokens.tokenizer import ModelPrompts
 
 TRACE_BLOCK = 512
 SYNTHETIC = ("shared-prefix", "multi-turn", "documents")

@@ -35,17 +35,10 @@ from aiohttp import web
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
-from kvroute.bench.common import (
-    closed_loop,
-    percentile,
-    remove_files,
-    serve_app,
-    start_logged,
-    stop_processes,
-    wait_healthy,
-)
+from kvroute.bench.common import closed_loop, percentile
 from kvroute.devstack.embedded_redis import RedisServer, free_port
 from kvroute.devstack.peers import SglangRouters
+from kvroute.devstack.processes import remove_files, serve_app, start_logged, stop_processes, wait_healthy
 from sim_engine.settings import TINY_MODEL_DIR
 
 MODEL = "tiny"

@@ -17,8 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from kvroute.bench.common import closed_loop, print_fields, remove_files, start_logged, stop_processes, wait_healthy
+from kvroute.bench.common import closed_loop, print_fields
 from kvroute.devstack.embedded_redis import free_port
+from kvroute.devstack.processes import remove_files, start_logged, stop_processes, wait_healthy
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -278,8 +278,8 @@ def _soak_flags(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``kvroute.bench.<name>``; a process it needed that failed is one message, exit status 1."""
-    from kvroute.bench.common import ProcessFailed
     from kvroute.devstack.peers import PeerError
+    from kvroute.devstack.processes import ProcessFailed
 
     export_redis_security_arguments(args)  # the processes it starts read them from the environment
     module = importlib.import_module(f"kvroute.bench.{args.bench_command}")

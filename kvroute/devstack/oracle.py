@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.tokenizer import ModelPrompts, PromptError
+from kvtokens.tokenizer import ModelPrompts, PromptError
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
 

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 from aiohttp import web
 
-from kvroute.bench.common import serve_app
+from kvroute.devstack.processes import serve_app
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 
 PROG = "python -m kvroute.devstack.passthrough"

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvroute.bench.common import ProcessFailed, remove_files, start_logged, stop_processes, wait_healthy
 from kvroute.devstack.embedded_redis import free_port
+from kvroute.devstack.processes import ProcessFailed, remove_files, start_logged, stop_processes, wait_healthy
 
 
 def sglang_python() -> str:

@@ -26,8 +26,8 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerRecord
-from kvroute.bench.common import exited, poll_until, remove_files, start_logged, stop_processes, wait_healthy
 from kvroute.devstack.embedded_redis import free_port
+from kvroute.devstack.processes import exited, poll_until, remove_files, start_logged, stop_processes, wait_healthy
 from router.scoring import Policy
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR

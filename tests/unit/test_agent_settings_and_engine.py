@@ -65,7 +65,11 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
         (["--engine-url", "http://e:8000", "--events", "tcp://*:1"], {}, "pass --events-bind"),
         (["--engine-url", "http://e:8000", "--events", "tcp://0.0.0.0:1"], {}, "pass --events-bind"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--events-bind"], {}, "needs a wildcard"),
-        (["--engine-url", "http://e:8000", "--events", "tcp://*:1"], {"KVROUTE_EVENTS_BIND": "maybe"}, "KVROUTE_EVENTS_BIND must be 1 or 0"),
+        (
+            ["--engine-url", "http://e:8000", "--events", "tcp://*:1"],
+            {"KVROUTE_EVENTS_BIND": "maybe"},
+            "KVROUTE_EVENTS_BIND must be 1 or 0",
+        ),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--replay-deadline", "0"], {}, "--replay-deadline"),
         (
             ["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--max-queued-bytes", "0"],

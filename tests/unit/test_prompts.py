@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from router.tokenizer import ModelPrompts, PromptError
+from kvtokens.tokenizer import ModelPrompts, PromptError
 from sim_engine.settings import TINY_MODEL_DIR
 from tests.conftest import CAPTURES
 

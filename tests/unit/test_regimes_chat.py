@@ -8,7 +8,7 @@ import pytest
 
 from kvroute.bench.regimes_chat import CHAT_SYSTEMS, CHAT_TURNS, chat_conversations, transcript, vocabulary
 from kvroute.bench.replay_workload import reference_hit_rates
-from router.tokenizer import ModelPrompts
+from kvtokens.tokenizer import ModelPrompts
 from sim_engine.block_pool import chain_hashes
 from sim_engine.settings import TINY_MODEL_DIR
 

@@ -47,7 +47,7 @@ def test_synthetic_workloads_share_prefixes(kind):
 
 def test_text_prompts_tokenize_block_for_block_like_the_token_ids():
     from kvroute.bench.replay_workload import TextPrompts
-    from router.tokenizer import ModelPrompts
+    from kvtokens.tokenizer import ModelPrompts
     from sim_engine.settings import TINY_MODEL_DIR
 
     prompts = ModelPrompts(TINY_MODEL_DIR)
