@@ -186,7 +186,7 @@ class ModelKeys:
 
     @property
     def learned(self) -> str:
-        """HASH: the cost model the router replicas learn together (router/model_sync.py):
+        """HASH: the cost model the router replicas learn together (router/routing/model_sync.py):
         decayed sums, fields ``<kind>:<name>[:<worker id>]``; ``@<replica>``: its last batch."""
         return self.base + "learned"
 

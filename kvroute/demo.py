@@ -39,8 +39,8 @@ from kvroute.devstack.embedded_redis import redis_url_or_private
 from kvroute.devstack.processes import ProcessFailed
 from kvroute.devstack.stack import MODEL, CacheCensus, Stack, stream_completion
 from kvtokens.tokenizer import ModelPrompts
-from router.accounting import lost_shares, shares_text
-from router.scoring import Policy
+from router.routing.accounting import lost_shares, shares_text
+from router.routing.scoring import Policy
 from sim_engine.settings import TINY_MODEL_DIR
 
 SYSTEM_PROMPTS = [

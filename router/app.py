@@ -13,14 +13,14 @@ from urllib.parse import parse_qs
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.completions import decide, decoded, proxy_completion, split_fields
-from router.dashboard import add_dashboard_routes
-from router.decide import Decision
 from router.http.edges import Admission, ApiError, EdgeSettings
 from router.http.routes import Routes
 from router.http.wire import HttpRequest, Reply
-from router.openapi import document_bytes
+from router.observe.dashboard import add_dashboard_routes
+from router.observe.openapi import document_bytes
+from router.routing.decide import Decision
+from router.routing.ttft import TtftLearner
 from router.state import RouterState
-from router.ttft import TtftLearner
 
 COMPLETION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path: is it a chat
 

@@ -9,16 +9,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from router.accounting import Split
-from router.body import TOO_DEEP, BodyError, decode_body
-from router.booking import Booking
-from router.decide import Decision, NoWorkers
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
-from router.prompts import BadPrompt, PromptTooLong, TokenizeFailed
-from router.proxy import Downstream, Outgoing, UpstreamFailed, forward
-from router.scoring import Candidate
+from router.prompts.body import TOO_DEEP, BodyError, decode_body
+from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
+from router.routing.accounting import Split
+from router.routing.booking import Booking
+from router.routing.decide import Decision, NoWorkers
+from router.routing.scoring import Candidate
 from router.state import RouterState
+from router.upstream.proxy import Downstream, Outgoing, UpstreamFailed, forward
 
 log = logging.getLogger("router.app")
 

@@ -14,19 +14,19 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
-from router.allow import WorkerAllowList
 from router.app import count_request, create_routes, edge_settings, new_admission
-from router.decide import Decider
-from router.fleet import Fleet
 from router.http.server import HttpServer, ServerRules
-from router.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
-from router.metrics import StateCollector, new_metrics
-from router.model_sync import ModelSync
-from router.prompts import Tokenization
+from router.observe.metrics import StateCollector, new_metrics
+from router.prompts.tokenization import Tokenization
+from router.routing.allow import WorkerAllowList
+from router.routing.decide import Decider
+from router.routing.fleet import Fleet
+from router.routing.model_sync import ModelSync
 from router.settings import RouterSettings, add_arguments, settings_from_args
-from router.shared_load import SharedLoad
+from router.shared.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
+from router.shared.shared_load import SharedLoad
 from router.state import RouterState
-from router.upstream import UpstreamPool
+from router.upstream.pool import UpstreamPool
 from router.workers import run_workers
 
 log = logging.getLogger("router")
@@ -166,7 +166,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(logging_settings)
-    # Prompts are tokenized a piece at a time (router.token_memo): a thread pool per call only
+    # Prompts are tokenized a piece at a time (router.prompts.token_memo): a thread pool per call only
     # spun idle threads (sched_yield) between them, on cores that --workers' processes share.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if settings.workers > 1:

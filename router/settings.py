@@ -13,8 +13,8 @@ from pathlib import Path
 from kvindex.settings import RedisSettings, add_redis_arguments, read_secret_lines, redis_security_overrides
 from kvservice.logs import add_log_arguments
 from kvservice.options import flag_or_env, parse_switch, typed
-from router.allow import WorkerAllowList
-from router.scoring import Policy, ScoringWeights
+from router.routing.allow import WorkerAllowList
+from router.routing.scoring import Policy, ScoringWeights
 
 MIN_POOL_SIZE = 4  # one decision at a time, and the fleet refresh, the lease and the load writer
 # Settings that a flag or a KVROUTE_* variable sets (the flag wins): name -> (variable, type).

@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvindex.redis_index import RedisIndex
-from router.accounting import RollingWindow, SharedPrefixes
-from router.decide import Decider
-from router.fleet import Fleet
-from router.id_memo import TokenIdMemo
-from router.load import ReplicaLoad
-from router.metrics import RouterMetrics
-from router.model_sync import ModelSync
-from router.prompts import Tokenization
+from router.observe.metrics import RouterMetrics
+from router.prompts.id_memo import TokenIdMemo
+from router.prompts.tokenization import Tokenization
+from router.routing.accounting import RollingWindow, SharedPrefixes
+from router.routing.decide import Decider
+from router.routing.fleet import Fleet
+from router.routing.model_sync import ModelSync
 from router.settings import RouterSettings
-from router.upstream import UpstreamPool
+from router.shared.load import ReplicaLoad
+from router.upstream.pool import UpstreamPool
 
 
 @dataclass

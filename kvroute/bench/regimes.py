@@ -39,7 +39,7 @@ from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Stack
 from kvservice.lifecycle import StartupError
 from kvtokens.tokenizer import ModelPrompts
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from kvroute.bench.probe import split_text
-from router.accounting import REASONS, shares_text
+from router.routing.accounting import REASONS, shares_text
 
 
 def render(results: dict[str, Any]) -> str:

@@ -49,7 +49,7 @@ from kvroute.bench.soak_load import ChatLoad
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Child, Stack
 from kvservice.lifecycle import StartupError
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
 
 KINDS = ("redis", "engine", "agent", "router")

@@ -28,7 +28,7 @@ from kvindex.settings import RedisSettings
 from kvindex.types import WorkerRecord
 from kvroute.devstack.embedded_redis import free_port
 from kvroute.devstack.processes import exited, poll_until, remove_files, start_logged, stop_processes, wait_healthy
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
 

@@ -34,7 +34,7 @@ from typing import Any
 import httptools
 from multidict import CIMultiDict
 
-from router.deadlines import Deadline, Deadlines
+from kvservice.deadlines import Deadline, Deadlines
 from router.http.edges import (
     CLIENT_GONE,
     PROTECTED_PREFIXES,
@@ -48,7 +48,7 @@ from router.http.edges import (
 )
 from router.http.routes import Routes
 from router.http.wire import Handler, HttpRequest, Reply, error_reply
-from router.http1 import UpstreamBroken
+from router.upstream.http1 import UpstreamBroken
 
 error_log = logging.getLogger("router.errors")
 log = logging.getLogger("router.http")

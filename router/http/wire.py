@@ -63,7 +63,7 @@ def error_reply(exc: ApiError, keep_alive: bool) -> bytes:
 
 
 class Reply:
-    """One request's reply (:class:`router.proxy.Downstream`): a whole reply with its length, or
+    """One request's reply (:class:`router.upstream.proxy.Downstream`): a whole reply with its length, or
     a stream, chunked for HTTP/1.1 and ended by the close for HTTP/1.0."""
 
     def __init__(self, wire: Wire, keep_alive: bool, chunked: bool = True, head_only: bool = False) -> None:

@@ -14,7 +14,7 @@ import pytest
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Stack
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from tests.support import ROOT
 
 

@@ -22,7 +22,7 @@ from kvindex.scripts import load_scripts
 from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo, WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer
-from router.shared_load import InflightLoad, SharedLoad
+from router.shared.shared_load import InflightLoad, SharedLoad
 from tests.support import ROOT, raw_call
 
 PASSWORDS = {"router": "router-pw", "agent": "agent-pw", "admin": "admin-pw"}

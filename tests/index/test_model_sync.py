@@ -1,4 +1,4 @@
-"""learn.lua and router.model_sync on real Redis servers (each kind, and a Redis Cluster): the
+"""learn.lua and router.routing.model_sync on real Redis servers (each kind, and a Redis Cluster): the
 replicas' learned cost models folded into one, applied once per batch, bounded, forgotten."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from kvindex.errors import KVIndexError
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
-from router.model_sync import ModelSync, field_names
-from router.shared_load import SharedLoad
-from router.ttft import TtftLearner
+from router.routing.model_sync import ModelSync, field_names
+from router.routing.ttft import TtftLearner
+from router.shared.shared_load import SharedLoad
 from tests.conftest import server_kinds
 from tests.support import raw_call, wait_until
 

@@ -1,4 +1,4 @@
-"""Decision-quality accounting (router/accounting.py): the three-way split of lost prefix tokens,
+"""Decision-quality accounting (router/routing/accounting.py): the three-way split of lost prefix tokens,
 the rolling window and the shared-prefix table, as pure functions over given numbers and times."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.accounting import (
+from router.routing.accounting import (
     Bucket,
     RollingWindow,
     SharedPrefixes,

@@ -6,9 +6,9 @@ import random
 from collections import Counter
 
 from kvindex.types import WorkerLoad
-from router.activity import WorkerActivity
-from router.scoring import Candidate, ScoringWeights, choose
-from router.shared_load import InflightLoad
+from router.routing.activity import WorkerActivity
+from router.routing.scoring import Candidate, ScoringWeights, choose
+from router.shared.shared_load import InflightLoad
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""router.body: the fields the router reads, a long token-id prompt decoded in slices."""
+"""router.prompts.body: the fields the router reads, a long token-id prompt decoded in slices."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from router.body import SLICE_BYTES, TOO_DEEP, BodyError, decode_body, decode_token_answer
+from router.prompts.body import SLICE_BYTES, TOO_DEEP, BodyError, decode_body, decode_token_answer
 
 LONG = [(i * 7919) % 200_000 for i in range(3 * SLICE_BYTES // 6)]  # ~3 slices of ids
 

@@ -1,4 +1,4 @@
-"""router.deadlines: many deadlines on one loop timer, on both event loops the router runs on."""
+"""kvservice.deadlines: many deadlines on one loop timer, on both event loops the router runs on."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import uvloop
 
-from router.deadlines import COMPACT_AT, DUE_SLACK_S, Deadlines
+from kvservice.deadlines import COMPACT_AT, DUE_SLACK_S, Deadlines
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 

@@ -13,10 +13,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from kvindex.prefix_memo import PrefixHashMemo
-from router.lookups import Lookups
-from router.metrics import StateCollector, new_metrics
-from router.prompt_hashing import PromptHasher
-from router.token_cache import TokenCache
+from router.observe.metrics import StateCollector, new_metrics
+from router.prompts.hashing import PromptHasher
+from router.prompts.token_cache import TokenCache
+from router.routing.lookups import Lookups
 from tests.support import ROOT
 from worker_agent.metrics import AgentCollector, AgentCounters, Gauges, new_registry
 from worker_agent.translate import TranslateCounters

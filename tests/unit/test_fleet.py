@@ -1,9 +1,9 @@
-"""router.fleet: which workers a replica offers when Redis's listing loses them."""
+"""router.routing.fleet: which workers a replica offers when Redis's listing loses them."""
 
 from __future__ import annotations
 
 from kvindex.types import WorkerRecord
-from router.fleet import Fleet
+from router.routing.fleet import Fleet
 
 
 def _worker(name: str, model: str = "m") -> WorkerRecord:

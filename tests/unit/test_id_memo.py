@@ -1,4 +1,4 @@
-"""router.id_memo: token-id prompts decoded only past the text already seen, always exactly."""
+"""router.prompts.id_memo: token-id prompts decoded only past the text already seen, always exactly."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.body import SLICE_BYTES, BodyError, decode_prompt
-from router.id_memo import TokenIdMemo
+from router.prompts.body import SLICE_BYTES, BodyError, decode_prompt
+from router.prompts.id_memo import TokenIdMemo
 
 U32 = st.integers(min_value=0, max_value=2**32 - 1)
 SEPARATORS = st.sampled_from([",", ", ", " , ", ",\n  ", "\t,"])

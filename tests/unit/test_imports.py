@@ -128,8 +128,30 @@ def test_parts_of_a_package_import_in_one_direction() -> None:
     assert wrong == []
 
 
+# The router's rooms, lowest first: each imports only rooms before it (and of router's own top
+# level only its settings); the top level (main, app, completions, state) assembles them.
+ROUTER_ROOMS = ("router.prompts", "router.shared", "router.routing", "router.upstream", "router.http", "router.observe")
+ROOM_MAY_IMPORT_TOP = ("router.settings",)
+
+
+def test_the_routers_rooms_import_downwards() -> None:
+    def room(module: str) -> str | None:
+        return next((r for r in ROUTER_ROOMS if module == r or module.startswith(r + ".")), None)
+
+    wrong = []
+    for module, imported in import_graph().items():
+        here = room(module)
+        if here is None:
+            continue
+        below = ROUTER_ROOMS[: ROUTER_ROOMS.index(here) + 1]
+        for other in imported:
+            if other.startswith("router") and room(other) not in below and other not in ROOM_MAY_IMPORT_TOP:
+                wrong.append(f"{module} imports {other}")
+    assert sorted(wrong) == []
+
+
 def test_the_graph_is_read_at_all() -> None:
     graph = import_graph()
-    assert "kvindex.redis_index" in graph["router.decide"]  # a test that could not see imports would pass
+    assert "kvindex.redis_index" in graph["router.routing.decide"]  # a test that could not see imports would pass
     assert "kvroute.devstack.processes" in graph["kvroute.bench.router"]
     assert len(graph) > 100

@@ -1,4 +1,4 @@
-"""router.lookups: a lookup past its budget never cuts a connection short (left to finish, or
+"""router.routing.lookups: a lookup past its budget never cuts a connection short (left to finish, or
 cancelled on a channel that reads its reply anyway), and holds its slot until the reply is in."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from kvindex.pipelined import WireWatch, wire_watch
-from router.lookups import BudgetExpired, Lookups
+from router.routing.lookups import BudgetExpired, Lookups
 from tests.support import wait_until
 
 

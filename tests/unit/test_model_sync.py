@@ -1,4 +1,4 @@
-"""Sharing the learned cost model between replicas (router.model_sync, router.ttft): the
+"""Sharing the learned cost model between replicas (router.routing.model_sync, router.routing.ttft): the
 arithmetic of learn.lua done here in Python, so that the algebra is checked apart from Redis
 (tests/index/test_model_sync.py runs the script itself)."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from router.model_sync import batch_args, field_names, parse_model
-from router.ttft import GroupChange, TtftLearner
+from router.routing.model_sync import batch_args, field_names, parse_model
+from router.routing.ttft import GroupChange, TtftLearner
 
 
 class Store:

@@ -1,4 +1,4 @@
-"""router.prompt_hashing: long prompts hashed in slices give sequence_hashes' result and yield."""
+"""router.prompts.hashing: long prompts hashed in slices give sequence_hashes' result and yield."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvindex.hashing import sequence_hashes
 from kvindex.prefix_memo import PrefixHashMemo
-from router.prompt_hashing import PromptHasher
+from router.prompts.hashing import PromptHasher
 
 
 def _tokens(count: int, seed: int = 1) -> array:

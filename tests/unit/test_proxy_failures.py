@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.http1 import UpstreamBroken
-from router.proxy import _failure
+from router.upstream.http1 import UpstreamBroken
+from router.upstream.proxy import _failure
 
 
 @pytest.mark.parametrize(

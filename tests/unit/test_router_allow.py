@@ -1,4 +1,4 @@
-"""router.allow: which worker URLs --worker-allow admits; router.settings: the hardening flags."""
+"""router.routing.allow: which worker URLs --worker-allow admits; router.settings: the hardening flags."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from router.allow import WorkerAllowList
 from router.main import build_parser
+from router.routing.allow import WorkerAllowList
 from router.settings import RouterSettings, settings_from_args
 
 

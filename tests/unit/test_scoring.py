@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from kvindex.types import WorkerLoad
-from router.scoring import (
+from router.routing.scoring import (
     MAX_CONGESTION,
     NO_LOAD,
     Candidate,
@@ -22,8 +22,8 @@ from router.scoring import (
     queued_requests,
     requests_behind,
 )
-from router.shared_load import InflightLoad
-from router.ttft import CostModel, TtftParams
+from router.routing.ttft import CostModel, TtftParams
+from router.shared.shared_load import InflightLoad
 
 W = ScoringWeights()
 
@@ -270,7 +270,7 @@ def _engine(capacity: int | None) -> WorkerLoad:
 
 
 def test_matched_blocks_survive_only_what_the_prompts_in_flight_leave_room_for():
-    from router.scoring import surviving_blocks
+    from router.routing.scoring import surviving_blocks
 
     # 100 blocks, a prompt of 60 blocks in flight there: 100 - 1 - 60 - 1 = 38 blocks of room
     competitor = InflightLoad(requests=1, prompt_tokens=60 * 16, uncached_tokens=60 * 16)

@@ -1,4 +1,4 @@
-"""router.token_cache: /tokenize answers kept by their total size."""
+"""router.prompts.token_cache: /tokenize answers kept by their total size."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from router.token_cache import TokenCache
+from router.prompts.token_cache import TokenCache
 
 
 def _ids(n: int, first: int = 0) -> array:

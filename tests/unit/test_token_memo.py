@@ -11,8 +11,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from kvtokens.tokenizer import ModelPrompts
-from router.prompts import OFF_LOOP_CHARS, Tokenization
-from router.token_memo import TokenMemo
+from router.prompts.token_memo import TokenMemo
+from router.prompts.tokenization import OFF_LOOP_CHARS, Tokenization
 from sim_engine.settings import TINY_MODEL_DIR
 from tests.unit.test_prompts import CHAT, TEXT1, captured
 

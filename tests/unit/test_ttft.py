@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.ttft import PRIOR_PER_TOKEN_S, REFIT_SHARE, CostModel, TtftLearner, TtftParams
+from router.routing.ttft import PRIOR_PER_TOKEN_S, REFIT_SHARE, CostModel, TtftLearner, TtftParams
 
 
 def _feed(learner: TtftLearner, worker: str, base: float, per_token: float, count: int, seed: int = 0) -> None:
@@ -250,7 +250,7 @@ def _h200(new: float, cached: float, ns: float = 2.0, per_token_us: float = 18.5
 
 
 def _feed_contexts(learner: TtftLearner, worker: str, count: int, seed: int, **model: float) -> None:
-    from router.ttft_fit import attention_work
+    from router.routing.ttft_fit import attention_work
 
     rng = random.Random(seed)
     for _ in range(count):
@@ -266,7 +266,7 @@ def test_time_that_grows_with_the_context_is_learned():
     recovers the per-token rate and attention's share, and predicts what a chunk after a long
     context costs (992 new tokens after 31,776 cached: the formula's 89 ms, 104 ms measured,
     against 26 ms cold)."""
-    from router.ttft_fit import attention_work
+    from router.routing.ttft_fit import attention_work
 
     learner = TtftLearner()
     _feed_contexts(learner, "h200", 600, seed=3)

@@ -14,7 +14,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from router.ttft import HALF_LIFE
+from router.routing.ttft import HALF_LIFE
 from tests.e2e.router.support import start_router, wait_for_workers, wait_indexed
 from tests.support import SimFleet, wait_until
 

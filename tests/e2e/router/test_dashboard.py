@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.logs import FIELDS
 from router.main import RunningRouter
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from tests.e2e.router.support import PREFIX, complete, start_router, wait_for_workers, wait_indexed
 from tests.support import wait_until
 

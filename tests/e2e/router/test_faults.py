@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from kvindex.keys import KeySchema
 from kvroute.devstack.embedded_redis import free_port
-from router.shared_load import SharedLoad
+from router.shared.shared_load import SharedLoad
 from tests.e2e.router.support import (
     PREFIX,
     complete,

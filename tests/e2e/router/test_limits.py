@@ -13,7 +13,7 @@ import pytest
 from multidict import CIMultiDict
 
 from router.main import RunningRouter
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from tests.e2e.router.fake_worker import (
     BODY,
     MODEL,

@@ -12,7 +12,7 @@ import aiohttp
 
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
-from router.scoring import Policy
+from router.routing.scoring import Policy
 from tests.e2e.router.fake_worker import (
     BODY,
     MODEL,

@@ -15,7 +15,7 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
-from router.shared_load import SharedLoad
+from router.shared.shared_load import SharedLoad
 from tests.e2e.router.support import (
     PREFIX,
     complete,

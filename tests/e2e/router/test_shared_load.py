@@ -13,9 +13,9 @@ from kvindex.keys import KeySchema
 from kvindex.scripts import load_scripts
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
-from router.load import FLUSH_WINDOW_S
 from router.main import RunningRouter
-from router.shared_load import InflightLoad, SharedLoad
+from router.shared.load import FLUSH_WINDOW_S
+from router.shared.shared_load import InflightLoad, SharedLoad
 from tests.e2e.cluster_support import wait_for_workers as wait_for_cluster_workers
 from tests.e2e.router.support import PREFIX, start_router, wait_for_workers
 from tests.support import SimFleet, wait_until

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from router.main import RunningRouter
-from router.ttft import PRIOR_UTILIZATION
+from router.routing.ttft import PRIOR_UTILIZATION
 from tests.e2e.router.support import start_router, wait_for_workers
 from tests.support import SimFleet, wait_until
 

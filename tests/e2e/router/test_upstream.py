@@ -1,4 +1,4 @@
-"""The router's client to the workers (router.upstream, router.http1) against real servers on real
+"""The router's client to the workers (router.upstream.pool, router.upstream.http1) against real servers on real
 sockets: an aiohttp server where a well-behaved worker is enough, raw asyncio servers where the
 test needs bytes no server library would send (no length, a 100 Continue, garbage, an early close)."""
 
@@ -11,9 +11,9 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from router import upstream as upstream_module
-from router.http1 import UpstreamBroken
-from router.upstream import UpstreamPool, _head, _target
+from router.upstream import pool as upstream_module
+from router.upstream.http1 import UpstreamBroken
+from router.upstream.pool import UpstreamPool, _head, _target
 from tests.support import wait_until
 
 Raw = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvindex.pipelined import WireWatch, wire_watch
-from router.deadlines import Deadlines
+from kvservice.deadlines import Deadlines
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ class Lookups:
         # Whether cancelling a waiting lookup is free (Scripts.cancel_safe of the lookups' client).
         self.cancel_safe = cancel_safe
         self._background: set[asyncio.Task[object]] = set()
-        self.deadlines = Deadlines()  # the budgets' (router.deadlines: no loop timer each)
+        self.deadlines = Deadlines()  # the budgets' (kvservice.deadlines: no loop timer each)
         self._held: set[_HeldSlot] = set()  # slots of abandoned lookups whose replies are still due
         self.in_flight = 0  # lookups holding a slot now
         self.late_replies = 0  # lookups that finished after their decision had moved on
@@ -186,7 +186,7 @@ class _StallGuard:
     ``CHECK_AHEAD_S`` before the deadline sees such a stall (it runs at or past the deadline) and
     moves the deadline ``GRACE_S`` on, so that the loop reads its sockets and runs the woken task
     first; at most ``MAX_GRACES`` times, so that a Redis that is slow while the router is
-    saturated still meets a bound. The check and the expiry are :mod:`router.deadlines` entries:
+    saturated still meets a bound. The check and the expiry are :mod:`kvservice.deadlines` entries:
     nearly every budget is cancelled unexpired, a millisecond after it is set."""
 
     CHECK_AHEAD_S = 0.002  # more than the event loop's timer resolution (uvloop: 1 ms)

@@ -70,7 +70,7 @@ class Sums:
     xw: float = 0.0
     zw: float = 0.0
     wy: float = 0.0
-    since_sync: int = 0  # observations added since the model was last shared (router.model_sync)
+    since_sync: int = 0  # observations added since the model was last shared (router.routing.model_sync)
 
     def add(self, x: float, y: float, decay: float, z: float = 0.0, w: float = 0.0) -> None:
         self.since_sync += 1

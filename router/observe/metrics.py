@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -10,12 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.accounting import REASONS
-from router.lookups import Lookups
-from router.model_sync import SyncStatus
-from router.prompt_hashing import PromptHasher
-from router.token_cache import TokenCache
-from router.upstream import UpstreamPool
+from router.prompts.hashing import PromptHasher
+from router.prompts.token_cache import TokenCache
+from router.routing.accounting import REASONS
+from router.routing.lookups import Lookups
+from router.routing.model_sync import SyncStatus
+from router.upstream.pool import UpstreamPool
 
 PREFIX = "kvroute_router_"
 
@@ -206,32 +205,3 @@ class StateCollector(Collector):
             "Rounds of sharing the learned cost model that Redis did not take (each replica learned alone meanwhile)",
             value=self._model_sync.failures,
         )
-
-
-def usage_from_json(body: bytes) -> dict | None:
-    try:
-        usage = json.loads(body).get("usage")
-    except (ValueError, AttributeError):
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-class SseUsage:
-    """Finds the usage object in a server-sent event stream as it passes through."""
-
-    def __init__(self) -> None:
-        self._tail = b""
-        self.usage: dict | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        *events, self._tail = data.split(b"\n\n")
-        for event in events:
-            if b'"usage"' in event:
-                for line in event.splitlines():
-                    if line.startswith(b"data:"):
-                        found = usage_from_json(line[5:].strip())
-                        if found:
-                            self.usage = found
-        if len(self._tail) > 1 << 20:
-            self._tail = b""

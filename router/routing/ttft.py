@@ -3,8 +3,8 @@
 A worker's TTFT is modelled as ``base + per_token * prefill_tokens + per_context * attention``,
 where ``prefill_tokens`` is the prefill work the request waits for on that worker (the uncached
 tokens booked there ahead of it plus its own uncached tokens) and ``attention`` that prefill's
-attention work (:func:`router.ttft_fit.attention_work`: new tokens after a long context cost more
-than cold ones). They are fitted by exponentially weighted least squares (:mod:`router.ttft_fit`)
+attention work (:func:`router.routing.ttft_fit.attention_work`: new tokens after a long context cost more
+than cold ones). They are fitted by exponentially weighted least squares (:mod:`router.routing.ttft_fit`)
 over the router's own observations (the time from sending a streamed request to its first byte,
 with the prefill it was predicted to wait for): ``base`` over the whole fleet, the rates per
 worker, shrunk towards the fleet's while a worker has few observations; the fleet's towards a
@@ -26,7 +26,7 @@ Three more figures are measured rather than configured:
   would have been reused with about this probability: the cost of cache pressure);
 * ``utilization``: the share of workers with prefill queued when a request arrives (Poisson
   arrivals see time averages, so this is the fleet's prefill utilization): how many later
-  requests a prefill added now will delay (:func:`router.scoring.requests_behind`).
+  requests a prefill added now will delay (:func:`router.routing.scoring.requests_behind`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
+from router.routing.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
 
 __all__ = ["PRIOR_PER_TOKEN_S", "SUM_FIELDS", "CostModel", "GroupChange", "GroupKey", "TtftLearner", "TtftParams"]
 
@@ -151,7 +151,7 @@ class TtftLearner:
         # a sync); observations count in _unfitted, fitted once REFIT_SHARE's share of them came.
         self._rates_stale = self._averages_stale = False
         self._unfitted = 0  # observations since the last fit
-        # Each group's value as last shared (router.model_sync); the averages start at their priors.
+        # Each group's value as last shared (router.routing.model_sync); the averages start at their priors.
         self._synced: dict[GroupKey, tuple[float, ...]] = {
             key: group.vector() for key, group in self._groups().items() if key[0] == "a"
         }
@@ -169,7 +169,7 @@ class TtftLearner:
     ) -> None:
         """A request to ``worker_id`` waited ``seconds`` for its first byte, having been predicted
         to wait for ``prefill_tokens`` of prefill there, of ``attention`` work
-        (:func:`router.ttft_fit.attention_work`); ``whole_reply``: it was not streamed, so its
+        (:func:`router.routing.ttft_fit.attention_work`); ``whole_reply``: it was not streamed, so its
         first byte came with its last, after decoding its ``completion_tokens``."""
         if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0 or attention < 0:
             return
@@ -242,7 +242,7 @@ class TtftLearner:
             self._model = self._with_averages(self._model.rates, self._model.fleet)
         return self._model
 
-    # --- one model for every replica (router.model_sync shares it through Redis) ------------
+    # --- one model for every replica (router.routing.model_sync shares it through Redis) ------------
 
     def _fixed_groups(self) -> dict[GroupKey, Sums | _Average]:
         return {

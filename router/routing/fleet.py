@@ -7,7 +7,7 @@ moment ago (a FLUSHALL, a restart that lost its data, a failover that lost the l
 last known workers are *retained* for ``retain_s`` seconds, long enough for the agents to
 re-register, instead of answering 404 for a model that was served a second ago. A worker the
 proxy cannot connect to is dropped by the failover (:meth:`Fleet.drop`) whatever the view. A
-worker whose URL is outside ``--worker-allow`` (:mod:`router.allow`) is never offered.
+worker whose URL is outside ``--worker-allow`` (:mod:`router.routing.allow`) is never offered.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerRecord
-from router.allow import WorkerAllowList
+from router.routing.allow import WorkerAllowList
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.fleet")  # the name it always had: log filters rely on it
 DEFAULT_RETAIN_S = 30.0
 
 

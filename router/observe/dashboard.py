@@ -1,12 +1,12 @@
 """``GET /dashboard``: a live page over this replica's view of the fleet, and its JSON endpoints.
 
-The page (``router/static/``: HTML, JS and CSS shipped with the package, no build step) fetches
+The page (``router/observe/static/``: HTML, JS and CSS shipped with the package, no build step) fetches
 nothing but these endpoints of the router that served it (docs/dashboard.md documents them):
 
 - ``/dashboard/api/fleet``: alive workers per model with KV usage, queue, in-flight load and
   indexed blocks; degraded mode; decisions per second.
 - ``/dashboard/api/accounting``: hit rate, predicted vs reported cached tokens and the three-way
-  split of lost prefix tokens over the last minutes (:mod:`router.accounting`), per bucket.
+  split of lost prefix tokens over the last minutes (:mod:`router.routing.accounting`), per bucket.
 - ``/dashboard/api/prefixes``: the most hit prefixes, with how many workers hold them.
 
 They show what ``/metrics`` shows (worker ids, loads, counts; no worker URL, no prompt text; a
@@ -23,10 +23,10 @@ from dataclasses import fields
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from router.accounting import Bucket, summary
 from router.http.routes import Routes
 from router.http.wire import Handler, HttpRequest, Reply
-from router.shared_load import InflightLoad
+from router.routing.accounting import Bucket, summary
+from router.shared.shared_load import InflightLoad
 
 if TYPE_CHECKING:
     from router.state import RouterState
@@ -45,12 +45,12 @@ NO_STORE = {"Cache-Control": "no-store"}
 
 
 def _static(name: str) -> bytes:
-    return resources.files("router").joinpath("static", name).read_bytes()
+    return resources.files("router.observe").joinpath("static", name).read_bytes()
 
 
 class SharedTotals:
     """The in-flight load every replica has booked per worker, read from Redis for the dashboard.
-    A read is never cancelled on the wire (that costs its connection, see router/lookups.py): an
+    A read is never cancelled on the wire (that costs its connection, see router/routing/lookups.py): an
     answer waits for it at most ``TOTALS_WAIT_S``, then shows this replica's own load, and one
     read per model runs at a time, so a slow Redis never piles reads up."""
 
@@ -154,7 +154,7 @@ def add_dashboard_routes(routes: Routes, state: RouterState) -> None:
     routes.get(API_PREFIX + "prefixes", prefixes)
 
 
-# The JSON answers as router/openapi.py documents them.
+# The JSON answers as router/observe/openapi.py documents them.
 _NUMBER = {"type": "number", "nullable": True}
 _SHARES = {"type": "object", "properties": {r: _NUMBER for r in ("load_tradeoff", "stale_index", "cold")}}
 _WINDOW_SUMS = {

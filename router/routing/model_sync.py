@@ -1,6 +1,6 @@
 """One learned cost model for all router replicas, shared through Redis next to the index.
 
-Each replica learns its model (:mod:`router.ttft`) from the decisions and replies it sees: with
+Each replica learns its model (:mod:`router.routing.ttft`) from the decisions and replies it sees: with
 four replicas, a quarter of them. Every ``--model-sync-ms`` (1 s) it folds what it learned since
 into the model's shared hash (``learn.lua``) and reads the whole model back in the same round
 trip, so each replica routes by what all of them observed, as one replica seeing every request
@@ -9,7 +9,7 @@ A new replica (a restart, a scale-out, another ``--workers`` process) starts fro
 learned instead of the priors.
 
 Every learned figure is an exponentially decayed sum, so a replica's new observations fold in as
-``shared * factor + delta`` (:class:`router.ttft.GroupChange`) whatever the other replicas added
+``shared * factor + delta`` (:class:`router.routing.ttft.GroupChange`) whatever the other replicas added
 meanwhile. A batch whose reply was lost is resent as it was, under the same id, and applied once.
 Sharing is a help, never a dependency: while Redis does not answer, each replica keeps learning on
 its own and sends what it learned once Redis is back.
@@ -30,10 +30,10 @@ from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.replies import decode
-from router.shared_load import SharedLoad
-from router.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
+from router.routing.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
+from router.shared.shared_load import SharedLoad
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.model_sync")  # the name it always had: log filters rely on it
 FORGET_REPLICA_MS = 24 * 3600 * 1000  # a replica silent a day: its last batch id is dropped
 MODEL_EXPIRY_MS = 7 * 24 * 3600 * 1000  # a model no replica added to for a week expires
 STOP_SYNC_S = 0.5  # the last sync at shutdown waits this long at most

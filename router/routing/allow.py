@@ -15,7 +15,7 @@ import ipaddress
 import logging
 from urllib.parse import urlsplit
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.allow")  # the name it always had: log filters rely on it
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 

@@ -10,7 +10,7 @@ The single owner of a request's load lifecycle:
    cannot be evicted, so a prompt sharing them keeps them wherever the cache is full).
 2. :meth:`Booking.prefilled` when the worker's reply starts (for a stream, the first token): the
    uncached tokens no longer queue ahead of other prompts on that worker, and the time it took
-   teaches the TTFT model (:mod:`router.ttft`). A non-streamed reply's first byte comes only after
+   teaches the TTFT model (:mod:`router.routing.ttft`). A non-streamed reply's first byte comes only after
    its last token, so its prefill is released when it is predicted to be done instead; its time
    teaches the model once :meth:`Booking.replied` says how many tokens the reply decoded.
 3. :meth:`Booking.failed` when a try fails before its first byte: that worker's load is released
@@ -27,11 +27,11 @@ import asyncio
 import time
 from types import TracebackType
 
-from router.decide import Decision
-from router.load import ReplicaLoad
-from router.scoring import Candidate
-from router.shared_load import InflightLoad
-from router.ttft import TtftLearner
+from router.routing.decide import Decision
+from router.routing.scoring import Candidate
+from router.routing.ttft import TtftLearner
+from router.shared.load import ReplicaLoad
+from router.shared.shared_load import InflightLoad
 
 # An expectation stands in for the blocks a request computes and then holds on its worker. Past
 # the request it is a promise of blocks the worker's full cache may have evicted since (kept a

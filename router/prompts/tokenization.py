@@ -2,7 +2,7 @@
 
 With a model directory configured (``--tokenizer MODEL=DIR``) the router tokenizes itself (long
 texts off the event loop); otherwise it asks a worker's ``/tokenize`` and caches the answer (by
-size: :class:`~router.token_cache.TokenCache`). Token-id prompts are used as they are. A prompt
+size: :class:`~router.prompts.token_cache.TokenCache`). Token-id prompts are used as they are. A prompt
 longer than ``max_prompt_tokens`` is refused (:class:`PromptTooLong`, 413) before it is hashed.
 """
 
@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtokens.tokenizer import ModelPrompts, PromptError
-from router.body import BodyError, decode_token_answer, too_long
-from router.token_cache import TokenCache
-from router.token_memo import TokenMemo
+from router.prompts.body import BodyError, decode_token_answer, too_long
+from router.prompts.token_cache import TokenCache
+from router.prompts.token_memo import TokenMemo
 
 if TYPE_CHECKING:
-    from router.upstream import UpstreamPool
+    from router.upstream.pool import UpstreamPool
 
 OFF_LOOP_CHARS = 2_000  # longer texts are tokenized in a thread
 SLICE_PIECES = 32  # much new text is put together this many pieces (~8k characters, ~1 ms) at a time
@@ -49,7 +49,7 @@ class Tokenization:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ) -> None:
         self._models = {model: ModelPrompts(directory) for model, directory in tokenizer_dirs.items()}
-        # Only what is new in a text is tokenized (router.token_memo); None: a tokenizer that cannot
+        # Only what is new in a text is tokenized (router.prompts.token_memo); None: a tokenizer that cannot
         # be cut exactly, tokenized whole every time.
         self.memos = {model: TokenMemo.for_tokenizer(p.tokenizer) for model, p in self._models.items()}
         self._upstream = upstream  # the workers' connection pool, for /tokenize (None: local tokenizers only)
@@ -66,7 +66,7 @@ class Tokenization:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list | array):
             prompt = prompt[0]  # a batch of prompts: the first one routes it
-        if isinstance(prompt, array) and prompt:  # a long one, decoded in slices (router.body)
+        if isinstance(prompt, array) and prompt:  # a long one, decoded in slices (router.prompts.body)
             return self._checked(prompt)
         if isinstance(prompt, list) and prompt:
             self._checked(prompt)  # before building anything from it

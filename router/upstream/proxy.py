@@ -11,7 +11,7 @@ header names, stay on their hop, both ways. Redirects are never followed (a work
 could point the prompt anywhere). The reply's ``Content-Encoding`` goes with its body, which is
 relayed as sent. ``X-Request-Id`` goes upstream once, the value the router logs; ``Expect``
 stays on the client's hop (the router has read the whole body). Errors told to the client name
-no worker address; the log has them. The connections to the workers: :mod:`router.upstream`.
+no worker address; the log has them. The connections to the workers: :mod:`router.upstream.pool`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.booking import Booking
-from router.http1 import Reply, UpstreamBroken
-from router.metrics import SseUsage, usage_from_json
-from router.scoring import Candidate
-from router.upstream import UpstreamPool
+from router.routing.booking import Booking
+from router.routing.scoring import Candidate
+from router.upstream.http1 import Reply, UpstreamBroken
+from router.upstream.pool import UpstreamPool
+from router.upstream.usage import SseUsage, usage_from_json
 
 HOP_BY_HOP = frozenset(
     {

@@ -12,7 +12,7 @@ as one seen before takes those ids from the memo and decodes only the rest.
 Exact: equal text up to a cut means equal ids before it (a top-level comma of a flat list ends a
 whole number), and every remembered piece was decoded by msgspec and packed by ``array('I')``,
 which checked each id. A text the memo cannot read as plain u32 ids is left to the ordinary
-decoder (:mod:`router.body`), which gives its usual errors.
+decoder (:mod:`router.prompts.body`), which gives its usual errors.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import json
 from importlib import metadata
 from typing import Any
 
-from router.dashboard import DASHBOARD_SCHEMAS
+from router.observe.dashboard import DASHBOARD_SCHEMAS
 
 JSON = "application/json"
 ERROR_REF = {"$ref": "#/components/schemas/Error"}

@@ -23,7 +23,7 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict
 
-from router.deadlines import Deadlines
+from kvservice.deadlines import Deadlines
 
 HIGH_WATER = 1 << 20  # reply bytes held for a slow reader before the worker's socket is paused
 
@@ -87,7 +87,7 @@ class Reply:
         if self._error is not None:
             raise self._error
         waiter = self._waiter = asyncio.get_running_loop().create_future()
-        # Not asyncio.timeout: an event-loop timer per wait was ~2% of a request's CPU (router.deadlines).
+        # Not asyncio.timeout: an event-loop timer per wait was ~2% of a request's CPU (kvservice.deadlines).
         deadline = self._deadlines.later(self._read_timeout_s, self._timed_out)
         try:
             await waiter

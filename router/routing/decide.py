@@ -3,7 +3,7 @@
 One decision reads, concurrently, the prompt's match in the index, every replica's in-flight
 load, and the "expected" prefixes of recent decisions; it must finish within the Redis budget
 (default 50 ms), else the router routes by its own load (round robin over the last workers it
-saw alive) and counts it, leaving the command to finish (:mod:`router.lookups`: cancelling it
+saw alive) and counts it, leaving the command to finish (:mod:`router.routing.lookups`: cancelling it
 would cost its connection). The index makes routing better, never a request fail.
 """
 
@@ -25,13 +25,12 @@ from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
 from kvindex.scripts import ScriptCall
 from kvindex.types import WorkerRecord
-from router.accounting import Split, split
-from router.activity import WorkerActivity
-from router.fleet import Fleet
-from router.load import ReplicaLoad
-from router.lookups import BudgetExpired, Lookups
-from router.prompt_hashing import PromptHasher
-from router.scoring import (
+from router.prompts.hashing import PromptHasher
+from router.routing.accounting import Split, split
+from router.routing.activity import WorkerActivity
+from router.routing.fleet import Fleet
+from router.routing.lookups import BudgetExpired, Lookups
+from router.routing.scoring import (
     Candidate,
     Choice,
     Policy,
@@ -41,10 +40,11 @@ from router.scoring import (
     choose,
     predicted_cached_tokens,
 )
-from router.shared_load import InflightLoad, parse_expected, parse_totals
-from router.ttft import TtftLearner
+from router.routing.ttft import TtftLearner
+from router.shared.load import ReplicaLoad
+from router.shared.shared_load import InflightLoad, parse_expected, parse_totals
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.decide")  # the name it always had: log filters rely on it
 
 
 class NoWorkers(Exception):
@@ -68,7 +68,7 @@ class Decision:
 
     def predicted_cached_tokens(self, candidate: Candidate | None = None) -> int:
         """The cached tokens the engine will report: the matched blocks predicted to survive
-        until the prompt is scheduled there (:func:`router.scoring.surviving_blocks`)."""
+        until the prompt is scheduled there (:func:`router.routing.scoring.surviving_blocks`)."""
         chosen = candidate or self.choice.chosen
         return predicted_cached_tokens(self.hit_blocks(chosen), self.prompt_tokens, self.block_size)
 
@@ -86,7 +86,7 @@ class Decision:
 
     def split(self, candidate: Candidate | None = None, reported: int | None = None) -> Split | None:
         """Why the prompt's prefix was or was not cached on ``candidate`` (default the chosen worker),
-        given the engine's ``reported`` cached tokens (:mod:`router.accounting`). None for a degraded
+        given the engine's ``reported`` cached tokens (:mod:`router.routing.accounting`). None for a degraded
         decision: the index was not read, so no match is known."""
         if self.degraded:
             return None
@@ -144,7 +144,7 @@ def checkpoints(length: int) -> tuple[int, ...]:
 
 class _RelayedWatch(WireWatch):
     """Counts a batch's requests on the wire, and passes each on to the decision's own watch
-    (:mod:`router.lookups` holds its slot until that one is settled)."""
+    (:mod:`router.routing.lookups` holds its slot until that one is settled)."""
 
     def __init__(self, outer: WireWatch | None) -> None:
         super().__init__()
@@ -163,7 +163,7 @@ class _RelayedWatch(WireWatch):
 
 class Decider:
     """Decisions for one replica. Pure of side effects on routing state: what a decision books
-    (load, expected prefixes) is booked by the request's :class:`~router.booking.Booking`."""
+    (load, expected prefixes) is booked by the request's :class:`~router.routing.booking.Booking`."""
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class Decider:
         self.degraded = False  # in degraded mode now: the last decision could not use Redis
         self.hash_memo = PrefixHashMemo()
         self.hasher = PromptHasher(self.hash_memo)
-        self.learners: dict[str, TtftLearner] = {}  # per model (router.model_sync shares them)
+        self.learners: dict[str, TtftLearner] = {}  # per model (router.routing.model_sync shares them)
         self.activity = WorkerActivity()  # when each worker was last seen busy (ties among equals)
 
     def learner_for(self, model: str) -> TtftLearner:
@@ -272,7 +272,7 @@ class Decider:
         return [_expecting(c, depth[c.worker_id]) for c in candidates]
 
     async def _lookup(self, model: str, chain: list[int]) -> IndexView:
-        """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.lookups`)."""
+        """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.routing.lookups`)."""
         calls = self._index.match_calls(model, chain)
         if self._shared.alone(model):
             # No other replica books load or expects prefixes here (a replica that starts is

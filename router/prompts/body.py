@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from router.id_memo import TokenIdMemo
+from router.prompts.id_memo import TokenIdMemo
 
 SLICE_BYTES = 256 * 1024  # ~40k token ids
 MEMO_MAX_BYTES = 1 << 20  # longer id prompts bypass the TokenIdMemo: they would evict most of it

@@ -5,7 +5,7 @@ of them to one worker; a request past either waits for one (``kvroute_router_ups
 counts those waiting), so a burst cannot open thousands of sockets to one engine. A connection
 whose reply was read to its end is kept for the next request to that worker, for at most
 ``IDLE_KEEP_S``; one given up mid-reply is closed, which makes the engine abort the request.
-One connection's exchange is :mod:`router.http1`. The prompts' ``/tokenize`` calls (models
+One connection's exchange is :mod:`router.upstream.http1`. The prompts' ``/tokenize`` calls (models
 without a local tokenizer) go through the same pool: one HTTP client stack to the workers.
 """
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from functools import partial
 from urllib.parse import urlsplit
 
-from router.deadlines import Deadlines
-from router.http1 import Http1Connection, Reply, UpstreamBroken
+from kvservice.deadlines import Deadlines
 from router.settings import RouterSettings
+from router.upstream.http1 import Http1Connection, Reply, UpstreamBroken
 
 # vLLM's server (uvicorn) closes a connection idle for 5 s. Dropping ours sooner means the worker
 # never closes one just as a request is written on it (which would fail that request).

@@ -9,7 +9,7 @@
   moment as "expected" on the chosen worker (``expect.lua``), so a burst of identical prompts
   sees the first one's choice before the engine's KV events reach the index.
 * The learned cost model: each replica folds its batches of learned sums into one shared hash
-  (``learn.lua``, driven by :mod:`router.model_sync`).
+  (``learn.lua``, driven by :mod:`router.routing.model_sync`).
 
 Every Redis key and script call of the routers' own state goes through :class:`SharedLoad`;
 the calls are declared in :mod:`kvindex.calls`.
@@ -41,7 +41,7 @@ class InflightLoad:
     requests: int = 0
     prompt_tokens: int = 0
     uncached_tokens: int = 0
-    # the attention work of those uncached tokens' prefills (router.ttft_fit.attention_work):
+    # the attention work of those uncached tokens' prefills (router.routing.ttft_fit.attention_work):
     # prefill ahead after a long context takes longer than as many tokens cold
     attention: int = 0
 

@@ -1,6 +1,6 @@
 """This replica's in-flight requests per worker: the local truth behind its shared load.
 
-Every booking and release is also sent to Redis (HINCRBY, via :class:`~router.shared_load.SharedLoad`)
+Every booking and release is also sent to Redis (HINCRBY, via :class:`~router.shared.shared_load.SharedLoad`)
 within :data:`FLUSH_WINDOW_S`: carried by this replica's next decision's own batch, or flushed;
 every second the lease is renewed with a full snapshot of this truth, which heals any update that
 was lost while Redis was unreachable. A replica alone on a model writes only the snapshots there.
@@ -24,9 +24,9 @@ from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.scripts import ScriptCall
-from router.shared_load import Expectation, InflightLoad, SharedLoad
+from router.shared.shared_load import Expectation, InflightLoad, SharedLoad
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.load")  # the name it always had: log filters rely on it
 # Changes are gathered this long before they are written, unless a decision's own lookup batch
 # carries them sooner (:meth:`ReplicaLoad.carry`: then no flush is written at all). The window is
 # how stale the other replicas' view of this replica's load is: a prefill released at its first
@@ -67,7 +67,7 @@ class ReplicaLoad:
         self._expected_ttl_ms = expected_ttl_ms
         # A write is cut off only past this (the socket timeout): cancelling a command on the wire
         # costs its connection, so a Redis slower than the renewal period must not make every
-        # renewal and flush reconnect (router/lookups.py says the same of decisions).
+        # renewal and flush reconnect (router/routing/lookups.py says the same of decisions).
         self._write_timeout_s = write_timeout_s
         self.flush_window_s = flush_window_s
         self._alone_renewal_s = alone_renewal_s

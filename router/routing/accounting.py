@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
-from router.scoring import predicted_cached_tokens
+from router.routing.scoring import predicted_cached_tokens
 
 REASONS = ("load_tradeoff", "stale_index", "cold")
 DEGRADED = "degraded_decisions"  # decisions made without Redis (round robin)

@@ -17,7 +17,7 @@ The cost of sending a prompt to a worker is the time to its first token there, p
                                              the probability ``reuse``
 
 ``base`` and ``per_token`` are learned per worker from observed first-byte times
-(:mod:`router.ttft`); ``reuse`` is the measured share of prompt tokens served from cache. The
+(:mod:`router.routing.ttft`); ``reuse`` is the measured share of prompt tokens served from cache. The
 weights (all 1 but the legacy ``active`` and ``queue`` terms, 0) stay as advanced overrides. A
 worker whose KV cache is nearly full or whose queue is long is "busy" and is only chosen when all
 are busy. Costs within 5% of the best are ties (``TIE_WITHIN``), broken at random; with a
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvindex.types import WorkerLoad
-from router.shared_load import InflightLoad
-from router.ttft import CostModel
-from router.ttft_fit import attention_work
+from router.routing.ttft import CostModel
+from router.routing.ttft_fit import attention_work
+from router.shared.shared_load import InflightLoad
 
 NO_LOAD = InflightLoad()
 MAX_CONGESTION = 8.0
@@ -102,7 +102,7 @@ class Scored:
     prefill_tokens: float = 0.0  # the prefill it would wait for there (ahead + own): what TTFT is fitted on
     ttft_s: float = 0.0  # the predicted time to first token there
     hit_blocks: int = 0  # of its matched blocks, those predicted still cached when it is scheduled
-    attention: float = 0.0  # the attention work of that prefill (ahead + own; router.ttft_fit.attention_work)
+    attention: float = 0.0  # the attention work of that prefill (ahead + own; router.routing.ttft_fit.attention_work)
     own_attention: float = 0.0  # of it, its own prefill's (booked there with it)
 
 
