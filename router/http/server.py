@@ -440,7 +440,9 @@ class Connection(asyncio.Protocol):
         self._timer = None
         if self._task is None and self._waiting and self._waiting[0].head_done:
             timeout = self.server.rules.edges.body_timeout_s
-            self._refuse_now(self._waiting[0], ApiError(408, f"the request body did not arrive within {timeout:g} s"))
+            self._refuse_now(
+                self._waiting[0], ApiError(408, f"the request body did not arrive within {timeout:g} s"), stop=False
+            )
 
     def _refuse_now(self, request: _Request, exc: ApiError, stop: bool = True) -> None:
         """Answer ``exc`` for the request at the head of the line, before its body is read, then
