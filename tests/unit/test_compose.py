@@ -20,6 +20,7 @@ import yaml
 from kvroute.cli import build_parser
 from router.settings import settings_from_args as router_settings
 from sim_engine.settings import settings_from_args as sim_settings
+from tests.support import ROOT
 from worker_agent.settings import settings_from_args as agent_settings
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
@@ -177,3 +178,17 @@ def test_secrets_are_files_made_by_the_one_start_command_and_never_committed():
     ignored = (root / "secrets" / ".gitignore").read_text().split()
     assert ignored[0] == "*" and set(ignored[1:]) == {"!.gitignore", "!create.sh"}
     assert "./secrets/create.sh && docker compose --profile sim up" in COMPOSE.read_text()
+
+
+def test_the_image_copies_every_package_the_wheel_ships():
+    """A wheel built from the image's files must import: every package pyproject.toml ships, and
+    the Lua scripts, are copied (kvservice was missing, and every command failed in the image)."""
+    import tomllib
+
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    copied = {
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and len(line.split()) == 3
+    }
+    assert set(shipped["packages"]) | set(shipped["force-include"]) <= copied
