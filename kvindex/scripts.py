@@ -37,6 +37,7 @@ from kvindex.pipelined import PipelinedConnection
 from kvindex.replies import raise_script_error
 
 SCRIPT_NAMES = tuple(SPECS)
+REDO_AT_ONCE = 8  # calls sent again one by one on a cluster, at most this many at a time
 R = TypeVar("R")
 __all__ = ["READ_ONLY_SCRIPTS", "SCRIPT_NAMES", "KeyOrArg", "ScriptCall", "Scripts", "parsed"]
 
@@ -236,28 +237,49 @@ class Scripts:
     async def _cluster_round_trip(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         """The calls in one round trip per shard that has calls (a decision's alive, load and
         expected reads share the model's shard), the shards at once: on each node's pipelined
-        connection (:mod:`kvindex.cluster_links`), else as one redis-py cluster pipeline. A call
-        the shard does not know the script for is sent again with it; a call that met a moved
-        slot or a lost connection is sent again on its own, with the cluster client's retries
-        (it refreshes the slot map and follows MOVED and ASK)."""
+        connection (:mod:`kvindex.cluster_links`), else as one redis-py cluster pipeline. The
+        calls that met a moved slot or a lost connection on the links go again as one redis-py
+        pipeline (a failover loses every call to a node at once: one connection per node for
+        them, not one per call). A call the shard does not know the script for is sent again
+        with it; one that failed still is sent again on its own, with the cluster client's
+        retries (it refreshes the slot map and follows MOVED and ASK)."""
         results = await self._links.round_trip(calls, self._pack) if self._links is not None else None
         if results is None:
-            pipe = self._client.pipeline(transaction=False)
-            for call in calls:
-                pipe.execute_command(*self._words(call))
-            try:
-                results = list(await pipe.execute(raise_on_error=False))
-            except RedisError:
-                results = [RedisError()] * len(calls)  # a shard that went away mid-pipeline (a failover)
+            results = await self._pipeline_round_trip(calls)
+        else:
+            failed = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
+            failed = [i for i in failed if not isinstance(results[i], NoScriptError)]
+            if failed:
+                again = await self._pipeline_round_trip([calls[i] for i in failed])
+                for i, result in zip(failed, again, strict=True):
+                    results[i] = result
         unknown = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if unknown:
             await self._evaluate_on_their_shards(calls, unknown, results)
         redo = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
         if redo:
-            again = await asyncio.gather(*(self._call_or_error(calls[i]) for i in redo))
+            # A few at a time: each takes a connection of its node's pool, and after a failover a
+            # batch of hundreds (a writer's re-assert) at once emptied it (MaxConnectionsError).
+            slots = asyncio.Semaphore(REDO_AT_ONCE)
+
+            async def one(call: ScriptCall[Any]) -> Any:
+                async with slots:
+                    return await self._call_or_error(call)
+
+            again = await asyncio.gather(*(one(calls[i]) for i in redo))
             for i, result in zip(redo, again, strict=True):
                 results[i] = result
         return results
+
+    async def _pipeline_round_trip(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
+        """The calls as one redis-py cluster pipeline: one connection per shard that has calls."""
+        pipe = self._client.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*self._words(call))
+        try:
+            return list(await pipe.execute(raise_on_error=False))
+        except RedisError:
+            return [RedisError()] * len(calls)  # a shard that went away mid-pipeline (a failover)
 
     async def _evaluate_on_their_shards(
         self, calls: Sequence[ScriptCall[Any]], unknown: list[int], results: list[Any]
