@@ -236,8 +236,9 @@ class RedisIndex:
         return await self._alive_from(model, await self._scripts.run(self._alive.call(self.keys(model))))
 
     async def _alive_from(self, model: str, reply: Any) -> frozenset[int]:
-        """alive_since.lua's reply -> the gids alive at its time, reading the whole set again in
-        the rare case the copy it confirms was dropped meanwhile (many refreshes in flight)."""
+        """The liveness read's reply (alive_since.lua's, or the version's GET) -> the gids alive
+        at its time, reading the whole set again in the rare case the copy it confirms was
+        dropped meanwhile (many refreshes in flight) or may have lapsed (kvindex.alive_cache)."""
         alive = self._alive.alive(model, reply)
         while alive is None:
             alive = self._alive.alive(model, await self._scripts.run(self._alive.whole_call(self.keys(model))))

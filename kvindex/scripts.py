@@ -247,8 +247,11 @@ class Scripts:
         if results is None:
             results = await self._pipeline_round_trip(calls)
         else:
-            failed = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
-            failed = [i for i in failed if not isinstance(results[i], NoScriptError)]
+            failed = [
+                i
+                for i, r in enumerate(results)
+                if isinstance(r, Exception) and not _script_answer(r) and not isinstance(r, NoScriptError)
+            ]
             if failed:
                 again = await self._pipeline_round_trip([calls[i] for i in failed])
                 for i, result in zip(failed, again, strict=True):

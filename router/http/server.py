@@ -344,7 +344,6 @@ class Connection(asyncio.Protocol):
         self._task = asyncio.get_running_loop().create_task(self._serve(request))
 
     async def _serve(self, request: _Request) -> None:
-        server = self.server
         incoming = HttpRequest(
             request.method,
             request.path,
@@ -353,8 +352,7 @@ class Connection(asyncio.Protocol):
             b"".join(request.body),
             request.request_id,
         )
-        keep_alive = request.keep_alive and not server.closing and not self._stopped
-        reply = Reply(self, keep_alive, request.chunked_reply, head_only=request.method == "HEAD")
+        reply = self._reply_for(request)
         status = 500
         try:
             assert request.handler is not None
@@ -380,6 +378,11 @@ class Connection(asyncio.Protocol):
             self._task = None
             self._finish(request, status, incoming.log_fields)
         self._next(reply.keep_alive and reply.ended)
+
+    def _reply_for(self, request: _Request) -> Reply:
+        """The request's reply: kept alive only if the client asked and the connection goes on."""
+        keep_alive = request.keep_alive and not self.server.closing and not self._stopped
+        return Reply(self, keep_alive, request.chunked_reply, head_only=request.method == "HEAD")
 
     def _finish(self, request: _Request, status: int, fields: dict[str, Any]) -> None:
         """A request is over: its slot freed, counted, logged."""
@@ -426,12 +429,11 @@ class Connection(asyncio.Protocol):
     def _answer_refused(self, request: _Request) -> None:
         """A refused request that came whole: its error, and the connection carries on."""
         assert request.refusal is not None
-        keep_alive = request.keep_alive and not self.server.closing and not self._stopped
-        reply = Reply(self, keep_alive, request.chunked_reply, head_only=request.method == "HEAD")
+        reply = self._reply_for(request)
         with contextlib.suppress(ConnectionError):
             reply.send_error(request.refusal)
         self._finish(request, request.refusal.status, {})
-        if not keep_alive:
+        if not reply.keep_alive:
             self._stopped = True
             self._waiting.clear()
             self._close()
