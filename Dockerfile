@@ -5,6 +5,7 @@ COPY pyproject.toml README.md ./
 COPY kvindex kvindex
 COPY kvservice kvservice
 COPY kvtokens kvtokens
+COPY kvevents kvevents
 COPY kvroute kvroute
 COPY router router
 COPY worker_agent worker_agent

@@ -27,8 +27,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from kvevents.vllm import Event
 from sim_engine.kv_events import cleared_event, removed_event, stored_event
 
 NONE_HASH = int.from_bytes(hashlib.sha256(b"kvroute-sim-none-hash").digest()[:8], "little")
@@ -86,7 +86,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[int, dict[int, Block]] = {}
         self._content: dict[int, CachedContent] = {}  # per cached hash, for the debug view
-        self.events: list[dict[str, Any]] = []  # published with the next engine step
+        self.events: list[Event] = []  # published with the next engine step
 
     @property
     def num_free(self) -> int:
@@ -97,7 +97,7 @@ class BlockPool:
         """vLLM's kv_cache_usage_perc: cached but unused blocks count as free."""
         return 1.0 - self.num_free / (self.num_blocks - 1)
 
-    def take_events(self) -> list[dict[str, Any]]:
+    def take_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events
 

@@ -5,24 +5,24 @@ counting batches from 0 per process, and a ROUTER replay socket that answers a D
 ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` per buffered batch with seq >= start,
 then ``[b"", b"", ff*8, b""]``. Event maps carry vLLM's keys in vLLM's order (docs/sim-engine.md,
 "The KV-event wire", and the real server's captures in tests/fixtures/vllm-0.32-cpu/), so a
-consumer cannot tell the two apart.
+consumer cannot tell the two apart. The events are :mod:`kvevents.vllm`'s structs: the schema the
+agent decodes with is the one this side encodes with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
+from kvevents.vllm import REPLAY_END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_payload, encode_seq
 from kvservice.lifecycle import StartupError, listening
 
-END_SEQ = (0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+END_SEQ = encode_seq(REPLAY_END_SEQ)
 
 
 def stored_event(
@@ -35,32 +35,27 @@ def stored_event(
     extra_keys: Sequence[Any] | None = None,
     medium: str = "GPU",
     group_idx: int = 0,
-) -> dict[str, Any]:
-    return {
-        "type": "BlockStored",
-        "block_hashes": list(block_hashes),
-        "parent_block_hash": parent_block_hash,
-        "token_ids": list(token_ids),
-        "block_size": block_size,
-        "lora_id": None,
-        "medium": medium,
-        "lora_name": lora_name,
-        "extra_keys": list(extra_keys) if extra_keys is not None else [None] * len(block_hashes),
-        "group_idx": group_idx,
-        "kv_cache_spec_kind": "full_attention",
-    }
+) -> BlockStored:
+    """A store as vLLM 0.32 sends it: every key it sends, ``extra_keys`` one per block."""
+    return BlockStored(
+        block_hashes=tuple(block_hashes),
+        parent_block_hash=parent_block_hash,
+        token_ids=tuple(token_ids),
+        block_size=block_size,
+        medium=medium,
+        lora_name=lora_name,
+        extra_keys=tuple(extra_keys) if extra_keys is not None else (None,) * len(block_hashes),
+        group_idx=group_idx,
+        kv_cache_spec_kind="full_attention",
+    )
 
 
-def removed_event(block_hashes: Sequence[int | bytes], *, medium: str = "GPU", group_idx: int = 0) -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium, "group_idx": group_idx}
+def removed_event(block_hashes: Sequence[int | bytes], *, medium: str = "GPU", group_idx: int = 0) -> BlockRemoved:
+    return BlockRemoved(tuple(block_hashes), medium=medium, group_idx=group_idx)
 
 
-def cleared_event() -> dict[str, Any]:
-    return {"type": "AllBlocksCleared"}
-
-
-def encode_batch(events: Sequence[dict[str, Any]], dp_rank: int = 0, ts: float | None = None) -> bytes:
-    return msgpack.packb([time.time() if ts is None else ts, list(events), dp_rank], use_bin_type=True)
+def cleared_event() -> AllBlocksCleared:
+    return AllBlocksCleared()
 
 
 class KVEventPublisher:
@@ -114,14 +109,14 @@ class KVEventPublisher:
             self._replay_task = asyncio.create_task(self._serve_replay())
         return self
 
-    async def publish(self, events: Sequence[dict[str, Any]], *, deliver: bool = True) -> list[bytes]:
+    async def publish(self, events: Sequence[Event], *, deliver: bool = True) -> list[bytes]:
         """Publish one batch; returns its frames. ``deliver=False`` keeps it for replay but does
         not send it, as when a subscriber's queue overflows (fault injection for tests)."""
         seq = self._seq
         self._seq += 1
-        payload = encode_batch(events, self.dp_rank)
+        payload = encode_payload(events, self.dp_rank)
         self._buffer.append((seq, payload))
-        frames = [self.topic, seq.to_bytes(8, "big"), payload]
+        frames = [self.topic, encode_seq(seq), payload]
         if deliver:
             await self._pub.send_multipart(frames)
         return frames
@@ -145,7 +140,7 @@ class KVEventPublisher:
             start = int.from_bytes(start_frame, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await self._router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
+                    await self._router.send_multipart([client, b"", self.topic, encode_seq(seq), payload])
             await self._router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:

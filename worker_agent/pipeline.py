@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import xxhash
 from prometheus_client import Histogram
 
+from kvevents.vllm import BlockStored, EventBatch, WireError, decode_message
 from kvindex.types import BlockChange
 from worker_agent.metrics import AgentCounters
 from worker_agent.replay import ReplayClient
 from worker_agent.sequencer import Action, Sequencer
 from worker_agent.translate import TranslateCounters, Translator
-from worker_agent.wire import BlockStored, EventBatch, WireError, decode_message
 from worker_agent.writer import WorkerWriter
 
 log = logging.getLogger(__name__)

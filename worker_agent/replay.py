@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from worker_agent.wire import REPLAY_END_SEQ
+from kvevents.vllm import REPLAY_END_SEQ
 
 log = logging.getLogger(__name__)
 END_MARKER_SEQ = REPLAY_END_SEQ.to_bytes(8, "big")

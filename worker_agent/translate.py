@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 from kvindex.hashing import extend_sequence_hashes
 from kvindex.types import BlockChange, RemovedBlocks, StoredRun
-from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 
 INDEXED_MEDIUM = "GPU"
 

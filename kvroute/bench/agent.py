@@ -22,12 +22,13 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from kvevents.vllm import Event, encode_payload
 from kvroute.bench.common import print_fields
 from kvroute.devstack.embedded_redis import free_port, redis_url_or_private
 from kvroute.devstack.processes import exited, poll_until, remove_files, serve_app, start_logged, stop_processes
 from kvroute.devstack.stack import metric_value
 from kvservice.lifecycle import StartupError
-from sim_engine.kv_events import encode_batch, removed_event, stored_event
+from sim_engine.kv_events import removed_event, stored_event
 
 MODEL = "bench-agent"
 
@@ -46,7 +47,7 @@ def build_workload(batches: int, blocks_per_batch: int, cache_blocks: int, block
     frames: list[list[bytes]] = []
     events_total = 0
     for seq in range(batches):
-        events = []
+        events: list[Event] = []
         while held + blocks_per_batch > cache_blocks:  # evict the oldest chain, tail first
             victim = chains[0].pop()
             held -= 1
@@ -63,7 +64,7 @@ def build_workload(batches: int, blocks_per_batch: int, cache_blocks: int, block
         chain.extend(hashes)
         held += blocks_per_batch
         events_total += len(events) - 1 + blocks_per_batch
-        frames.append([b"kv", seq.to_bytes(8, "big"), encode_batch(events)])
+        frames.append([b"kv", seq.to_bytes(8, "big"), encode_payload(events)])
     return Workload(frames, events_total)
 
 

@@ -14,12 +14,12 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvevents.vllm import BlockStored, decode_message
 from kvservice.logs import FIELDS
 from sim_engine.engine import TimingModel
 from sim_engine.server import RunningEngine, running_engine
 from sim_engine.settings import SimEngineSettings
 from tests.support import wait_until
-from worker_agent.wire import BlockStored, decode_message
 
 BS = 16
 PROMPT = list(range(100, 164))  # 4 blocks

@@ -21,13 +21,13 @@ import zmq
 from redis.asyncio import Redis
 from zmq.utils.monitor import recv_monitor_message
 
+from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_redis import RedisServer
 from tests.conftest import server_kinds
 from tests.support import ROOT, AgentProcess, wait_until
 from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
-from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 
 pytestmark = pytest.mark.vllm
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvevents.vllm import BlockStored
 from sim_engine.block_pool import BlockPool, chain_hashes
 
 BS = 4
@@ -12,7 +13,7 @@ def tokens(n_blocks: int, base: int = 10) -> list[int]:
 
 
 def kinds(pool: BlockPool) -> list[tuple]:
-    return [(e["type"], tuple(e.get("block_hashes", ()))) for e in pool.take_events()]
+    return [(type(e).__name__, tuple(getattr(e, "block_hashes", ()))) for e in pool.take_events()]
 
 
 def test_block_zero_is_the_null_block():
@@ -30,9 +31,10 @@ def test_stored_blocks_are_announced_with_parent_tokens_and_salt():
     pool.cache(blocks, hashes[:1], toks, 0, "s")
     pool.cache(blocks, hashes, toks, 1, "s")
     first, second = pool.take_events()
-    assert (first["block_hashes"], first["parent_block_hash"], first["extra_keys"]) == ([hashes[0]], None, [["s"]])
-    assert (second["block_hashes"], second["parent_block_hash"]) == (hashes[1:], hashes[0])
-    assert second["token_ids"] == toks[BS:] and second["extra_keys"] == [None, None]
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert (first.block_hashes, first.parent_block_hash, first.extra_keys) == ((hashes[0],), None, (["s"],))
+    assert (second.block_hashes, second.parent_block_hash) == (tuple(hashes[1:]), hashes[0])
+    assert second.token_ids == tuple(toks[BS:]) and second.extra_keys == (None, None)
     assert chain_hashes(toks, BS, None) != hashes  # the salt separates caches
 
 

@@ -1,7 +1,8 @@
 """The import graph, read from the source: no module imports itself back through others, and the
 packages import in one direction (README, "Layout"): ``router -> kvindex <- worker_agent``, with
-``kvservice`` (process plumbing) and ``kvtokens`` (tokenizers and chat templates) below everything,
-and the simulated engine importing neither the router nor the agent nor the index.
+``kvservice`` (process plumbing), ``kvtokens`` (tokenizers and chat templates) and ``kvevents``
+(the engines' KV-event wire schemas) below everything, and the simulated engine importing neither
+the router nor the agent nor the index.
 
 Imports under ``if TYPE_CHECKING:`` are left out: they never run."""
 
@@ -12,15 +13,16 @@ from pathlib import Path
 
 from tests.support import ROOT
 
-PACKAGES = ("kvindex", "kvservice", "kvtokens", "router", "worker_agent", "sim_engine", "kvroute")
+PACKAGES = ("kvevents", "kvindex", "kvservice", "kvtokens", "router", "worker_agent", "sim_engine", "kvroute")
 # What each package may import of the others (kvroute is the command line and the dev tools: any).
 ALLOWED = {
     "kvservice": set(),
     "kvtokens": set(),
+    "kvevents": set(),
     "kvindex": {"kvservice"},
     "router": {"kvindex", "kvservice", "kvtokens"},
-    "worker_agent": {"kvindex", "kvservice", "kvtokens"},
-    "sim_engine": {"kvservice", "kvtokens"},
+    "worker_agent": {"kvevents", "kvindex", "kvservice", "kvtokens"},
+    "sim_engine": {"kvevents", "kvservice", "kvtokens"},
     "kvroute": set(PACKAGES),
 }
 

@@ -4,6 +4,7 @@ and the operations it emits must move an index from one such state to the next."
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvevents.vllm import BlockRemoved, BlockStored, Event
 from kvindex.mirror import BlockMirror
 from kvindex.types import StoredRun
 
@@ -134,14 +135,14 @@ def test_a_block_left_out_by_the_limit_joins_when_stored_again_with_room():
     assert [a.block for a in adds] == [2, 3] and skipped == 0 and mirror.over_limit == 2
 
 
-def _feed(mirror: BlockMirror, events: list[dict]) -> None:
+def _feed(mirror: BlockMirror, events: list[Event]) -> None:
     from kvindex.types import RemovedBlocks
 
     for event in events:
-        if event["type"] == "BlockStored":
-            mirror.apply([StoredRun(event["parent_block_hash"], tuple(event["block_hashes"]))])
-        elif event["type"] == "BlockRemoved":
-            mirror.apply([RemovedBlocks(tuple(event["block_hashes"]))])
+        if isinstance(event, BlockStored):
+            mirror.apply([StoredRun(event.parent_block_hash, event.block_hashes)])  # type: ignore[arg-type]
+        elif isinstance(event, BlockRemoved):
+            mirror.apply([RemovedBlocks(event.block_hashes)])  # type: ignore[arg-type]
 
 
 @given(st.integers(20, 120), st.lists(st.integers(5, 70), min_size=12, max_size=40), st.integers(0, 3))
@@ -165,7 +166,7 @@ def test_an_engines_evictions_show_its_cache_size(num_blocks, lengths, seed):
         while engine.running or engine.waiting:
             plan = engine.schedule()
             events = engine.pool.take_events()
-            evicted |= any(e["type"] == "BlockRemoved" for e in events)
+            evicted |= any(isinstance(e, BlockRemoved) for e in events)
             _feed(mirror, events)
             engine.complete(plan)
             inferred = mirror.inferred_capacity()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any
 
 import pytest
 
+from kvevents.vllm import BlockStored, Event
 from sim_engine.engine import SimEngine, SimRequest, StepPlan, TimingModel
 from sim_engine.main import build_parser
 from sim_engine.settings import settings_from_args
@@ -26,7 +26,7 @@ def prompt(n: int, base: int = 10) -> list[int]:
     return [base + i for i in range(n)]
 
 
-def step(engine: SimEngine) -> tuple[StepPlan, list[dict[str, Any]]]:
+def step(engine: SimEngine) -> tuple[StepPlan, list[Event]]:
     """One step: its plan and the KV events it published."""
     plan = engine.schedule()
     events = engine.pool.take_events()
@@ -34,8 +34,8 @@ def step(engine: SimEngine) -> tuple[StepPlan, list[dict[str, Any]]]:
     return plan, events
 
 
-def stored_tokens(events: list[dict[str, Any]]) -> list[list[int]]:
-    return [list(e["token_ids"]) for e in events if e["type"] == "BlockStored"]
+def stored_tokens(events: list[Event]) -> list[list[int]]:
+    return [list(e.token_ids) for e in events if isinstance(e, BlockStored)]
 
 
 def test_a_long_prompt_is_prefilled_chunk_by_chunk_and_its_blocks_are_stored_as_computed():
@@ -57,7 +57,8 @@ def test_chunks_chain_their_blocks_to_the_previous_chunk():
     engine = make_engine(budget=8)
     engine.submit(SimRequest("long", prompt(16), max_tokens=1))
     first, second = (step(engine)[1][0] for _ in range(2))
-    assert first["parent_block_hash"] is None and second["parent_block_hash"] == first["block_hashes"][-1]
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert first.parent_block_hash is None and second.parent_block_hash == first.block_hashes[-1]
 
 
 def test_decodes_are_scheduled_before_new_prefills():

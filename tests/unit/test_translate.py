@@ -12,12 +12,12 @@ import asyncio
 
 from hypothesis import given, settings
 
+from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload, encode_payload
 from kvindex.hashing import sequence_hashes
 from kvindex.reference import ReferenceIndex
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo
 from tests.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
 from worker_agent.translate import Translator
-from worker_agent.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_event
 
 MODEL = "m"
 
@@ -26,8 +26,9 @@ async def _run(steps: list[tuple]) -> None:
     engine, translator, index = ToyEngine(), Translator(BS), ReferenceIndex()
     await index.register(WorkerInfo("w", MODEL, "http://w", BS), 60_000)
     for step, (kind, *_) in enumerate(steps):
-        events = [decode_event(raw)[0] for raw in engine_step(engine, steps[step])]
-        batch = translator.translate(events)  # type: ignore[arg-type]
+        # through the wire and back, as the agent receives them
+        _, events, *_ = decode_payload(encode_payload(engine_step(engine, steps[step])))
+        batch = translator.translate(events)
         if batch.clear:
             await index.clear(MODEL, "w")
         await index.apply(MODEL, "w", batch.changes)

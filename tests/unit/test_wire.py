@@ -9,14 +9,14 @@ import re
 import msgpack
 import pytest
 
-from tests.conftest import CAPTURES
-from worker_agent.wire import (
+from kvevents.vllm import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     WireError,
     decode_message,
 )
+from tests.conftest import CAPTURES
 
 CAPTURE_NAMES = ["run1_events", "run2_evict_events", "run3_cbor_bytes_events"]
 
@@ -68,8 +68,13 @@ def frames_for(events, seq=5) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([1.5, events, 0])]
 
 
+def removed_with(**fields):
+    return {"type": "BlockRemoved", "block_hashes": [3], **fields}
+
+
 def stored_with(**fields):
-    return {"type": "BlockStored", "block_hashes": [1], "token_ids": [5, 6], "block_size": 2, **fields}
+    base = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [5, 6]}
+    return {**base, "block_size": 2, **fields}
 
 
 def test_the_older_positional_encoding_is_accepted():
@@ -83,7 +88,7 @@ def test_the_older_positional_encoding_is_accepted():
         )
     )
     stored, removed, cleared = batch.events
-    assert stored == BlockStored((11, 12), None, tuple(range(8)), 4, medium="GPU")
+    assert stored == BlockStored((11, 12), None, tuple(range(8)), 4, lora_id=None, medium="GPU")
     assert removed == BlockRemoved((12,), "GPU") and cleared == AllBlocksCleared()
 
 
@@ -102,20 +107,23 @@ def test_unknown_types_and_keys_are_counted_and_skipped():
         ([b"kv", b"\0" * 7, msgpack.packb([1.0, [], 0])], "8 bytes"),
         ([b"kv", b"\0" * 8, b"\xc1garbage"], "not valid msgpack"),
         ([b"kv", b"\0" * 8, msgpack.packb({"a": 1})], "must be an array"),
-        (frames_for([{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 4}]), "token ids"),
-        (frames_for([{"type": "BlockRemoved", "block_hashes": []}]), "non-empty"),
-        (frames_for([{"type": "BlockRemoved", "block_hashes": ["x"]}]), "integer or bytes"),
+        (frames_for([stored_with(block_size=4)]), "2 token ids for 1 blocks of 4"),
+        (frames_for([{k: v for k, v in stored_with().items() if k != "parent_block_hash"}]), "parent_block_hash"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": []}]), r"length >= 1 - at `\$.block_hashes`"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": ["x"]}]), r"Expected `int \| bytes`, got `str`"),
         (frames_for([42]), "map or a tagged array"),
         ([b"\xff", b"\0" * 8, msgpack.packb([1.0, [], 0])], "utf-8"),
         # found by tests/unit/test_wire_fuzz.py: map keys that are arrays or maps raised TypeError
-        ([b"kv", b"\0" * 8, b"\x81\x91\x01\x02"], "not valid msgpack"),
+        ([b"kv", b"\0" * 8, b"\x81\x91\x01\x02"], "must be an array"),
+        (frames_for([{"type": "BlockRemoved", "block_hashes": ["AAAA"]}]), r"got `str` - at `\$.block_hashes\[0\]`"),
         ([b"kv", b"\0" * 8, b"\x81\x80\x01"], "not valid msgpack"),
         # wrong types were read as "absent": a bool as a token id, a misread tier or LoRA name
-        (frames_for([{"type": "BlockStored", "block_hashes": [1], "token_ids": [True], "block_size": 1}]), "token_ids"),
-        (frames_for([{"type": "BlockRemoved", "block_hashes": [3], "medium": 1}]), "medium must be a string"),
-        (frames_for([{"type": "BlockRemoved", "block_hashes": [3], "group_idx": "0"}]), "group_idx must be an int"),
-        (frames_for([stored_with(lora_name=["a"])]), "lora_name must be a string"),
-        (frames_for([stored_with(extra_keys="salt")]), "extra_keys must be an array"),
+        (frames_for([stored_with(token_ids=[True], block_size=1)]), r"got `bool` - at `\$.token_ids\[0\]`"),
+        (frames_for([stored_with(token_ids=[5, 1 << 32])]), r"<= 4294967295 - at `\$.token_ids\[1\]`"),
+        (frames_for([removed_with(medium=1)]), r"BlockRemoved: Expected `str \| null`, got `int` - at `\$.medium`"),
+        (frames_for([removed_with(group_idx="0")]), r"Expected `int \| null`, got `str` - at `\$.group_idx`"),
+        (frames_for([stored_with(lora_name=["a"])]), r"at `\$.lora_name`"),
+        (frames_for([stored_with(extra_keys="salt")]), r"Expected `array \| null`, got `str` - at `\$.extra_keys`"),
     ],
 )
 def test_malformed_messages_raise_a_clear_wire_error(frames, message):

@@ -1,4 +1,4 @@
-"""Fuzzing the KV-event decoder (worker_agent/wire.py) with generated and mutated frames.
+"""Fuzzing the KV-event decoder (kvevents/vllm.py) with generated and mutated frames.
 
 Properties, for every frame:
 - ``decode_message`` returns a batch or raises :class:`WireError`, nothing else;
@@ -28,11 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_wire import CAPTURE_NAMES, raw_messages
-from worker_agent.metrics import AgentCounters, new_registry
-from worker_agent.pipeline import EventPipeline
-from worker_agent.translate import Translator
-from worker_agent.wire import (
+from kvevents.vllm import (
     MAX_TOKEN_ID,
     AllBlocksCleared,
     BlockRemoved,
@@ -41,6 +37,10 @@ from worker_agent.wire import (
     WireError,
     decode_message,
 )
+from tests.unit.test_wire import CAPTURE_NAMES, raw_messages
+from worker_agent.metrics import AgentCounters, new_registry
+from worker_agent.pipeline import EventPipeline
+from worker_agent.translate import Translator
 
 MUTATED_FRAMES = 100_000
 # Per hypothesis test (three of them); KVROUTE_WIRE_FUZZ_EXAMPLES=34000 runs 102,000 (33 min on 2
@@ -250,17 +250,22 @@ def expected_event(kind: str, fields: dict[str, Any]) -> Any:
         return AllBlocksCleared()
     hashes = tuple(expected_hash(h) for h in fields["block_hashes"])
     if kind == "BlockRemoved":
-        return BlockRemoved(hashes, fields.get("medium"), fields.get("group_idx"))
+        later = {name: fields[name] for name in REMOVED_ORDER[3:] if name in fields}
+        return BlockRemoved(hashes, medium=fields.get("medium"), group_idx=fields.get("group_idx"), **later)
     parent, extra = fields.get("parent_block_hash"), fields.get("extra_keys")
+    later = {name: fields[name] for name in STORED_ORDER[10:] if name in fields}  # sent only when set
     return BlockStored(
         hashes,
         None if parent is None else expected_hash(parent),
         tuple(fields["token_ids"]),
         fields["block_size"],
-        fields.get("lora_name"),
-        fields.get("medium"),
-        None if extra is None else tuple(extra),
-        fields.get("group_idx"),
+        lora_id=fields.get("lora_id"),
+        medium=fields.get("medium"),
+        lora_name=fields.get("lora_name"),
+        extra_keys=None if extra is None else tuple(extra),
+        group_idx=fields.get("group_idx"),
+        kv_cache_spec_kind=fields.get("kv_cache_spec_kind"),
+        **later,
     )
 
 
