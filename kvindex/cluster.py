@@ -65,17 +65,26 @@ def startup_nodes(url: str) -> list[tuple[str, int]]:
     return nodes
 
 
-def cluster_client(url: str, read_from_replicas: bool = False, **options: Any) -> ClusterClient:
-    """A cluster client for ``url`` (credentials from the URL unless ``options`` give them).
-    ``read_from_replicas``: read-only commands (the index's match, liveness and load reads) go
-    to the replicas of the shard, round robin, and to its master only when it has none."""
+def cluster_options(url: str, options: dict[str, Any]) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """The startup nodes of a cluster URL, and ``options`` with the URL's credentials (unless
+    ``options`` give them) and TLS: what the asyncio and the blocking cluster clients both take."""
     parts = urlsplit(url)
+    options = dict(options)
     if parts.username and "username" not in options:
         options["username"] = parts.username
     if parts.password and "password" not in options:
         options["password"] = parts.password
     if parts.scheme.lower().startswith("rediss"):
         options["ssl"] = True
-    nodes = [ClusterNode(host, port) for host, port in startup_nodes(url)]
+    return startup_nodes(url), options
+
+
+def cluster_client(url: str, read_from_replicas: bool = False, **options: Any) -> ClusterClient:
+    """A cluster client for ``url`` (credentials from the URL unless ``options`` give them).
+    ``read_from_replicas``: read-only commands (the index's match, liveness and load reads) go
+    to the replicas of the shard, round robin, and to its master only when it has none."""
+    nodes, options = cluster_options(url, options)
     strategy = LoadBalancingStrategy.ROUND_ROBIN_REPLICAS if read_from_replicas else None
-    return ClusterClient(startup_nodes=nodes, load_balancing_strategy=strategy, **options)
+    return ClusterClient(
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes], load_balancing_strategy=strategy, **options
+    )

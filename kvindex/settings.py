@@ -10,14 +10,17 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
+import redis.cluster
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvindex.cluster import CLUSTER_SCHEMES, RedisClient, cluster_client, is_cluster_url, startup_nodes
+from kvindex.cluster import CLUSTER_SCHEMES, RedisClient, cluster_client, cluster_options, is_cluster_url, startup_nodes
 from kvindex.keys import DEFAULT_PREFIX, validate_prefix
+from kvservice.options import flag_or_env, parse_switch, typed
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -142,14 +145,9 @@ class RedisSettings:
         ``overrides`` (flags) winning. ``password_file`` (or KVROUTE_REDIS_PASSWORD_FILE) is read
         here, so a missing or empty file is a ValueError at start-up."""
         env = os.environ if env is None else env
-        values: dict[str, object] = {
-            "url": env.get("KVROUTE_REDIS_URL", DEFAULT_REDIS_URL),
-            "prefix": env.get("KVROUTE_PREFIX", DEFAULT_PREFIX),
-        }
-        values.update({name: env[variable] for name, variable in _FILE_VARIABLES.items() if env.get(variable)})
-        if env.get("KVROUTE_REDIS_READ_FROM_REPLICAS", "").lower() in ("1", "true", "yes"):
-            values["read_from_replicas"] = True
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        named = {name for name, _, _ in _REDIS_VARIABLES}
+        values = flag_or_env(argparse.Namespace(**overrides), env, _REDIS_VARIABLES)
+        values.update({k: v for k, v in overrides.items() if v is not None and k not in named})
         password_file = values.pop("password_file", None)
         if password_file is not None:
             values["password"] = read_secret_file(str(password_file), "--redis-password-file")
@@ -202,6 +200,18 @@ class RedisSettings:
         )
         return Redis.from_pool(pool)  # the client owns the pool: aclose() closes its connections
 
+    def sync_client(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """A blocking client (start-up checks, command-line tools) by the same URL rules, password
+        and TLS as :meth:`client`, every command bounded by the socket timeout."""
+        timeouts = {"socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.socket_timeout_s}
+        options = {**timeouts, **self.connection_options()}
+        if not is_cluster_url(self.url):
+            return redis.Redis.from_url(self.url, **options)
+        nodes, options = cluster_options(self.url, options)
+        return redis.cluster.RedisCluster(
+            startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in nodes], **options
+        )
+
 
 # The file-valued settings, their flags' destinations and their variables.
 _FILE_VARIABLES = {
@@ -210,6 +220,13 @@ _FILE_VARIABLES = {
     "tls_cert": "KVROUTE_REDIS_TLS_CERT",
     "tls_key": "KVROUTE_REDIS_TLS_KEY",
 }
+# Every setting RedisSettings.from_env reads from a variable (kvservice.options.flag_or_env's rule).
+_REDIS_VARIABLES = (
+    ("url", "KVROUTE_REDIS_URL", typed(str)),
+    ("prefix", "KVROUTE_PREFIX", typed(str)),
+    ("read_from_replicas", "KVROUTE_REDIS_READ_FROM_REPLICAS", parse_switch),
+    *((name, variable, typed(str)) for name, variable in _FILE_VARIABLES.items()),
+)
 
 
 def add_redis_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -18,6 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from redis.asyncio import Redis
+
+from kvindex.settings import RedisSettings
+from kvservice.lifecycle import StartupError
+
+
+def single_redis_client(url: str) -> Redis:
+    """The index's client for a benchmark that reads one server's counters (INFO, MEMORY)."""
+    client = RedisSettings.from_env(url=url).client()
+    if not isinstance(client, Redis):
+        raise StartupError(f"this benchmark measures one Redis server; {url} is a cluster (see --cluster)")
+    return client
+
 
 # ---------------------------------------------------------------------------------------- figures
 

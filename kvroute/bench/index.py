@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from kvindex.cluster import is_cluster_url
 from kvindex.redis_index import RedisIndex
 from kvindex.types import StoredRun, WorkerInfo
-from kvroute.bench.common import percentile, write_json
+from kvroute.bench.common import percentile, single_redis_client, write_json
 from kvroute.devstack.embedded_redis import redis_url_or_private
 from kvservice.lifecycle import StartupError
 
@@ -113,7 +113,7 @@ async def adversarial_chain(client: Redis, workers: int, blocks: int) -> tuple[s
 
 
 async def measure_ingest(url: str, writers: int, blocks_per_writer: int, run_blocks: int = 64) -> float:
-    clients = [Redis.from_url(url) for _ in range(writers)]
+    clients = [single_redis_client(url) for _ in range(writers)]
     indexes = [RedisIndex(c) for c in clients]
     for i, index in enumerate(indexes):
         await index.register(WorkerInfo(f"ingest{i}", "bench-ingest", f"http://ingest{i}", 32), 3_600_000)
@@ -135,7 +135,7 @@ async def measure_ingest(url: str, writers: int, blocks_per_writer: int, run_blo
 
 
 async def run_benchmark(url: str, args: argparse.Namespace) -> dict[str, object]:
-    client = Redis.from_url(url)
+    client = single_redis_client(url)
     rows: list[MatchRow] = []
     memory: list[dict[str, float]] = []
     rng = random.Random(11)

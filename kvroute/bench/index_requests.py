@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from kvindex.redis_index import RedisIndex
 from kvindex.redis_worker import RedisWorker
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo, WorkerLoad
+from kvroute.bench.common import single_redis_client
 from kvroute.bench.replay_workload import TRACE_BLOCK, load_trace
 
 BLOCK_TOKENS = 16
@@ -101,7 +102,7 @@ async def _script_totals(client: Redis) -> dict[str, float]:
 
 
 async def run_trace(url: str, trace: Path, requests: int, workers: int, capacity: int) -> dict[str, object]:
-    client = Redis.from_url(url)
+    client = single_redis_client(url)
     index = RedisIndex(client)
     model = "bench-trace"
     fleet = []

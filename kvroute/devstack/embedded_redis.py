@@ -19,14 +19,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
-import redis
-from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisError
 
-from kvindex.cluster import is_cluster_url, startup_nodes
 from kvindex.settings import RedisSettings, redact_url
 from kvroute.devstack.ports import free_port  # re-exported: the tests and benchmarks draw ports here
 from kvservice.lifecycle import StartupError
@@ -130,8 +125,7 @@ def usable_redis_url(url: str, settings: RedisSettings | None = None) -> str:
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     try:
-        options = settings.connection_options()
-        client = _sync_client(url, options)
+        client = settings.sync_client()
     except (ValueError, RedisError) as exc:  # what redis-py cannot parse, or a cluster it cannot reach
         raise StartupError(f"cannot use Redis URL {redact_url(url)}: {exc}") from None
     try:
@@ -141,18 +135,6 @@ def usable_redis_url(url: str, settings: RedisSettings | None = None) -> str:
     finally:
         client.close()
     return url
-
-
-def _sync_client(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluster:
-    timeouts: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 2.0}
-    if not is_cluster_url(url):
-        return redis.Redis.from_url(url, **timeouts, **options)
-    parts = urlsplit(url)
-    credentials: dict[str, Any] = {"username": parts.username, "password": parts.password}
-    credentials = {k: v for k, v in credentials.items() if v and k not in options}
-    nodes = [ClusterNode(host, port) for host, port in startup_nodes(url)]
-    ssl: dict[str, Any] = {"ssl": True} if parts.scheme.startswith("rediss") else {}
-    return RedisCluster(startup_nodes=nodes, **timeouts, **credentials, **ssl, **options)
 
 
 def redis_unusable(url: str, exc: Exception) -> StartupError:

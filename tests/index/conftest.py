@@ -23,10 +23,10 @@ async def index(request: pytest.FixtureRequest, redis_servers: dict[str, RedisSe
         yield ReferenceIndex()
         return
     if request.param == "cluster":
-        cluster = request.getfixturevalue("redis_cluster")
-        client = RedisSettings(url=cluster.url).client()
+        url = request.getfixturevalue("redis_cluster").url
     else:
-        client = Redis.from_url(redis_servers[request.param].url)
+        url = redis_servers[request.param].url
+    client = RedisSettings(url=url).client()
     yield RedisIndex(client)
     await client.aclose()
 

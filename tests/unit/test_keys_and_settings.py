@@ -60,3 +60,14 @@ def test_settings_hide_the_password_and_read_the_environment():
     assert RedisSettings.from_env({"KVROUTE_PREFIX": "p"}, prefix="q").prefix == "q"
     with pytest.raises(ValueError, match="redis://"):
         RedisSettings(url="http://x")
+
+
+def test_redis_variables_follow_the_flag_then_variable_then_default_rule():
+    env = {"KVROUTE_REDIS_URL": "", "KVROUTE_PREFIX": "team", "KVROUTE_REDIS_READ_FROM_REPLICAS": "off"}
+    settings = RedisSettings.from_env(env)
+    assert (settings.url, settings.prefix, settings.read_from_replicas) == ("redis://127.0.0.1:6379/0", "team", False)
+    assert RedisSettings.from_env(env, prefix="flag").prefix == "flag"
+    cluster = {"KVROUTE_REDIS_URL": "redis+cluster://h:7000", "KVROUTE_REDIS_READ_FROM_REPLICAS": "yes"}
+    assert RedisSettings.from_env(cluster).read_from_replicas is True
+    with pytest.raises(ValueError, match="^KVROUTE_REDIS_READ_FROM_REPLICAS must be 1 or 0 .*'maybe'"):
+        RedisSettings.from_env({"KVROUTE_REDIS_READ_FROM_REPLICAS": "maybe"})
