@@ -7,39 +7,57 @@ fail. ``AgentProcess`` runs ``python -m worker_agent`` as a subprocess and reads
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import zmq.asyncio
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.calls import SPECS, ScriptCall
 from kvroute.devstack.embedded_redis import free_port
+from kvroute.devstack.processes import ProcessFailed, poll_until
+from kvservice.metrics_page import read_metrics
 from sim_engine.kv_events import KVEventPublisher
+
+if TYPE_CHECKING:
+    from router.main import RunningRouter
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.05) -> float:
-    """Poll ``check`` until it returns True; the seconds it took. Fails the test on timeout."""
-    started = time.monotonic()
-    while True:
-        if await check():
-            return time.monotonic() - started
-        if time.monotonic() - started > within:
-            raise AssertionError(f"condition not met within {within} s")
-        await asyncio.sleep(interval)
+    """Poll ``check`` until it returns True (the dev stack's :func:`poll_until`); the seconds it
+    took. Fails the test (AssertionError) on timeout."""
+    try:
+        return await poll_until(check, "condition not met", within, interval)
+    except ProcessFailed as exc:
+        raise AssertionError(str(exc)) from None
+
+
+async def wait_for_workers(
+    router: RunningRouter, count: int, model: str = "tiny", within: float = 30, fleet: SimFleet | None = None
+) -> None:
+    """Until the router sees ``count`` workers of ``model`` alive (failing with ``fleet``'s agents'
+    states and logs, when given)."""
+
+    async def ready() -> bool:
+        await router.state.fleet.refresh()
+        return len(router.state.fleet.alive(model)) == count
+
+    try:
+        await wait_until(ready, within)
+    except AssertionError as exc:
+        alive = sorted(worker.worker_id for worker in router.state.fleet.alive(model))
+        report = f"\n{fleet.agents_report()}" if fleet is not None else ""
+        raise AssertionError(f"{exc}: {len(alive)} of {count} workers alive {alive}{report}") from None
 
 
 @dataclass
@@ -143,14 +161,8 @@ class AgentProcess:
     async def metrics(self) -> dict[str, float]:
         """The agent's counters and gauges by sample name (labels folded in as name{k=v})."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        async with aiohttp.ClientSession() as session, session.get(url) as response:
-            text = await response.text()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return out
+        async with aiohttp.ClientSession() as session:
+            return (await read_metrics(session, url)).flat()
 
     async def health(self) -> tuple[int, dict[str, object]]:
         url = f"http://127.0.0.1:{self.metrics_port}/health"

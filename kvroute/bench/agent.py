@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,7 +24,15 @@ from aiohttp import web
 from kvevents.vllm import Event, encode_payload
 from kvroute.bench.common import print_fields
 from kvroute.devstack.embedded_redis import free_port, redis_url_or_private
-from kvroute.devstack.processes import exited, poll_until, remove_files, serve_app, start_logged, stop_processes
+from kvroute.devstack.processes import (
+    agent_command,
+    exited,
+    poll_until,
+    remove_files,
+    serve_app,
+    start_logged,
+    stop_processes,
+)
 from kvroute.devstack.stack import metric_value
 from kvservice.lifecycle import StartupError
 from sim_engine.kv_events import removed_event, stored_event
@@ -87,16 +94,6 @@ async def _agent_metric(session: aiohttp.ClientSession, port: int, name: str) ->
         return None
 
 
-def _agent_command(
-    args: argparse.Namespace, redis_url: str, http_port: int, events_port: int, metrics_port: int
-) -> list[str]:
-    command = [sys.executable, "-m", "worker_agent", "--engine-url", f"http://127.0.0.1:{http_port}"]
-    command += ["--events", f"tcp://127.0.0.1:{events_port}", "--topic", "kv", "--model", MODEL]
-    command += ["--block-size", str(args.block_size), "--redis-url", redis_url]
-    command += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1", "--log-level", "WARNING"]
-    return command
-
-
 async def _subscribed(pub: zmq.asyncio.Socket, within_s: float) -> None:
     """Until a subscriber's subscription reaches ``pub`` (an XPUB sees it as a message)."""
     async with asyncio.timeout(within_s):
@@ -112,7 +109,15 @@ async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, f
     pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    agent, log = start_logged(_agent_command(args, redis_url, http_port, port, metrics_port), "bench-agent")
+    command = agent_command(
+        f"http://127.0.0.1:{http_port}",
+        f"tcp://127.0.0.1:{port}",
+        redis_url=redis_url,
+        model=MODEL,
+        block_size=args.block_size,
+        metrics_port=metrics_port,
+    )
+    agent, log = start_logged(command, "bench-agent")
     try:
         async with aiohttp.ClientSession() as session:
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import text_table, write_json
@@ -49,6 +48,7 @@ from kvroute.bench.soak_load import ChatLoad
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Child, Stack
 from kvservice.lifecycle import StartupError
+from kvservice.metrics_page import read_metrics
 from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
 
@@ -188,16 +188,15 @@ async def sample_until(stack: SoakStack, server: RedisServer, samples: Samples, 
 async def counters(session: aiohttp.ClientSession, base_url: str, prefix: str) -> dict[str, float]:
     """Every counter on ``base_url``/metrics named ``prefix...``, summed over labels, without the
     prefix and ``_total``; ``requests_5xx``: requests answered with a 5xx status."""
-    async with session.get(base_url + "/metrics") as response:
-        text = await response.text()
+    page = await read_metrics(session, base_url + "/metrics")
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(prefix) and sample.name.endswith("_total"):
-                name = sample.name[len(prefix) : -len("_total")]
-                totals[name] = totals.get(name, 0.0) + sample.value
-                if name == "requests" and sample.labels.get("status", "").startswith("5"):
-                    totals["requests_5xx"] = totals.get("requests_5xx", 0.0) + sample.value
+    for sample in page.samples:
+        if sample.name.startswith(prefix) and sample.name.endswith("_total"):
+            name = sample.name[len(prefix) : -len("_total")]
+            totals[name] = totals.get(name, 0.0) + sample.value
+    five_xx = page.by_label(prefix + "requests_total", "status", lambda s: s.labels["status"].startswith("5"))
+    if five_xx:
+        totals["requests_5xx"] = sum(five_xx.values())
     return totals
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -64,19 +65,48 @@ def remove_files(paths: Iterable[str]) -> None:
         Path(path).unlink(missing_ok=True)
 
 
+# ----------------------------------------------------------------------------------------- agents
+
+
+def agent_command(
+    engine_url: str,
+    events: str,
+    *,
+    redis_url: str,
+    replay: str | None = None,
+    prefix: str | None = None,
+    model: str | None = None,
+    block_size: int | None = None,
+    metrics_port: int | None = None,
+    log_level: str = "WARNING",
+) -> list[str]:
+    """The command of an agent following one engine (topic ``kv``), as the dev stack and the
+    benchmarks start it; ``metrics_port`` on 127.0.0.1 (default: the agent's own)."""
+    command = [sys.executable, "-m", "worker_agent", "--engine-url", engine_url, "--events", events]
+    command += ["--topic", "kv", "--redis-url", redis_url, "--log-level", log_level]
+    for flag, value in (("--replay", replay), ("--prefix", prefix), ("--model", model), ("--block-size", block_size)):
+        if value is not None:
+            command += [flag, str(value)]
+    if metrics_port is not None:
+        command += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
+    return command
+
+
 # ---------------------------------------------------------------------------------------- waiting
 
 
 async def poll_until(
     check: Callable[[], Awaitable[bool]], what: str, within_s: float = 60.0, interval_s: float = 0.05
-) -> None:
-    """Call ``check`` until it returns True; :class:`ProcessFailed` naming ``what`` after ``within_s``.
-    ``check`` may raise (a process it watches has exited) to end the wait early."""
-    deadline = time.monotonic() + within_s
+) -> float:
+    """Call ``check`` until it returns True; the seconds it took. :class:`ProcessFailed` naming
+    ``what`` after ``within_s``. ``check`` may raise (a process it watches has exited) to end the
+    wait early. (The tests wait with it too: ``tests.support.wait_until``.)"""
+    started = time.monotonic()
     while not await check():
-        if time.monotonic() > deadline:
-            raise ProcessFailed(f"{what} within {within_s:.0f} s")
+        if time.monotonic() - started > within_s:
+            raise ProcessFailed(f"{what} within {within_s:g} s")
         await asyncio.sleep(interval_s)
+    return time.monotonic() - started
 
 
 def exited(process: subprocess.Popen[Any] | None, log: str | None, name: str) -> ProcessFailed | None:

@@ -20,14 +20,22 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import WorkerRecord
 from kvroute.devstack.embedded_redis import free_port
-from kvroute.devstack.processes import exited, poll_until, remove_files, start_logged, stop_processes, wait_healthy
+from kvroute.devstack.processes import (
+    agent_command,
+    exited,
+    poll_until,
+    remove_files,
+    start_logged,
+    stop_processes,
+    wait_healthy,
+)
+from kvservice.metrics_page import read_metrics
 from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
@@ -94,13 +102,7 @@ async def metric_value(
     session: aiohttp.ClientSession, base_url: str, name: str, path: str = "/metrics"
 ) -> float | None:
     """The first sample called ``name`` on ``base_url``'s Prometheus page (None: no such sample)."""
-    async with session.get(base_url + path) as response:
-        text = await response.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    return None
+    return (await read_metrics(session, base_url + path)).value(name)
 
 
 def scheduler_flags(timing: TimingModel) -> list[str]:
@@ -212,12 +214,15 @@ class Stack:
         return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
 
     def _start_agent(self, engine: EngineProcess) -> Child:
-        command = [sys.executable, "-m", "worker_agent", "--engine-url", engine.url]
-        command += ["--events", f"tcp://127.0.0.1:{engine.events_port}"]
-        command += ["--replay", f"tcp://127.0.0.1:{engine.replay_port}", "--topic", "kv"]
-        # as an operator would: an engine with --metrics minimal does not say its block size
-        command += ["--block-size", str(self._block_size)]
-        command += ["--redis-url", self.redis.url, "--prefix", self.redis.prefix, "--log-level", "WARNING"]
+        command = agent_command(
+            engine.url,
+            f"tcp://127.0.0.1:{engine.events_port}",
+            replay=f"tcp://127.0.0.1:{engine.replay_port}",
+            redis_url=self.redis.url,
+            prefix=self.redis.prefix,
+            # as an operator would: an engine with --metrics minimal does not say its block size
+            block_size=self._block_size,
+        )
         return self._start(f"agent of {engine.name}", command)
 
     def _raise_if_any_exited(self, children: list[Child]) -> None:

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
+from kvservice.metrics_page import MetricsPage
 from router.routing.scoring import predicted_cached_tokens
 
 REASONS = ("load_tradeoff", "stale_index", "cold")
@@ -271,21 +272,14 @@ def lost_from_exposition(text: str) -> dict[str, float] | None:
     (``{reason: tokens, "cacheable": tokens}``), with its decisions and how many of them were
     degraded (made without Redis: their tokens are in no reason); None when it exports no
     accounting (a peer, or a kvroute router from before it). Benchmarks read it before and after a run."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvroute_router_lost_prefix_tokens_total":
-                found[sample.labels["reason"]] = found.get(sample.labels["reason"], 0.0) + sample.value
-            elif sample.name == "kvroute_router_cacheable_prompt_tokens_total":
-                found["cacheable"] = found.get("cacheable", 0.0) + sample.value
-            elif sample.name == "kvroute_router_decisions_total":
-                found["decisions"] = found.get("decisions", 0.0) + sample.value
-                if sample.labels.get("policy") == "degraded":
-                    found[DEGRADED] = found.get(DEGRADED, 0.0) + sample.value
-    if not any(key in found for key in (*REASONS, "cacheable")):
+    page = MetricsPage.parse(text)
+    found = page.by_label("kvroute_router_lost_prefix_tokens_total", "reason")
+    cacheable = list(page.matching("kvroute_router_cacheable_prompt_tokens_total"))
+    if not found and not cacheable:
         return None
+    decisions = "kvroute_router_decisions_total"
+    found |= {"cacheable": page.total("kvroute_router_cacheable_prompt_tokens_total")}
+    found |= {"decisions": page.total(decisions), DEGRADED: page.total(decisions, policy="degraded")}
     return {key: found.get(key, 0.0) for key in (*REASONS, "cacheable", "decisions", DEGRADED)}
 
 

@@ -21,8 +21,7 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import free_port
-from router.main import RunningRouter
-from tests.support import ROOT, SimFleet, wait_until
+from tests.support import ROOT, wait_until
 
 BLOCK = 16
 PROMPT_BLOCKS = 6
@@ -66,24 +65,6 @@ def segment_keys_per_master(cluster: LocalCluster, model: str) -> dict[int, int]
         port: sum(1 for _ in cluster.client(port).scan_iter(match=pattern, count=1000))
         for port in cluster.master_ports()
     }
-
-
-async def wait_for_workers(
-    router: RunningRouter, model: str, count: int, within: float = 30, fleet: SimFleet | None = None
-) -> None:
-    """Until the router sees ``count`` workers of ``model`` alive (failing with ``fleet``'s agents'
-    states and logs, when given)."""
-
-    async def ready() -> bool:
-        await router.state.fleet.refresh()
-        return len(router.state.fleet.alive(model)) == count
-
-    try:
-        await wait_until(ready, within)
-    except AssertionError as exc:
-        alive = sorted(worker.worker_id for worker in router.state.fleet.alive(model))
-        report = f"\n{fleet.agents_report()}" if fleet is not None else ""
-        raise AssertionError(f"{exc}: {len(alive)} of {count} workers alive {alive}{report}") from None
 
 
 async def wait_held(index: RedisIndex, model: str, prompt: Sequence[int], worker: str, within: float = 15) -> None:

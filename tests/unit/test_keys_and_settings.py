@@ -69,5 +69,5 @@ def test_redis_variables_follow_the_flag_then_variable_then_default_rule():
     assert RedisSettings.from_env(env, prefix="flag").prefix == "flag"
     cluster = {"KVROUTE_REDIS_URL": "redis+cluster://h:7000", "KVROUTE_REDIS_READ_FROM_REPLICAS": "yes"}
     assert RedisSettings.from_env(cluster).read_from_replicas is True
-    with pytest.raises(ValueError, match="^KVROUTE_REDIS_READ_FROM_REPLICAS must be 1 or 0 .*'maybe'"):
+    with pytest.raises(ValueError, match=r"^KVROUTE_REDIS_READ_FROM_REPLICAS must be 1 or 0 .*'maybe'"):
         RedisSettings.from_env({"KVROUTE_REDIS_READ_FROM_REPLICAS": "maybe"})

@@ -34,13 +34,12 @@ from tests.e2e.cluster_support import (
     prompts_on_every_master,
     segment_keys_per_master,
     start_router_process,
-    wait_for_workers,
     wait_held,
 )
-from tests.e2e.faults.traffic import Traffic, make_prefixes
 from tests.e2e.faults.views import engine_block_parents, index_blocks, leading_run
 from tests.e2e.router.support import start_router
-from tests.support import SimFleet, wait_until
+from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.traffic import Traffic, make_prefixes
 
 pytestmark = pytest.mark.faults
 
@@ -147,7 +146,7 @@ async def cluster_scene(
         await fleet.start()
         context, running = await start_router(str(router.pop("url", cluster.url)), **router)
         stack.push_async_callback(context.__aexit__, None, None, None)  # type: ignore[attr-defined]
-        await wait_for_workers(running, MODEL, fleet.count, fleet=fleet)
+        await wait_for_workers(running, fleet.count, MODEL, fleet=fleet)
         extra_router_urls = []
         for flags in router_processes:
             process, url = await start_router_process(cluster.url, *flags)
@@ -302,7 +301,7 @@ async def test_a_briefly_paused_control_shard_degrades_no_decision(index_url):
     fleet = await SimFleet(url, count=3).start()
     context, router = await start_router(url)
     try:
-        await wait_for_workers(router, MODEL, fleet.count)
+        await wait_for_workers(router, fleet.count, MODEL)
         prompts = make_prefixes(40, seed=3)
         client.execute_command("CLIENT", "PAUSE", 800, "ALL")  # slower than usual, well within the 2 s budget
         async with aiohttp.ClientSession() as session:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from tests.e2e.faults.measure import MODEL, Scene, open_scene
-from tests.e2e.faults.traffic import BLOCK
 from tests.support import ROOT, wait_until
+from tests.traffic import BLOCK
 
 pytestmark = pytest.mark.faults
 

@@ -3,8 +3,6 @@ HTTP/ZMQ) and agent processes."""
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 
 from kvindex.hashing import sequence_hashes
@@ -26,14 +24,6 @@ async def start_router(redis_url: str, **settings) -> tuple[object, RunningRoute
     return context, await context.__aenter__()
 
 
-async def wait_for_workers(router: RunningRouter, count: int) -> None:
-    async def ready() -> bool:
-        await router.state.fleet.refresh()
-        return len(router.state.fleet.alive("tiny")) == count
-
-    await wait_until(ready, 20)
-
-
 async def wait_indexed(where: RunningRouter | RedisIndex, prompt: list[int], salt: str | None = None) -> str:
     """Wait until a worker holds all of ``prompt``'s full blocks in the index; that worker."""
     index = where.state.index if isinstance(where, RunningRouter) else where
@@ -53,47 +43,3 @@ async def complete(url: str, prompt, **extra) -> tuple[int, dict, dict]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **extra}
     async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body) as response:
         return response.status, dict(response.headers), await response.json()
-
-
-class Traffic:
-    """Completions sent by ``clients`` concurrent loops until :meth:`stop`: every status kept,
-    with the body of each failure, so that a fault test can assert that none failed."""
-
-    def __init__(self, url: str, clients: int = 4) -> None:
-        self.url = url
-        self.clients = clients
-        self.statuses: list[int] = []
-        self.failures: list[tuple[int, dict]] = []
-        self._stopping = False
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> Traffic:
-        self._tasks = [asyncio.create_task(self._client(n)) for n in range(self.clients)]
-        return self
-
-    async def _client(self, n: int) -> None:
-        async with aiohttp.ClientSession() as session:
-            i = 0
-            while not self._stopping:
-                i += 1
-                prompt = [*PREFIX[: 16 * (1 + i % 5)], n, i]
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
-                async with session.post(self.url + "/v1/completions", json=body) as response:
-                    reply = await response.json(content_type=None)
-                self.statuses.append(response.status)
-                if response.status != 200:
-                    self.failures.append((response.status, reply))
-
-    async def served_more(self, count: int, within: float = 30) -> None:
-        """Wait until ``count`` more requests were answered (whatever their status)."""
-        target = len(self.statuses) + count
-
-        async def enough() -> bool:
-            return len(self.statuses) >= target
-
-        await wait_until(enough, within)
-
-    async def stop(self) -> None:
-        self._stopping = True
-        for task in self._tasks:
-            await task

@@ -29,11 +29,10 @@ from tests.e2e.cluster_support import (
     routed_to,
     segment_keys_per_master,
     start_router_process,
-    wait_for_workers,
     wait_held,
 )
 from tests.e2e.router.support import start_router
-from tests.support import ROOT, SimFleet, wait_until
+from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
 
 
 @pytest.fixture
@@ -46,7 +45,7 @@ async def cluster_fleet(redis_cluster: LocalCluster, unique_name: str) -> AsyncI
 @pytest.fixture
 async def cluster_router(cluster_fleet: SimFleet, redis_cluster: LocalCluster) -> AsyncIterator[RunningRouter]:
     context, running = await start_router(redis_cluster.url)
-    await wait_for_workers(running, cluster_fleet.model, cluster_fleet.count)
+    await wait_for_workers(running, cluster_fleet.count, cluster_fleet.model)
     yield running
     await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 

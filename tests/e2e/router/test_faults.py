@@ -17,9 +17,8 @@ from tests.e2e.router.support import (
     PREFIX,
     complete,
     start_router,
-    wait_for_workers,
 )
-from tests.support import ROOT, wait_until
+from tests.support import ROOT, wait_for_workers, wait_until
 
 
 @pytest.mark.faults

@@ -9,8 +9,12 @@ import pytest
 from redis.asyncio import Redis
 
 from router.main import RunningRouter
-from tests.e2e.router.support import Traffic, start_router, wait_for_workers
-from tests.support import wait_until
+from tests.e2e.router.support import PREFIX, start_router
+from tests.support import wait_for_workers, wait_until
+from tests.traffic import Traffic
+
+# shared prefixes of 1 to 5 blocks, as the router suite's prompts are
+PROMPTS = [PREFIX[: 16 * blocks] for blocks in range(1, 6)]
 
 
 async def _redis_shows_workers_again(router: RunningRouter, count: int) -> None:
@@ -38,8 +42,8 @@ async def test_flushall_during_traffic_fails_no_request(fleet, redis_server):
     client = Redis.from_url(redis_server.url)
     try:
         await wait_for_workers(router, fleet.count)
-        traffic = Traffic(router.url).start()
-        await traffic.served_more(20)
+        traffic = Traffic([router.url], PROMPTS, concurrency=4).start()
+        await traffic.progressed(20)
         # The agents are held while Redis is flushed, so that the router sees the empty index
         # before they re-register (an agent whose engine stores a block re-registers at once, so
         # otherwise the test would depend on who is faster: a refresh or the next request).
@@ -48,14 +52,14 @@ async def test_flushall_during_traffic_fails_no_request(fleet, redis_server):
         await client.flushall()
 
         await _retained(router)
-        await traffic.served_more(20)
+        await traffic.progressed(20)
         for agent in fleet.agents:
             agent.process.send_signal(signal.SIGCONT)
         await _redis_shows_workers_again(router, fleet.count)
-        await traffic.served_more(20)
+        await traffic.progressed(20)
         await traffic.stop()
-        assert traffic.failures == [], traffic.failures[:3]
-        assert len(traffic.statuses) >= 60
+        assert traffic.failed == 0, traffic.failures[:3]
+        assert traffic.completed >= 60
     finally:
         await client.aclose()
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
@@ -66,11 +70,11 @@ async def test_redis_killed_and_restarted_empty_during_traffic_fails_no_request(
     context, router = await start_router(redis_server.url, workers_refresh_s=0.2)
     try:
         await wait_for_workers(router, fleet.count)
-        traffic = Traffic(router.url).start()
+        traffic = Traffic([router.url], PROMPTS, concurrency=4).start()
         for round_ in range(2):
-            await traffic.served_more(20)
+            await traffic.progressed(20)
             redis_server.stop(kill=True)
-            await traffic.served_more(20)  # Redis down: served from the last known workers, by local load
+            await traffic.progressed(20)  # Redis down: served from the last known workers, by local load
             # The agents are held while Redis restarts empty, so that the router sees the empty
             # index before they re-register (else the test would depend on who is faster).
             agents = fleet.agents if round_ == 0 else fleet.agents[::-1]
@@ -78,13 +82,13 @@ async def test_redis_killed_and_restarted_empty_during_traffic_fails_no_request(
                 agent.process.send_signal(signal.SIGSTOP)
             redis_server.start()
             await _retained(router)
-            await traffic.served_more(20)
+            await traffic.progressed(20)
             for agent in agents:  # released in another order in the second round
                 agent.process.send_signal(signal.SIGCONT)
             await _redis_shows_workers_again(router, fleet.count)
-        await traffic.served_more(20)
+        await traffic.progressed(20)
         await traffic.stop()
-        assert traffic.failures == [], traffic.failures[:3]
+        assert traffic.failed == 0, traffic.failures[:3]
         assert router.state.decider.degraded_count > 0
     finally:
         for agent in fleet.agents:

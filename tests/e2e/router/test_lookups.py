@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 from kvindex.scripts import Scripts
 from kvindex.settings import RedisSettings
 from router.routing.lookups import Lookups, _StallGuard
-from tests.e2e.router.support import PREFIX, complete, start_router, wait_for_workers
-from tests.support import raw_call, wait_until
+from tests.e2e.router.support import PREFIX, complete, start_router
+from tests.support import raw_call, wait_for_workers, wait_until
 from tests.support_proxy import LatencyProxy
 
 POOL = 8

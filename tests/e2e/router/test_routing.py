@@ -20,10 +20,9 @@ from tests.e2e.router.support import (
     PREFIX,
     complete,
     start_router,
-    wait_for_workers,
     wait_indexed,
 )
-from tests.support import ROOT, wait_until
+from tests.support import ROOT, wait_for_workers, wait_until
 
 
 async def test_shared_prefixes_land_on_the_worker_that_holds_them(router, fleet):

@@ -16,9 +16,8 @@ from kvroute.devstack.embedded_cluster import LocalCluster
 from router.main import RunningRouter
 from router.shared.load import FLUSH_WINDOW_S
 from router.shared.shared_load import InflightLoad, SharedLoad
-from tests.e2e.cluster_support import wait_for_workers as wait_for_cluster_workers
-from tests.e2e.router.support import PREFIX, start_router, wait_for_workers
-from tests.support import SimFleet, wait_until
+from tests.e2e.router.support import PREFIX, start_router
+from tests.support import SimFleet, wait_for_workers, wait_until
 
 BOOKED = InflightLoad(1, 160, 160)
 
@@ -107,7 +106,7 @@ async def cluster_router(redis_cluster: LocalCluster, unique_name: str) -> Async
     fleet = await SimFleet(redis_cluster.url, model=unique_name).start()
     context, running = await start_router(redis_cluster.url, lease_ttl_ms=60_000)
     try:
-        await wait_for_cluster_workers(running, unique_name, fleet.count)
+        await wait_for_workers(running, fleet.count, unique_name)
         yield running
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
-"""Shared-prefix traffic for the fault suite: a few workers that keep sending completions through
-the routers and count every request that does not come back 200."""
+"""Shared-prefix traffic for the tests that break things under load (the router suite's and the
+fault suite's): a few workers that keep sending completions through the routers and count every
+request that does not come back 200."""
 
 from __future__ import annotations
 
