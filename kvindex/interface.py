@@ -7,8 +7,8 @@
 Semantics: a worker registers and is alive while its heartbeats keep arriving within their TTL.
 Only the client that registered a worker writes to it: ``register`` returns a
 :class:`WorkerHandle`, the one owner of that registration's writer state, whose methods are the
-worker's writes (the index's ``(model, worker_id)`` write methods are shorthands for them). A
-handle closes when its worker is deregistered, or registered again through the same index.
+worker's writes (``handle(model, worker_id)`` finds it again). A handle closes when its worker is
+deregistered, or registered again through the same index.
 ``match`` returns, for every alive worker of the model, how many leading blocks of the chain it
 holds (a run from block 0). Clearing or re-registering a worker starts it empty; a dead worker's
 blocks never count.
@@ -58,7 +58,9 @@ class WorkerHandle(Protocol):
 
     async def remove(self, blocks: Sequence[int]) -> WriteResult: ...
 
-    async def apply(self, changes: Sequence[BlockChange]) -> WriteResult: ...
+    async def apply(self, changes: Sequence[BlockChange]) -> WriteResult:
+        """Stores and removals in order, as one atomic step for readers."""
+        ...
 
     async def clear(self) -> None: ...
 
@@ -74,21 +76,10 @@ class WorkerHandle(Protocol):
 class KVIndex(Protocol):
     async def register(self, worker: WorkerInfo, ttl_ms: int = DEFAULT_TTL_MS) -> WorkerHandle: ...
 
-    async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus: ...
-
-    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult: ...
-
-    async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult: ...
-
-    async def apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
-        """Stores and removals in order, as one atomic step for readers."""
+    def handle(self, model: str, worker_id: str) -> WorkerHandle:
+        """The open handle of a worker registered through this index
+        (:class:`~kvindex.errors.NotRegisteredError` otherwise)."""
         ...
-
-    async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus: ...
-
-    async def clear(self, model: str, worker_id: str) -> None: ...
-
-    async def deregister(self, model: str, worker_id: str) -> None: ...
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]: ...
 

@@ -2,8 +2,8 @@
 
 Writers (worker agents) register a worker and get its :class:`~kvindex.redis_worker.RedisWorker`
 handle, which keeps the worker's :class:`~kvindex.mirror.BlockMirror`, gid and op ids and sends
-only the resulting index operations; the ``(model, worker_id)`` write methods here are shorthands
-that look the handle up. Readers (routers) are stateless apart from a cache of gid -> worker id
+only the resulting index operations (``handle(model, worker_id)`` finds it again; the index
+itself has no write methods: one owner of a worker's writes). Readers (routers) are stateless apart from a cache of gid -> worker id
 names, which never change: gids are random and never handed out again, even after Redis lost
 its data (see kvindex.generations).
 """
@@ -23,23 +23,16 @@ from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
 from kvindex.keys import KeySchema, ModelKeys
-from kvindex.mirror import BlockMirror
 from kvindex.pages import Page, combine_listed, pages_of, segments
 from kvindex.redis_worker import MAX_PAGES_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import decode, raise_script_error, worker_record
 from kvindex.scripts import ScriptCall, Scripts
 from kvindex.servers import server_memory, server_run_id
 from kvindex.types import (
-    BlockChange,
     GcResult,
-    HeartbeatStatus,
     ModelStats,
-    Registration,
-    StoredRun,
     WorkerInfo,
-    WorkerLoad,
     WorkerRecord,
-    WriteResult,
 )
 
 MAX_CACHED_NAMES = 100_000
@@ -101,41 +94,6 @@ class RedisIndex:
         if handle is None:
             raise NotRegisteredError(f"worker {worker_id!r} of model {model!r} was not registered through this client")
         return handle
-
-    # Shorthands: the same writes by (model, worker id), through the worker's handle.
-
-    def mirror(self, model: str, worker_id: str) -> BlockMirror:
-        return self.handle(model, worker_id).mirror
-
-    def needs_reassert(self, model: str, worker_id: str) -> bool:
-        return self.handle(model, worker_id).needs_reassert()
-
-    async def reassert(self, model: str, worker_id: str) -> Registration:
-        return await self.handle(model, worker_id).reassert()
-
-    async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
-        return await self.handle(model, worker_id).heartbeat(ttl_ms)
-
-    async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus:
-        return await self.handle(model, worker_id).report_load(load)
-
-    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
-        return await self.handle(model, worker_id).store(runs)
-
-    async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult:
-        return await self.handle(model, worker_id).remove(blocks)
-
-    async def apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
-        return await self.handle(model, worker_id).apply(changes)
-
-    async def clear(self, model: str, worker_id: str) -> None:
-        await self.handle(model, worker_id).clear()
-
-    async def deregister(self, model: str, worker_id: str) -> None:
-        await self.handle(model, worker_id).deregister()
-
-    async def indexed_blocks(self, model: str, worker_id: str) -> int | None:
-        return await self.handle(model, worker_id).indexed_blocks()
 
     # --- operator actions ---------------------------------------------------------------------
 

@@ -113,11 +113,19 @@ class ReferenceIndex:
         state.workers[worker.worker_id] = self._latest[(worker.model, worker.worker_id)] = registered
         return ReferenceWorker(self, registered)
 
+    def handle(self, model: str, worker_id: str) -> ReferenceWorker:
+        worker = self._latest.get((model, worker_id))
+        if worker is None or worker.closed:
+            raise NotRegisteredError(f"worker {worker_id!r} of model {model!r} was not registered through this index")
+        return ReferenceWorker(self, worker)
+
+    # The writes by (model, worker id): what a ReferenceWorker does for its registration.
+
     def holds(self, worker: _Worker) -> bool:
         """True while ``worker`` is its id's current registration (not forgotten by gc)."""
         return self._models.get(worker.info.model, _Model()).workers.get(worker.info.worker_id) is worker
 
-    async def heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
+    async def _heartbeat(self, model: str, worker_id: str, ttl_ms: int = DEFAULT_TTL_MS) -> HeartbeatStatus:
         _check_ttl(ttl_ms)
         worker = self._models.get(model, _Model()).workers.get(worker_id)
         if worker is None:
@@ -126,7 +134,7 @@ class ReferenceIndex:
         worker.ttl_ms = ttl_ms
         return HeartbeatStatus.OK
 
-    async def store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
+    async def _store(self, model: str, worker_id: str, runs: Sequence[StoredRun]) -> WriteResult:
         worker = self._writer(model, worker_id)
         applied = skipped = 0
         for run in runs:
@@ -144,7 +152,7 @@ class ReferenceIndex:
                 parent = block
         return WriteResult(applied=applied, skipped=skipped)
 
-    async def remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult:
+    async def _remove(self, model: str, worker_id: str, blocks: Sequence[int]) -> WriteResult:
         worker = self._writer(model, worker_id)
         applied = missing = 0
         for block in blocks:
@@ -160,21 +168,21 @@ class ReferenceIndex:
                 del worker.parent[block]
         return WriteResult(applied=applied, missing=missing)
 
-    async def apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
+    async def _apply(self, model: str, worker_id: str, changes: Sequence[BlockChange]) -> WriteResult:
         result = WriteResult()
         for change in changes:
             if isinstance(change, RemovedBlocks):
-                result += await self.remove(model, worker_id, change.hashes)
+                result += await self._remove(model, worker_id, change.hashes)
             else:
-                result += await self.store(model, worker_id, [change])
+                result += await self._store(model, worker_id, [change])
         return result
 
-    async def report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus:
+    async def _report_load(self, model: str, worker_id: str, load: WorkerLoad) -> HeartbeatStatus:
         worker = self._writer(model, worker_id)
         worker.load, worker.load_ms = load, self._clock_ms()
         return HeartbeatStatus.OK
 
-    async def clear(self, model: str, worker_id: str) -> None:
+    async def _clear(self, model: str, worker_id: str) -> None:
         worker = self._writer(model, worker_id)
         state = self._models[model]
         state.gid_seq += 1
@@ -182,7 +190,7 @@ class ReferenceIndex:
         worker.copies.clear()
         worker.parent.clear()
 
-    async def deregister(self, model: str, worker_id: str) -> None:
+    async def _deregister(self, model: str, worker_id: str) -> None:
         self._writer(model, worker_id).closed = True
         del self._models[model].workers[worker_id]
 
@@ -300,27 +308,27 @@ class ReferenceWorker:
         return self.info.model, self.info.worker_id
 
     async def store(self, runs: Sequence[StoredRun]) -> WriteResult:
-        return await self._index.store(*self._ids(), runs)
+        return await self._index._store(*self._ids(), runs)
 
     async def remove(self, blocks: Sequence[int]) -> WriteResult:
-        return await self._index.remove(*self._ids(), blocks)
+        return await self._index._remove(*self._ids(), blocks)
 
     async def apply(self, changes: Sequence[BlockChange]) -> WriteResult:
-        return await self._index.apply(*self._ids(), changes)
+        return await self._index._apply(*self._ids(), changes)
 
     async def clear(self) -> None:
-        await self._index.clear(*self._ids())
+        await self._index._clear(*self._ids())
 
     async def heartbeat(self, ttl_ms: int | None = None) -> HeartbeatStatus:
         if not self._worker.closed and not self._index.holds(self._worker):
             return HeartbeatStatus.MISSING
-        return await self._index.heartbeat(*self._ids(), self._worker.ttl_ms if ttl_ms is None else ttl_ms)
+        return await self._index._heartbeat(*self._ids(), self._worker.ttl_ms if ttl_ms is None else ttl_ms)
 
     async def report_load(self, load: WorkerLoad) -> HeartbeatStatus:
-        return await self._index.report_load(*self._ids(), load)
+        return await self._index._report_load(*self._ids(), load)
 
     async def deregister(self) -> None:
         if not self._worker.closed and not self._index.holds(self._worker):
             self._worker.closed = True  # gc forgot it already: nothing left to remove (as in Redis)
             return
-        await self._index.deregister(*self._ids())
+        await self._index._deregister(*self._ids())

@@ -9,11 +9,29 @@ one pipelined connection beside the client's pool (:mod:`kvindex.pipelined`): wa
 may be cancelled without losing it.
 :meth:`Scripts.run` is the same call with the scripts' own ``kvroute:`` errors raised as
 :mod:`kvindex.errors` exceptions (what the index's reads and writes use).
+
+Retries: one policy for every path (one call, a batch on one server, a batch on a cluster). Each
+reply is classed by :func:`outcome`:
+
+* ``ANSWER``: a reply, or the script's own error: final, never sent again.
+* ``NO_SCRIPT``: the server does not have the script (a restart, SCRIPT FLUSH, a failover, a new
+  shard): the script is given to it once (SCRIPT LOAD of every script on a single server; EVAL
+  with the source where a call lands, on a cluster or for one call) and the call sent again.
+* ``NOT_DELIVERED``: no answer reached us (a lost connection, a moved slot, TRYAGAIN): the call is
+  sent once more (every script is idempotent, so one the server did run is harmless): on a fresh
+  connection on a single server; on a cluster as one redis-py pipeline (one connection per node,
+  the slot map refreshed), and what fails again one call at a time, at most REDO_AT_ONCE at once.
+
+Beneath this, redis-py's client retries a command whose connection fails (RedisSettings.client:
+three tries, exponential backoff). A call that still has no answer raises (one call) or is left
+as the exception in its place (a batch): the callers (the router's degraded decision, the agent's
+mirror and re-assert) own what happens next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,18 +155,18 @@ class Scripts:
         On a cluster the calls run concurrently, each on the shard of its keys."""
         if self._cluster:
             return await self._cluster_round_trip(calls)
-        reconnected = reloaded = False
+        resent = reloaded = False
         while True:
             try:
                 results = await self._round_trip(calls)
             except RedisConnectionError:
-                # A pooled connection the server closed (it restarted): once more, on a fresh
-                # one. Every script is idempotent, so a batch the server did run is harmless.
-                if reconnected:
+                # NOT_DELIVERED (a pooled connection the server closed: it restarted): once more,
+                # on a fresh connection.
+                if resent:
                     raise
-                reconnected = True
+                resent = True
                 continue
-            if not reloaded and any(isinstance(r, NoScriptError) for r in results):
+            if not reloaded and any(outcome(r) is Outcome.NO_SCRIPT for r in results):
                 self.reloads += 1
                 reloaded = True
                 await self.load_all()
@@ -247,19 +265,15 @@ class Scripts:
         if results is None:
             results = await self._pipeline_round_trip(calls)
         else:
-            failed = [
-                i
-                for i, r in enumerate(results)
-                if isinstance(r, Exception) and not _script_answer(r) and not isinstance(r, NoScriptError)
-            ]
+            failed = [i for i, r in enumerate(results) if outcome(r) is Outcome.NOT_DELIVERED]
             if failed:
                 again = await self._pipeline_round_trip([calls[i] for i in failed])
                 for i, result in zip(failed, again, strict=True):
                     results[i] = result
-        unknown = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        unknown = [i for i, r in enumerate(results) if outcome(r) is Outcome.NO_SCRIPT]
         if unknown:
             await self._evaluate_on_their_shards(calls, unknown, results)
-        redo = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _script_answer(r)]
+        redo = [i for i, r in enumerate(results) if outcome(r) is not Outcome.ANSWER]
         if redo:
             # A few at a time: each takes a connection of its node's pool, and after a failover a
             # batch of hundreds (a writer's re-assert) at once emptied it (MaxConnectionsError).
@@ -334,12 +348,24 @@ def _retrieved(loading: asyncio.Future[None]) -> None:
         loading.exception()
 
 
-def _script_answer(error: Exception) -> bool:
-    """An error the script itself returned (kept as the call's result), not one of reaching it
-    (a connection, a moved slot, a script the server does not have yet: worth a second call)."""
-    return isinstance(error, ResponseError) and not isinstance(
-        error, NoScriptError | MovedError | AskError | TryAgainError
-    )
+class Outcome(enum.Enum):
+    """What a reply in a batch means for the retry policy (the module's docstring)."""
+
+    ANSWER = "answer"
+    NO_SCRIPT = "no_script"
+    NOT_DELIVERED = "not_delivered"
+
+
+def outcome(reply: object) -> Outcome:
+    """A reply or an error in its place, classed: an error the script itself returned is an answer;
+    a missing script and an error of reaching the script (a connection, a moved slot) are not."""
+    if not isinstance(reply, Exception):
+        return Outcome.ANSWER
+    if isinstance(reply, NoScriptError):
+        return Outcome.NO_SCRIPT
+    if isinstance(reply, ResponseError) and not isinstance(reply, MovedError | AskError | TryAgainError):
+        return Outcome.ANSWER
+    return Outcome.NOT_DELIVERED
 
 
 def _bulk(value: KeyOrArg) -> bytes:

@@ -69,7 +69,7 @@ async def load_fleet(client: Redis, model: str, workers: int, entries: int, seed
     memory_before = int((await client.info("memory"))["used_memory"])
     systems = [[rng.getrandbits(64) for _ in range(SYSTEM_BLOCKS)] for _ in range(SYSTEM_PROMPTS)]
     for w in range(workers):
-        await index.store(model, f"w{w}", [StoredRun(None, tuple(s)) for s in systems])
+        await index.handle(model, f"w{w}").store([StoredRun(None, tuple(s)) for s in systems])
     loaded = workers * SYSTEM_PROMPTS * SYSTEM_BLOCKS
     conversations: list[list[int]] = []
     while loaded < entries:
@@ -80,8 +80,8 @@ async def load_fleet(client: Redis, model: str, workers: int, entries: int, seed
         if rng.random() < 0.5:
             holders.append((rng.randrange(workers), rng.randint(SYSTEM_BLOCKS + 1, holders[0][1])))
         for worker, depth in holders:
-            result = await index.store(
-                model, f"w{worker}", [StoredRun(chain[SYSTEM_BLOCKS - 1], tuple(chain[SYSTEM_BLOCKS:depth]))]
+            result = await index.handle(model, f"w{worker}").store(
+                [StoredRun(chain[SYSTEM_BLOCKS - 1], tuple(chain[SYSTEM_BLOCKS:depth]))]
             )
             loaded += result.applied
     stats = await index.stats(model)
@@ -108,22 +108,24 @@ async def adversarial_chain(client: Redis, workers: int, blocks: int) -> tuple[s
     chain = [random.Random(blocks).getrandbits(64) for _ in range(blocks)]
     for w in range(workers):
         await index.register(WorkerInfo(f"w{w}", model, f"http://w{w}", 32), 3_600_000)
-        await index.store(model, f"w{w}", [StoredRun(None, tuple(chain[: (w + 1) * blocks // workers]))])
+        await index.handle(model, f"w{w}").store([StoredRun(None, tuple(chain[: (w + 1) * blocks // workers]))])
     return model, chain
 
 
 async def measure_ingest(url: str, writers: int, blocks_per_writer: int, run_blocks: int = 64) -> float:
     clients = [single_redis_client(url) for _ in range(writers)]
     indexes = [RedisIndex(c) for c in clients]
-    for i, index in enumerate(indexes):
+    handles = [
         await index.register(WorkerInfo(f"ingest{i}", "bench-ingest", f"http://ingest{i}", 32), 3_600_000)
+        for i, index in enumerate(indexes)
+    ]
 
     async def write(i: int) -> None:
         rng = random.Random(i)
         parent = None
         for _ in range(blocks_per_writer // run_blocks):
             run = tuple(rng.getrandbits(64) for _ in range(run_blocks))
-            await indexes[i].store("bench-ingest", f"ingest{i}", [StoredRun(parent, run)])
+            await handles[i].store([StoredRun(parent, run)])
             parent = None if rng.random() < 0.25 else run[-1]
 
     start = time.perf_counter()

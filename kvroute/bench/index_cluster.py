@@ -93,7 +93,7 @@ async def load_spread_fleet(
             if pick.random() < 0.5:
                 holders.append((pick.randrange(workers), pick.randint(shared + 1, holders[0][1])))
             for worker, depth in holders:
-                result = await index.store(model, f"w{worker}", [StoredRun(None, tuple(chain[:depth]))])
+                result = await index.handle(model, f"w{worker}").store([StoredRun(None, tuple(chain[:depth]))])
                 loaded += result.applied
                 start = depth - result.applied  # the newly indexed blocks: the chain's last ones
                 for page in pages_of(chain[:depth]):

@@ -29,10 +29,10 @@ async def populate(url: str, model: str) -> None:
     await index.register(WorkerInfo("w-long", model, "http://127.0.0.1:9001", 32), 600_000)
     await index.register(WorkerInfo("w-short", model, "http://127.0.0.1:9002", 32, dp_rank=1), 600_000)
     await index.register(WorkerInfo("w-dead", model, "http://127.0.0.1:9003", 32), 600_000)
-    await index.store(model, "w-long", [StoredRun(None, tuple(chain))])
-    await index.store(model, "w-short", [StoredRun(None, tuple(chain[:1]))])
-    await index.store(model, "w-dead", [StoredRun(None, tuple(chain))])
-    await index.heartbeat(model, "w-dead", 0)
+    await index.handle(model, "w-long").store([StoredRun(None, tuple(chain))])
+    await index.handle(model, "w-short").store([StoredRun(None, tuple(chain[:1]))])
+    await index.handle(model, "w-dead").store([StoredRun(None, tuple(chain))])
+    await index.handle(model, "w-dead").heartbeat(0)
     await client.aclose()
 
 

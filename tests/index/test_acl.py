@@ -103,7 +103,7 @@ async def test_the_agent_user_registers_applies_heartbeats_reasserts_and_collect
     await handle.store([StoredRun(None, CHAIN[:2])])
     collected = await index.gc(unique_name)  # gc_retire.lua, gc_pages.lua, gc_finish.lua as the agent
     assert collected.gids_finished + collected.gids_pending >= 1  # the cleared and swapped gids
-    assert await index.indexed_blocks(unique_name, "w0") == 2
+    assert await index.handle(unique_name, "w0").indexed_blocks() == 2
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ async def register_and_fill(writer: RedisIndex, order: tuple[str, ...]) -> None:
     for name in order:
         await writer.register(info(name), LONG_TTL)
     for name in order:
-        await writer.store(MODEL, name, [StoredRun(None, tuple(PROMPTS[name]))])
+        await writer.handle(MODEL, name).store([StoredRun(None, tuple(PROMPTS[name]))])
 
 
 async def check_credits(reader: RedisIndex) -> None:

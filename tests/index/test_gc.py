@@ -60,7 +60,7 @@ async def test_gc_collects_a_generation_written_by_the_layout_before_pages(redis
     await redis_client.hset(keys.meta, "block_keys", len(CHAIN))
     upgraded = RedisIndex(redis_client)  # the new agent: a registration of its own, pages
     await upgraded.register(worker(unique_name, "old"), LONG_TTL)
-    await upgraded.store(unique_name, "old", [StoredRun(None, tuple(CHAIN[:6]))])
+    await upgraded.handle(unique_name, "old").store([StoredRun(None, tuple(CHAIN[:6]))])
     assert await upgraded.match(unique_name, CHAIN) == {"old": 6}  # its pages; the old gid is retired
     result = await index.gc(unique_name, budget=1000, grace_ms=0)
     assert result.entries_removed >= len(CHAIN)

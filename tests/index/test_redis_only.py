@@ -42,7 +42,7 @@ async def test_scripts_reload_after_script_flush(redis_client, unique_name):
     await index.match(unique_name, CHAIN)
     loads_before = index.scripts.reloads
     await redis_client.script_flush()
-    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:5]))])
+    await index.handle(unique_name, "a").store([StoredRun(None, tuple(CHAIN[:5]))])
     await redis_client.script_flush()
     assert await index.match(unique_name, CHAIN) == {"a": 5}
     assert index.scripts.reloads - loads_before >= 2  # at least once after each flush
@@ -55,10 +55,10 @@ async def test_a_batch_interrupted_mid_reply_never_leaves_replies_for_the_next(r
     admin = Redis.from_url(redis_server.url)
     index = RedisIndex(client)
     await index.register(worker(unique_name), LONG_TTL)
-    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:5]))])
+    await index.handle(unique_name, "a").store([StoredRun(None, tuple(CHAIN[:5]))])
     other = f"{unique_name}-other"
     await index.register(worker(other), LONG_TTL)
-    await index.store(other, "a", [StoredRun(None, tuple(CHAIN[:2]))])
+    await index.handle(other, "a").store([StoredRun(None, tuple(CHAIN[:2]))])
     await admin.execute_command("CLIENT", "PAUSE", 300, "ALL")
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):
@@ -80,16 +80,18 @@ async def test_a_restarted_empty_redis_is_refilled_by_reassert(kind, unique_name
     try:
         index = RedisIndex(client)
         await index.register(worker(unique_name), LONG_TTL)
-        await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:9])), StoredRun(CHAIN[3], (CHAIN[0],))])
-        await index.remove(unique_name, "a", [CHAIN[8]])
+        await index.handle(unique_name, "a").store(
+            [StoredRun(None, tuple(CHAIN[:9])), StoredRun(CHAIN[3], (CHAIN[0],))]
+        )
+        await index.handle(unique_name, "a").remove([CHAIN[8]])
         before = await index.match(unique_name, CHAIN)
         server.stop(kill=True)
         server = RedisServer(binary=binary, port=server.port).start()  # same port, empty, no scripts
-        assert await index.heartbeat(unique_name, "a", LONG_TTL) == HeartbeatStatus.MISSING
-        await index.reassert(unique_name, "a")
+        assert await index.handle(unique_name, "a").heartbeat(LONG_TTL) == HeartbeatStatus.MISSING
+        await index.handle(unique_name, "a").reassert()
         assert await index.match(unique_name, CHAIN) == before == {"a": 8}
         assert index.scripts.reloads >= 1
-        assert await index.heartbeat(unique_name, "a", LONG_TTL) == HeartbeatStatus.OK
+        assert await index.handle(unique_name, "a").heartbeat(LONG_TTL) == HeartbeatStatus.OK
     finally:
         await client.aclose()
         server.stop()
@@ -118,7 +120,7 @@ async def test_malformed_script_arguments_are_rejected_without_changes(
 ):
     index = RedisIndex(redis_client)
     registration = await index.register(worker(unique_name), LONG_TTL)
-    await index.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:4]))])
+    await index.handle(unique_name, "a").store([StoredRun(None, tuple(CHAIN[:4]))])
     keys = index.keys(unique_name)
     bucket = keys.bucket_of_segment(CHAIN[0])
     gid = registration.gid
@@ -148,12 +150,12 @@ async def test_bad_register_arguments_get_clear_errors(redis_client, unique_name
 
 async def test_a_second_registration_supersedes_the_first_writer(redis_client, unique_name):
     first, second = RedisIndex(redis_client), RedisIndex(redis_client)
-    await first.register(worker(unique_name), LONG_TTL)
-    await second.register(worker(unique_name), LONG_TTL)
-    assert await first.heartbeat(unique_name, "a", LONG_TTL) == HeartbeatStatus.SUPERSEDED
+    old = await first.register(worker(unique_name), LONG_TTL)
+    new = await second.register(worker(unique_name), LONG_TTL)
+    assert await old.heartbeat(LONG_TTL) == HeartbeatStatus.SUPERSEDED
     with pytest.raises(StaleGenerationError):
-        await first.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:2]))])
-    await second.store(unique_name, "a", [StoredRun(None, tuple(CHAIN[:3]))])
+        await old.store([StoredRun(None, tuple(CHAIN[:2]))])
+    await new.store([StoredRun(None, tuple(CHAIN[:3]))])
     assert await first.match(unique_name, CHAIN) == {"a": 3}
 
 
@@ -163,10 +165,10 @@ async def test_gc_removes_every_entry_of_retired_generations_in_bounded_steps(re
     await index.register(worker(unique_name, "b"), LONG_TTL)
     chains = [sequence_hashes([i] * 16 + list(range(16 * 300)), 16) for i in range(20)]  # 10 pages each
     for chain in chains:
-        await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
-        await index.store(unique_name, "b", [StoredRun(None, tuple(chain[:3]))])
-    await index.clear(unique_name, "a")
-    await index.heartbeat(unique_name, "b", 0)
+        await index.handle(unique_name, "a").store([StoredRun(None, tuple(chain))])
+        await index.handle(unique_name, "b").store([StoredRun(None, tuple(chain[:3]))])
+    await index.handle(unique_name, "a").clear()
+    await index.handle(unique_name, "b").heartbeat(0)
     steps = 0
     while True:
         result = await index.gc(unique_name, budget=30, grace_ms=0)
@@ -187,16 +189,16 @@ async def test_churn_compacts_the_page_log_and_gc_still_finds_everything(redis_c
     registration = await index.register(worker(unique_name), LONG_TTL)
     chain = sequence_hashes(list(range(16 * 64)), 16)  # pages 0 and 1, two segment keys
     for _ in range(RELOG_SLACK + 20):  # evict the whole prompt and store it again, as a busy LRU cache does
-        await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
-        await index.remove(unique_name, "a", chain[32:][::-1])
-        await index.remove(unique_name, "a", chain[:32][::-1])
-    await index.store(unique_name, "a", [StoredRun(None, tuple(chain[:40]))])
+        await index.handle(unique_name, "a").store([StoredRun(None, tuple(chain))])
+        await index.handle(unique_name, "a").remove(chain[32:][::-1])
+        await index.handle(unique_name, "a").remove(chain[:32][::-1])
+    await index.handle(unique_name, "a").store([StoredRun(None, tuple(chain[:40]))])
     keys = index.keys(unique_name)
     for first in (chain[0], chain[32]):
         log_key = keys.bucket_of_segment(first).page_log(registration.gid)
         assert 1 <= await redis_client.strlen(log_key) // 32 <= 2 * 1 + RELOG_SLACK  # one page held there
     assert await index.match(unique_name, chain) == {"a": 40}
-    await index.clear(unique_name, "a")
+    await index.handle(unique_name, "a").clear()
     while (await index.gc(unique_name, budget=1000, grace_ms=0)).gids_pending:
         pass
     assert [k for k in await model_keys(redis_client, unique_name) if b":b:" in k] == []
@@ -207,8 +209,8 @@ async def test_a_models_control_keys_share_a_slot_and_each_segment_lives_in_its_
     await index.register(worker(unique_name), LONG_TTL)
     chains = [sequence_hashes([seed] * 16 + list(range(16 * 70)), 16) for seed in range(20)]  # pages 0-2
     for chain in chains:
-        await index.store(unique_name, "a", [StoredRun(None, tuple(chain))])
-    await index.clear(unique_name, "a")
+        await index.handle(unique_name, "a").store([StoredRun(None, tuple(chain))])
+    await index.handle(unique_name, "a").clear()
     keys = await model_keys(redis_client, unique_name)
     control = {k for k in keys if k.startswith(f"kvr:{{{unique_name}}}:".encode())}
     assert len(control) >= 5 and {key_slot(k) for k in control} == {key_slot(unique_name.encode())}
@@ -233,7 +235,7 @@ async def test_writes_while_redis_is_down_reach_it_through_reassert(unique_name)
         server.stop(kill=True)
         with pytest.raises(ConnectionError):
             await handle.store([StoredRun(CHAIN[3], tuple(CHAIN[4:6]))])
-        assert handle.needs_reassert() and index.needs_reassert(unique_name, "a")
+        assert handle.needs_reassert() and index.handle(unique_name, "a").needs_reassert()
         # While dirty, writes only update the mirror (no waiting on a dead server).
         await handle.remove([CHAIN[5]])
         await handle.store([StoredRun(CHAIN[4], tuple(CHAIN[5:8]))])

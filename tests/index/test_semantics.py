@@ -24,8 +24,8 @@ CHAIN = sequence_hashes(list(range(64)), 4)  # 16 blocks
 async def test_match_counts_leading_blocks_per_alive_worker(index, unique_name):
     for name in ("a", "b", "c"):
         await index.register(worker(unique_name, name), LONG_TTL)
-    await index.store(unique_name, "a", [run(CHAIN, 0, 10)])
-    await index.store(unique_name, "b", [run(CHAIN, 0, 3)])
+    await index.handle(unique_name, "a").store([run(CHAIN, 0, 10)])
+    await index.handle(unique_name, "b").store([run(CHAIN, 0, 3)])
     assert await index.match(unique_name, CHAIN) == {"a": 10, "b": 3, "c": 0}
     assert await index.match(unique_name, CHAIN[:2]) == {"a": 2, "b": 2, "c": 0}
     assert await index.match(unique_name, []) == {"a": 0, "b": 0, "c": 0}
@@ -35,26 +35,26 @@ async def test_match_counts_leading_blocks_per_alive_worker(index, unique_name):
 
 async def test_a_hole_in_the_chain_ends_the_match(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
-    result = await index.store(unique_name, "a", [run(CHAIN, 0, 4), run(CHAIN, 5, 9)])
+    result = await index.handle(unique_name, "a").store([run(CHAIN, 0, 4), run(CHAIN, 5, 9)])
     assert (result.applied, result.skipped) == (4, 4)
     assert await index.match(unique_name, CHAIN) == {"a": 4}
-    await index.store(unique_name, "a", [run(CHAIN, 4, 5)])  # the missing block arrives
+    await index.handle(unique_name, "a").store([run(CHAIN, 4, 5)])  # the missing block arrives
     assert await index.match(unique_name, CHAIN) == {"a": 9}
-    await index.remove(unique_name, "a", [CHAIN[2]])
+    await index.handle(unique_name, "a").remove([CHAIN[2]])
     assert await index.match(unique_name, CHAIN) == {"a": 2}
     assert await index.owners(unique_name, CHAIN[6], CHAIN[:7]) == {}
 
 
 async def test_duplicate_stores_are_reference_counted(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
-    await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
-    await index.store(unique_name, "a", [run(CHAIN, 3, 4)])  # vLLM's second copy of the last block
+    await index.handle(unique_name, "a").store([run(CHAIN, 0, 4)])
+    await index.handle(unique_name, "a").store([run(CHAIN, 3, 4)])  # vLLM's second copy of the last block
     assert await index.owners(unique_name, CHAIN[3], CHAIN[:4]) == {"a": 1}  # held; copies are the writer's
-    await index.remove(unique_name, "a", [CHAIN[3]])
+    await index.handle(unique_name, "a").remove([CHAIN[3]])
     assert await index.match(unique_name, CHAIN) == {"a": 4}
-    await index.remove(unique_name, "a", [CHAIN[3]])
+    await index.handle(unique_name, "a").remove([CHAIN[3]])
     assert await index.match(unique_name, CHAIN) == {"a": 3}
-    result = await index.remove(unique_name, "a", [CHAIN[3]])
+    result = await index.handle(unique_name, "a").remove([CHAIN[3]])
     assert (result.applied, result.missing) == (0, 1)
 
 
@@ -62,32 +62,32 @@ async def test_clear_and_deregister_drop_everything_at_once(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.register(worker(unique_name, "b"), LONG_TTL)
     for name in ("a", "b"):
-        await index.store(unique_name, name, [run(CHAIN, 0, 8)])
-    await index.clear(unique_name, "a")
+        await index.handle(unique_name, name).store([run(CHAIN, 0, 8)])
+    await index.handle(unique_name, "a").clear()
     assert await index.match(unique_name, CHAIN) == {"a": 0, "b": 8}
-    await index.store(unique_name, "a", [run(CHAIN, 0, 2)])
+    await index.handle(unique_name, "a").store([run(CHAIN, 0, 2)])
     assert await index.match(unique_name, CHAIN) == {"a": 2, "b": 8}
-    await index.deregister(unique_name, "b")
+    await index.handle(unique_name, "b").deregister()
     assert await index.match(unique_name, CHAIN) == {"a": 2}
     with pytest.raises(NotRegisteredError):
-        await index.store(unique_name, "b", [run(CHAIN, 0, 1)])
+        await index.handle(unique_name, "b").store([run(CHAIN, 0, 1)])
 
 
 async def test_dead_workers_never_count(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.register(worker(unique_name, "b"), LONG_TTL)
     for name in ("a", "b"):
-        await index.store(unique_name, name, [run(CHAIN, 0, 8)])
-    assert await index.heartbeat(unique_name, "b", 0) == HeartbeatStatus.OK  # deadline = now
+        await index.handle(unique_name, name).store([run(CHAIN, 0, 8)])
+    assert await index.handle(unique_name, "b").heartbeat(0) == HeartbeatStatus.OK  # deadline = now
     assert await index.match(unique_name, CHAIN) == {"a": 8}
     assert await index.owners(unique_name, CHAIN[0], CHAIN[:1]) == {"a": 1}
-    assert await index.heartbeat(unique_name, "b", LONG_TTL) == HeartbeatStatus.OK
+    assert await index.handle(unique_name, "b").heartbeat(LONG_TTL) == HeartbeatStatus.OK
     assert await index.match(unique_name, CHAIN) == {"a": 8, "b": 8}
 
 
 async def test_heartbeat_ttl_expires_in_real_time(index, unique_name):
     await index.register(worker(unique_name, "a"), 1_000)
-    await index.store(unique_name, "a", [run(CHAIN, 0, 4)])
+    await index.handle(unique_name, "a").store([run(CHAIN, 0, 4)])
     assert await index.match(unique_name, CHAIN) == {"a": 4}
 
     async def expired() -> bool:
@@ -100,21 +100,21 @@ async def test_heartbeat_ttl_expires_in_real_time(index, unique_name):
 async def test_gc_forgets_long_dead_workers(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.register(worker(unique_name, "b"), LONG_TTL)
-    await index.store(unique_name, "b", [run(CHAIN, 0, 8)])
-    await index.heartbeat(unique_name, "b", 0)
+    await index.handle(unique_name, "b").store([run(CHAIN, 0, 8)])
+    await index.handle(unique_name, "b").heartbeat(0)
     result = await index.gc(unique_name, grace_ms=0)
     assert result.workers_retired == 1
     assert [w.worker_id for w in await index.workers(unique_name)] == ["a"]
-    assert await index.heartbeat(unique_name, "b", LONG_TTL) == HeartbeatStatus.MISSING
+    assert await index.handle(unique_name, "b").heartbeat(LONG_TTL) == HeartbeatStatus.MISSING
     with pytest.raises(KVIndexError):
-        await index.store(unique_name, "b", [run(CHAIN, 0, 1)])
+        await index.handle(unique_name, "b").store([run(CHAIN, 0, 1)])
     stats = await index.stats(unique_name)
     assert (stats.workers, stats.alive_workers, stats.entries, stats.pages) == (1, 1, 0, 0)
 
 
 async def test_reregistering_starts_empty(index, unique_name):
     first = (await index.register(worker(unique_name, "a"), LONG_TTL)).registration
-    await index.store(unique_name, "a", [run(CHAIN, 0, 8)])
+    await index.handle(unique_name, "a").store([run(CHAIN, 0, 8)])
     second = (await index.register(worker(unique_name, "a"), LONG_TTL)).registration
     assert second.epoch == first.epoch + 1 and second.gid != first.gid
     assert await index.match(unique_name, CHAIN) == {"a": 0}
@@ -151,9 +151,9 @@ async def test_registering_again_closes_the_previous_handle(index, unique_name):
         await first.store([run(CHAIN, 0, 8)])
     await second.store([run(CHAIN, 0, 2)])
     assert await index.match(unique_name, CHAIN) == {"a": 2}
-    await index.store(unique_name, "a", [run(CHAIN, 2, 3)])  # the shorthand writes the current one
+    await index.handle(unique_name, "a").store([run(CHAIN, 2, 3)])  # the handle found by id is the current one
     assert await index.match(unique_name, CHAIN) == {"a": 3}
-    await index.deregister(unique_name, "a")
+    await index.handle(unique_name, "a").deregister()
     assert not second.active
 
 
@@ -173,7 +173,7 @@ async def test_one_block_size_per_model(index, unique_name):
     with pytest.raises(BlockSizeMismatchError, match="block_size 16"):
         await index.register(worker(unique_name, "b", 32), LONG_TTL)
     assert await index.block_size(unique_name) == 16
-    await index.heartbeat(unique_name, "a", 0)  # once no other worker is alive, it may change
+    await index.handle(unique_name, "a").heartbeat(0)  # once no other worker is alive, it may change
     await index.register(worker(unique_name, "b", 32), LONG_TTL)
     assert await index.block_size(unique_name) == 32
 
@@ -182,7 +182,7 @@ async def test_models_are_separate_namespaces(index, unique_name):
     other = unique_name + "-other"
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.register(worker(other, "a"), LONG_TTL)
-    await index.store(unique_name, "a", [run(CHAIN, 0, 5)])
+    await index.handle(unique_name, "a").store([run(CHAIN, 0, 5)])
     assert await index.match(other, CHAIN) == {"a": 0}
     assert {unique_name, other} <= set(await index.models())
     stats = await index.stats(unique_name)
@@ -192,21 +192,21 @@ async def test_models_are_separate_namespaces(index, unique_name):
 async def test_apply_takes_changes_in_their_order(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     # store then remove the tail in one call: gone; remove then store again: present.
-    result = await index.apply(
-        unique_name, "a", [run(CHAIN, 0, 6), RemovedBlocks((CHAIN[5], CHAIN[4])), run(CHAIN, 4, 5)]
+    result = await index.handle(unique_name, "a").apply(
+        [run(CHAIN, 0, 6), RemovedBlocks((CHAIN[5], CHAIN[4])), run(CHAIN, 4, 5)]
     )
     assert (result.applied, result.skipped, result.missing) == (9, 0, 0)
     assert await index.match(unique_name, CHAIN) == {"a": 5}
-    result = await index.apply(unique_name, "a", [RemovedBlocks((CHAIN[9],)), RemovedBlocks((CHAIN[2],))])
+    result = await index.handle(unique_name, "a").apply([RemovedBlocks((CHAIN[9],)), RemovedBlocks((CHAIN[2],))])
     assert (result.applied, result.missing) == (1, 1)
     assert await index.match(unique_name, CHAIN) == {"a": 2}
-    await index.apply(unique_name, "a", [run(CHAIN, 2, 3)])
+    await index.handle(unique_name, "a").apply([run(CHAIN, 2, 3)])
     assert await index.match(unique_name, CHAIN) == {"a": 5}
 
 
 async def test_apply_counts_copies_like_store_and_remove(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
-    await index.apply(unique_name, "a", [run(CHAIN, 0, 3), run(CHAIN, 2, 3), RemovedBlocks((CHAIN[2],))])
+    await index.handle(unique_name, "a").apply([run(CHAIN, 0, 3), run(CHAIN, 2, 3), RemovedBlocks((CHAIN[2],))])
     assert await index.match(unique_name, CHAIN) == {"a": 3}
     assert await index.owners(unique_name, CHAIN[2], CHAIN[:3]) == {"a": 1}
 
@@ -214,15 +214,15 @@ async def test_apply_counts_copies_like_store_and_remove(index, unique_name):
 async def test_reported_load_is_shown_with_the_worker(index, unique_name):
     await index.register(worker(unique_name, "a"), LONG_TTL)
     await index.register(worker(unique_name, "b"), LONG_TTL)
-    status = await index.report_load(unique_name, "a", WorkerLoad(running=3, waiting=1, kv_usage=0.25))
+    status = await index.handle(unique_name, "a").report_load(WorkerLoad(running=3, waiting=1, kv_usage=0.25))
     assert status == HeartbeatStatus.OK
     records = {r.worker_id: r for r in await index.workers(unique_name)}
     assert records["a"].load == WorkerLoad(3, 1, 0.25)
     assert records["a"].load_age_ms is not None and 0 <= records["a"].load_age_ms < 5_000
     assert records["b"].load is None and records["b"].load_age_ms is None
-    await index.deregister(unique_name, "b")
+    await index.handle(unique_name, "b").deregister()
     with pytest.raises(NotRegisteredError):
-        await index.report_load(unique_name, "b", WorkerLoad(0, 0, 0.0))
+        await index.handle(unique_name, "b").report_load(WorkerLoad(0, 0, 0.0))
 
 
 @pytest.mark.parametrize("ttl", [float("inf"), float("nan"), -1, 1.5, 86_400_001])
@@ -230,6 +230,6 @@ async def test_a_heartbeat_ttl_that_is_not_a_sane_integer_is_refused(index, uniq
     """Lua's tonumber reads 'inf' and 'nan': an infinite TTL kept a dead worker alive forever."""
     await index.register(WorkerInfo("w", unique_name, "http://127.0.0.1:9", 4), ttl_ms=LONG_TTL)
     with pytest.raises(KVIndexError, match="ttl_ms must be an integer from 0 to 86400000"):
-        await index.heartbeat(unique_name, "w", ttl)  # type: ignore[arg-type]
+        await index.handle(unique_name, "w").heartbeat(ttl)  # type: ignore[arg-type]
     with pytest.raises(KVIndexError, match="ttl_ms must be an integer"):
         await index.register(WorkerInfo("w2", unique_name, "http://127.0.0.1:9", 4), ttl_ms=ttl)  # type: ignore[arg-type]

@@ -30,8 +30,8 @@ async def _run(steps: list[tuple]) -> None:
         _, events, *_ = decode_payload(encode_payload(engine_step(engine, steps[step])))
         batch = translator.translate(events)
         if batch.clear:
-            await index.clear(MODEL, "w")
-        await index.apply(MODEL, "w", batch.changes)
+            await index.handle(MODEL, "w").clear()
+        await index.handle(MODEL, "w").apply(batch.changes)
         for d in range(len(DOCS)):
             for s in SALTS:
                 ours = sequence_hashes(DOCS[d], BS, cache_salt=s)

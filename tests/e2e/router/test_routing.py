@@ -170,8 +170,8 @@ async def test_no_alive_worker_is_503_and_dead_upstreams_502(redis_server):
         await index.register(WorkerInfo("gone", "ghost", f"http://127.0.0.1:{free_port()}", 16), ttl_ms=60_000)
         await index.register(WorkerInfo("down", "dead", f"http://127.0.0.1:{free_port()}", 16), ttl_ms=60_000)
         await index.register(WorkerInfo("x", "ghost", "http://127.0.0.1:1", 16), ttl_ms=60_000)
-        await index.heartbeat("ghost", "gone", ttl_ms=0)
-        await index.heartbeat("ghost", "x", ttl_ms=0)
+        await index.handle("ghost", "gone").heartbeat(ttl_ms=0)
+        await index.handle("ghost", "x").heartbeat(ttl_ms=0)
         context, router = await start_router(redis_server.url)
         try:
             status, _, body = await complete(router.url, [1, 2, 3], model="ghost")
