@@ -3,9 +3,9 @@
 Writers (worker agents) register a worker and get its :class:`~kvindex.redis_worker.RedisWorker`
 handle, which keeps the worker's :class:`~kvindex.mirror.BlockMirror`, gid and op ids and sends
 only the resulting index operations (``handle(model, worker_id)`` finds it again; the index
-itself has no write methods: one owner of a worker's writes). Readers (routers) are stateless apart from a cache of gid -> worker id
-names, which never change: gids are random and never handed out again, even after Redis lost
-its data (see kvindex.generations).
+itself has no write methods: one owner of a worker's writes). Readers (routers) are stateless
+apart from a cache of gid -> worker id names, which never change: gids are random and never
+handed out again, even after Redis lost its data (see kvindex.generations).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
-from tests.cluster_fixtures import redis_cluster  # noqa: F401 (a fixture: a private Redis Cluster)
+from tests.support.cluster_fixtures import redis_cluster  # noqa: F401 (a fixture: a private Redis Cluster)
 
 # Real-vLLM captures and the tiny model's weights, copied into the repository (tests/fixtures/README.md).
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"

@@ -20,7 +20,8 @@ from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
-from tests.e2e.cluster_support import (
+from tests.support import SimFleet, wait_until
+from tests.support.cluster import (
     PROMPT_BLOCKS,
     index_credits,
     make_acl_user,
@@ -29,7 +30,6 @@ from tests.e2e.cluster_support import (
     start_router_process,
     wait_held,
 )
-from tests.support import SimFleet, wait_until
 
 ROLES = ("agent", "router")
 

@@ -2,7 +2,7 @@
 
 Real Redis, the real replay socket (sim_engine's publisher, vLLM's wire), the real translator
 and sequencer; only the SUB socket is left out: the test hands the pipeline each delivered
-message, and simply withholds the lost ones. The engine is the toy engine of tests/toy_engine.py.
+message, and simply withholds the lost ones. The engine is the toy engine of tests/support/toy_engine.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from sim_engine.kv_events import KVEventPublisher
 from tests.conftest import server_kinds
-from tests.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
+from tests.support.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
 from worker_agent.metrics import AgentCounters, new_registry
 from worker_agent.pipeline import EventPipeline, Received
 from worker_agent.replay import ReplayClient

@@ -44,7 +44,7 @@ from sim_engine.kv_events import END_SEQ
 from sim_engine.server import running_engine
 from sim_engine.settings import SimEngineSettings
 from tests.support import wait_until
-from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
+from tests.support.vllm import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -67,7 +67,7 @@ QUEUED = ["long", "s1", "s2", "s3"]
 
 
 def chunked_vllm_server() -> AbstractContextManager[VllmServer]:
-    """tests.vllm_support's server with this scenario's scheduler limits and model length."""
+    """tests.support.vllm's server with this scenario's scheduler limits and model length."""
     limits = ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS)]
     return vllm_server(NUM_BLOCKS, MAX_MODEL_LEN, limits)
 

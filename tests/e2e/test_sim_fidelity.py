@@ -27,7 +27,7 @@ from sim_engine.kv_events import END_SEQ
 from sim_engine.server import running_engine
 from sim_engine.settings import SimEngineSettings
 from tests.support import wait_until
-from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
+from tests.support.vllm import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 

@@ -27,7 +27,7 @@ from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_redis import RedisServer
 from tests.conftest import server_kinds
 from tests.support import ROOT, AgentProcess, wait_until
-from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
+from tests.support.vllm import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 

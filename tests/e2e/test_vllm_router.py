@@ -21,7 +21,7 @@ from router.settings import RouterSettings
 from sim_engine.settings import TINY_MODEL_DIR
 from tests.conftest import server_kinds
 from tests.support import AgentProcess, wait_until
-from tests.vllm_support import BS, MODEL, VllmServer, vllm_server
+from tests.support.vllm import BS, MODEL, VllmServer, vllm_server
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """Translation of engine events into index changes, checked against a model of the engine's cache.
 
-A toy engine (tests/toy_engine.py) keeps its own cache and emits vLLM-shaped events; they are
+A toy engine (tests/support/toy_engine.py) keeps its own cache and emits vLLM-shaped events; they are
 decoded and translated, and the translator's output goes into the reference index. After every
 step, for every prompt, the index must match exactly the number of leading blocks the engine
 holds (the engine can serve a prefix only while every block of it is cached).
@@ -16,7 +16,7 @@ from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, decode_pa
 from kvindex.hashing import sequence_hashes
 from kvindex.reference import ReferenceIndex
 from kvindex.types import RemovedBlocks, StoredRun, WorkerInfo
-from tests.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
+from tests.support.toy_engine import BS, DOCS, SALTS, STEPS, ToyEngine, engine_step
 from worker_agent.translate import Translator
 
 MODEL = "m"

@@ -18,9 +18,9 @@ from redis.asyncio import Redis
 
 from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_redis import RedisServer
-from tests.agent_support import BS, agent_args
 from tests.conftest import server_kinds
 from tests.support import AgentProcess, EngineStandIn
+from tests.support.agent import BS, agent_args
 
 
 @dataclass

@@ -14,9 +14,9 @@ from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
 from sim_engine.kv_events import cleared_event, stored_event
-from tests.agent_support import BS, CHAIN, agent_args, registered, removed, stored, wait_for_match
 from tests.conftest import server_kinds
 from tests.support import AgentProcess, EngineStandIn, wait_until
+from tests.support.agent import BS, CHAIN, agent_args, registered, removed, stored, wait_for_match
 
 
 @pytest.fixture

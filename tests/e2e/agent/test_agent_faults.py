@@ -12,10 +12,10 @@ from kvindex.settings import RedisSettings
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from sim_engine.kv_events import removed_event
-from tests.agent_support import BS, CHAIN, registered, removed, stored, wait_for_match
 from tests.conftest import server_kinds
 from tests.e2e.agent.conftest import FaultyEngine, RedisProxy, gated_agent, start_agent, stop_agent
 from tests.support import wait_until
+from tests.support.agent import BS, CHAIN, registered, removed, stored, wait_for_match
 
 LOAD_LINES = (
     'vllm:num_requests_running{{engine="0"}} {}\nvllm:num_requests_waiting{{engine="0"}} {}\n'

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from kvroute.devstack.embedded_redis import free_port
-from tests.agent_support import BS, TOKENS, agent_args, registered, stored, wait_for_match
 from tests.support import ROOT, AgentProcess, wait_until
+from tests.support.agent import BS, TOKENS, agent_args, registered, stored, wait_for_match
 
 
 @pytest.mark.parametrize("entry", [["-m", "kvroute", "agent"], ["-m", "worker_agent"]])

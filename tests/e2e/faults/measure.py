@@ -1,7 +1,7 @@
 """The fault suite's scene and its measurements.
 
 A :class:`Scene` is a private Redis, simulated engines with agent processes, router replicas and
-shared-prefix :class:`~tests.traffic.Traffic`; each engine is also primed with probe
+shared-prefix :class:`~tests.support.traffic.Traffic`; each engine is also primed with probe
 prefixes of its own (never sent as traffic), so that crediting one worker with another's blocks
 shows. A scenario breaks something, then
 :meth:`Scene.recover` measures, against each engine's own view of its cache:
@@ -39,9 +39,9 @@ from kvindex.hashing import sequence_hashes
 from kvroute.devstack.embedded_redis import RedisServer
 from router.main import RunningRouter
 from tests.e2e.faults.views import engine_block_parents, index_blocks, leading_run, route_view
-from tests.e2e.router.support import start_router
 from tests.support import SimFleet, wait_for_workers
-from tests.traffic import BLOCK, Traffic, make_prefixes
+from tests.support.router import start_router
+from tests.support.traffic import BLOCK, Traffic, make_prefixes
 
 MODEL = "tiny"
 POLL_S = 0.1

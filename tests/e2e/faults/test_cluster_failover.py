@@ -23,7 +23,9 @@ from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
 from router.main import RunningRouter
-from tests.e2e.cluster_support import (
+from tests.e2e.faults.views import engine_block_parents, index_blocks, leading_run
+from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.cluster import (
     BLOCK,
     bounded,
     chain_of,
@@ -36,10 +38,8 @@ from tests.e2e.cluster_support import (
     start_router_process,
     wait_held,
 )
-from tests.e2e.faults.views import engine_block_parents, index_blocks, leading_run
-from tests.e2e.router.support import start_router
-from tests.support import SimFleet, wait_for_workers, wait_until
-from tests.traffic import Traffic, make_prefixes
+from tests.support.router import start_router
+from tests.support.traffic import Traffic, make_prefixes
 
 pytestmark = pytest.mark.faults
 

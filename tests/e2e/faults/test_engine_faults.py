@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.faults.measure import MODEL, Scene, open_scene
 from tests.support import ROOT, wait_until
-from tests.traffic import BLOCK
+from tests.support.traffic import BLOCK
 
 pytestmark = pytest.mark.faults
 

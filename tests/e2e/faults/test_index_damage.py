@@ -16,7 +16,7 @@ from kvindex.keys import KeySchema
 from tests.e2e.faults.measure import MODEL, Scene, open_scene
 from tests.e2e.faults.views import engine_blocks, leading_run, route_view
 from tests.support import wait_until
-from tests.traffic import BLOCK
+from tests.support.traffic import BLOCK
 
 pytestmark = pytest.mark.faults
 

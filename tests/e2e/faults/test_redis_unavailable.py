@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.e2e.faults.measure import open_scene
-from tests.support_proxy import LatencyProxy
+from tests.support.proxy import LatencyProxy
 
 pytestmark = pytest.mark.faults
 

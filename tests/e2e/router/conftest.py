@@ -11,8 +11,8 @@ from redis.asyncio import Redis
 from kvindex.redis_index import RedisIndex
 from kvroute.devstack.embedded_redis import RedisServer, available_servers
 from router.main import RunningRouter
-from tests.e2e.router.support import start_router
 from tests.support import SimFleet, wait_for_workers
+from tests.support.router import start_router
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
 from router.main import RunningRouter
-from tests.e2e.router.support import start_router
+from tests.support.router import start_router
 
 MODEL = "fake"
 BODY = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}  # a completion request

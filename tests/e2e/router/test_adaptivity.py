@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from router.routing.ttft import HALF_LIFE
-from tests.e2e.router.support import start_router, wait_indexed
 from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.router import start_router, wait_indexed
 
 
 async def _explain(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> str:

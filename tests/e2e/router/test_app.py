@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.router.support import complete
+from tests.support.router import complete
 
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/debug/route", "/v1/models", "/health", "/ready", "/metrics"}
 

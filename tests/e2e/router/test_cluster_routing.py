@@ -18,7 +18,8 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
 from router.main import RunningRouter
-from tests.e2e.cluster_support import (
+from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
+from tests.support.cluster import (
     BLOCK,
     PROMPT_BLOCKS,
     bucket_slot,
@@ -31,8 +32,7 @@ from tests.e2e.cluster_support import (
     start_router_process,
     wait_held,
 )
-from tests.e2e.router.support import start_router
-from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
+from tests.support.router import start_router
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvservice.logs import FIELDS
 from router.main import RunningRouter
 from router.routing.scoring import Policy
-from tests.e2e.router.support import PREFIX, complete, start_router, wait_indexed
 from tests.support import wait_for_workers, wait_until
+from tests.support.router import PREFIX, complete, start_router, wait_indexed
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"

@@ -13,12 +13,12 @@ from redis.asyncio import Redis
 from kvindex.keys import KeySchema
 from kvroute.devstack.embedded_redis import free_port
 from router.shared.shared_load import SharedLoad
-from tests.e2e.router.support import (
+from tests.support import ROOT, wait_for_workers, wait_until
+from tests.support.router import (
     PREFIX,
     complete,
     start_router,
 )
-from tests.support import ROOT, wait_for_workers, wait_until
 
 
 @pytest.mark.faults

@@ -9,9 +9,9 @@ import pytest
 from redis.asyncio import Redis
 
 from router.main import RunningRouter
-from tests.e2e.router.support import PREFIX, start_router
 from tests.support import wait_for_workers, wait_until
-from tests.traffic import Traffic
+from tests.support.router import PREFIX, start_router
+from tests.support.traffic import Traffic
 
 # shared prefixes of 1 to 5 blocks, as the router suite's prompts are
 PROMPTS = [PREFIX[: 16 * blocks] for blocks in range(1, 6)]

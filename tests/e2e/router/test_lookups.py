@@ -16,9 +16,9 @@ from redis.asyncio import Redis
 from kvindex.scripts import Scripts
 from kvindex.settings import RedisSettings
 from router.routing.lookups import Lookups, _StallGuard
-from tests.e2e.router.support import PREFIX, complete, start_router
 from tests.support import raw_call, wait_for_workers, wait_until
-from tests.support_proxy import LatencyProxy
+from tests.support.proxy import LatencyProxy
+from tests.support.router import PREFIX, complete, start_router
 
 POOL = 8
 

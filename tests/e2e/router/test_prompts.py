@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.devstack.embedded_redis import free_port
-from tests.e2e.router.support import complete, start_router
 from tests.support import ROOT, wait_for_workers, wait_until
+from tests.support.router import complete, start_router
 
 
 async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:

@@ -16,13 +16,13 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
 from router.shared.shared_load import SharedLoad
-from tests.e2e.router.support import (
+from tests.support import ROOT, wait_for_workers, wait_until
+from tests.support.router import (
     PREFIX,
     complete,
     start_router,
     wait_indexed,
 )
-from tests.support import ROOT, wait_for_workers, wait_until
 
 
 async def test_shared_prefixes_land_on_the_worker_that_holds_them(router, fleet):

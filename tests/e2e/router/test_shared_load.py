@@ -16,8 +16,8 @@ from kvroute.devstack.embedded_cluster import LocalCluster
 from router.main import RunningRouter
 from router.shared.load import FLUSH_WINDOW_S
 from router.shared.shared_load import InflightLoad, SharedLoad
-from tests.e2e.router.support import PREFIX, start_router
 from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.router import PREFIX, start_router
 
 BOOKED = InflightLoad(1, 160, 160)
 

@@ -12,8 +12,8 @@ import pytest
 
 from router.main import RunningRouter
 from router.routing.ttft import PRIOR_UTILIZATION
-from tests.e2e.router.support import start_router
 from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.router import start_router
 
 StartReplica = Callable[[int], Awaitable[RunningRouter]]
 

@@ -14,8 +14,8 @@ from redis.asyncio import Redis
 
 from kvindex.keys import KeySchema
 from kvroute.devstack.embedded_redis import free_port
-from tests.e2e.router.support import PREFIX
 from tests.support import ROOT, wait_until
+from tests.support.router import PREFIX
 
 REPLICAS = ("multi-w0", "multi-w1")
 

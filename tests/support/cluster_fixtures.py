@@ -1,6 +1,6 @@
 """Cluster fixtures: a private Redis (or Valkey) Cluster on free ports, started by the tests.
 
-Register in tests/conftest.py with ``from tests.cluster_fixtures import redis_cluster  # noqa: F401``
+Register in tests/conftest.py with ``from tests.support.cluster_fixtures import redis_cluster  # noqa: F401``
 (or list this module in ``pytest_plugins`` there).
 """
 

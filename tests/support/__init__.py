@@ -1,4 +1,9 @@
-"""Helpers for the end-to-end tests: real processes, real sockets, real HTTP.
+"""The tests' helpers, written once, in this one package: waiting on state (``wait_until``,
+``wait_for_workers``), engines and agents as real processes, sockets and HTTP. Beside this module:
+``router`` (a router in-process, its requests), ``cluster`` and ``cluster_fixtures`` (Redis
+Cluster), ``agent`` (the agent's engine stand-in events), ``proxy`` (a TCP proxy that slows or
+cuts a link), ``traffic`` (load through routers while things break), ``toy_engine`` (a pure
+engine for the translator's tests) and ``vllm`` (a real vLLM on the CPU).
 
 ``EngineStandIn`` is the part of an engine the agent talks to (the KV-event publisher from
 ``sim_engine`` plus /health, /metrics and /v1/models over real HTTP), with knobs to make it
@@ -30,7 +35,7 @@ from sim_engine.kv_events import KVEventPublisher
 if TYPE_CHECKING:
     from router.main import RunningRouter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.05) -> float:
