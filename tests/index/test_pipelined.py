@@ -23,8 +23,8 @@ from kvindex.scripts import SCRIPT_NAMES, Scripts, load_scripts
 from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo
 from kvroute.devstack.embedded_redis import RedisServer
-from tests.index.tls_support import Certificates, TlsRedis, make_certificates
 from tests.support import raw_call, wait_until
+from tests.support.tls import Certificates, TlsRedis, make_certificates
 
 
 def pipelined_for(client: Redis) -> PipelinedConnection:

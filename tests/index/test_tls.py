@@ -14,7 +14,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
 from kvindex.types import StoredRun, WorkerInfo
 from kvroute.cli import main as kvroute_main
-from tests.index.tls_support import Certificates, TlsRedis, make_certificates
+from tests.support.tls import Certificates, TlsRedis, make_certificates
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 ``router`` (a router in-process, its requests), ``cluster`` and ``cluster_fixtures`` (Redis
 Cluster), ``agent`` (the agent's engine stand-in events), ``proxy`` (a TCP proxy that slows or
 cuts a link), ``traffic`` (load through routers while things break), ``toy_engine`` (a pure
-engine for the translator's tests) and ``vllm`` (a real vLLM on the CPU).
+engine for the translator's tests), ``fake_worker`` (scripted workers behind a router), ``tls``
+(certificates and a TLS Redis) and ``vllm`` (a real vLLM on the CPU).
 
 ``EngineStandIn`` is the part of an engine the agent talks to (the KV-event publisher from
 ``sim_engine`` plus /health, /metrics and /v1/models over real HTTP), with knobs to make it

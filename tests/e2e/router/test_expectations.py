@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.e2e.router.fake_worker import MODEL, FakeWorker, post, workers_and_router
 from tests.support import wait_until
+from tests.support.fake_worker import MODEL, FakeWorker, post, workers_and_router
 from tests.support.router import start_router
 
 PROMPT = {"model": MODEL, "prompt": list(range(1, 65)), "max_tokens": 1}  # 4 full blocks of 16

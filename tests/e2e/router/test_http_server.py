@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from router.main import RunningRouter
-from tests.e2e.router.fake_worker import MODEL, REPLY, FakeWorker, metric, post, workers_and_router
+from tests.support.fake_worker import MODEL, REPLY, FakeWorker, metric, post, workers_and_router
 
 BODY = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
 

@@ -14,7 +14,8 @@ from multidict import CIMultiDict
 
 from router.main import RunningRouter
 from router.routing.scoring import Policy
-from tests.e2e.router.fake_worker import (
+from tests.support import wait_until
+from tests.support.fake_worker import (
     BODY,
     MODEL,
     REPLY,
@@ -25,7 +26,6 @@ from tests.e2e.router.fake_worker import (
     reply_headers,
     workers_and_router,
 )
-from tests.support import wait_until
 
 # A request's head announcing a 100-byte body (the tests send less).
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"

@@ -13,7 +13,8 @@ import aiohttp
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
 from router.routing.scoring import Policy
-from tests.e2e.router.fake_worker import (
+from tests.support import wait_until
+from tests.support.fake_worker import (
     BODY,
     MODEL,
     REPLY,
@@ -24,7 +25,6 @@ from tests.e2e.router.fake_worker import (
     reply_headers,
     workers_and_router,
 )
-from tests.support import wait_until
 
 
 def _raw_completion(headers: str) -> bytes:

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
+from kvservice.metrics_page import read_metrics
 from router.main import RunningRouter
 from tests.support.router import start_router
 
@@ -129,7 +129,5 @@ async def post(url: str, body: dict, headers: dict[str, str] | None = None) -> t
 
 
 async def metric(url: str, name: str) -> float | None:
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-        text = await response.text()
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
-    return samples[0].value if samples else None
+    async with aiohttp.ClientSession() as session:
+        return (await read_metrics(session, url + "/metrics")).value(name)
