@@ -34,12 +34,12 @@ import aiohttp
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import cached_tokens, hit_rate, percentile, text_table, write_json
+from kvroute.bench.lost_split import lost_shares, shares_text
 from kvroute.bench.replay import router_lost_tokens
 from kvroute.devstack.embedded_redis import redis_url_or_private
 from kvroute.devstack.processes import ProcessFailed
 from kvroute.devstack.stack import MODEL, CacheCensus, Stack, stream_completion
 from kvtokens.tokenizer import ModelPrompts
-from router.routing.accounting import lost_shares, shares_text
 from router.routing.scoring import Policy
 from sim_engine.settings import TINY_MODEL_DIR
 

@@ -7,8 +7,8 @@ import math
 from typing import Any
 
 from kvroute.bench.common import text_table
+from kvroute.bench.lost_split import shares_text
 from kvroute.bench.probe import split_text
-from router.routing.accounting import shares_text
 
 WITHIN_MEAN, WITHIN_P90 = 1.10, 1.2
 PROBE_COLUMN = "at send: best - choice - schedule"  # --probe (kvroute.bench.probe)

@@ -32,6 +32,7 @@ import aiohttp
 
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import cached_tokens, percentile, write_json
+from kvroute.bench.lost_split import degraded_share, lost_during, lost_from_exposition, lost_shares
 from kvroute.bench.probe import Prober, probe_split
 from kvroute.bench.replay_chart import chart
 from kvroute.bench.replay_report import averages, render
@@ -49,7 +50,6 @@ from kvroute.devstack.peers import GreedyOracle, SglangRouters
 from kvroute.devstack.stack import MODEL, Stack, stream_completion, whole_completion
 from kvservice.lifecycle import StartupError
 from kvtokens.tokenizer import ModelPrompts
-from router.routing.accounting import degraded_share, lost_during, lost_from_exposition, lost_shares
 from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
 from sim_engine.settings import TINY_MODEL_DIR
@@ -87,7 +87,7 @@ class RunResult:
 
 async def router_lost_tokens(urls: list[str]) -> dict[str, float] | None:
     """The lost prefix tokens and cacheable tokens the routers at ``urls`` counted so far, summed
-    (:func:`router.routing.accounting.lost_from_exposition`); None when they export no accounting."""
+    (:func:`kvroute.bench.lost_split.lost_from_exposition`); None when they export no accounting."""
     totals: dict[str, float] | None = None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for url in urls:

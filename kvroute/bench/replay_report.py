@@ -6,8 +6,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from kvroute.bench.lost_split import shares_text
 from kvroute.bench.probe import split_text
-from router.routing.accounting import REASONS, shares_text
+from router.routing.accounting import REASONS
 
 
 def render(results: dict[str, Any]) -> str:

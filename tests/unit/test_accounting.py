@@ -6,17 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.routing.accounting import (
-    Bucket,
-    RollingWindow,
-    SharedPrefixes,
-    degraded_share,
-    lost_from_exposition,
-    lost_shares,
-    shares_text,
-    split,
-    summary,
-)
+from kvroute.bench.lost_split import degraded_share, lost_from_exposition, lost_shares, shares_text
+from router.routing.accounting import Bucket, RollingWindow, SharedPrefixes, split, summary
 
 BS = 16
 
