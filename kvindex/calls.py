@@ -107,9 +107,10 @@ def _spec(name: str, keys: str, args: str, parse: Callable[[Any], R], read_only:
 REGISTER = _spec(
     "register",
     "meta workers gids alive retired record alive_version",
-    "worker_id url model block_size dp_rank ttl_ms gid",
+    "worker_id url model block_size dp_rank ttl_ms gid adapters?",
     _status_and_ints,
 )
+ADAPTERS = _spec("adapters", "record", "gid adapters", _status)
 HEARTBEAT = _spec("heartbeat", "record alive alive_version", "gid ttl_ms", _status)
 LOAD = _spec("load", "record", "gid running waiting kv_usage capacity_blocks?", _status)
 CLEAR = _spec(
@@ -147,7 +148,7 @@ LEARN = _spec("learn", "learned learned_at", "replica_id batch_id forget_after_m
 SPECS: dict[str, ScriptSpec[Any]] = {
     s.name: s
     for s in (
-        REGISTER, HEARTBEAT, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
+        REGISTER, ADAPTERS, HEARTBEAT, CLAIM, TALLY, LOAD, CLEAR, RELOG, STAGE, SWAP, GC_RETIRE,
         GC_BUCKET, GC_PAGES, GC_FINISH, PAGE_APPLY, PAGE_MATCH, ALIVE, ALIVE_SINCE, LEASE, INFLIGHT_ADD,
         INFLIGHT, EXPECT, SETTLE, EXPECTED, LEARN,
     )
@@ -158,13 +159,32 @@ SPECS: dict[str, ScriptSpec[Any]] = {
 
 
 def register(
-    keys: ModelKeys, worker_id: str, url: str, block_size: int, dp_rank: int, ttl_ms: int, gid: int
+    keys: ModelKeys,
+    worker_id: str,
+    url: str,
+    block_size: int,
+    dp_rank: int,
+    ttl_ms: int,
+    gid: int,
+    adapters: Sequence[str] = (),
 ) -> ScriptCall[tuple[str, ...]]:
     record = keys.worker(worker_id)
     return REGISTER.call(
         [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record, keys.alive_version],
-        [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid],
+        [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid, adapter_lines(adapters)],
     )
+
+
+def adapters(keys: ModelKeys, worker_id: str, gid: int, names: Sequence[str]) -> ScriptCall[str]:
+    return ADAPTERS.call([keys.worker(worker_id)], [gid, adapter_lines(names)])
+
+
+def adapter_lines(names: Sequence[str]) -> str:
+    """The adapters' names as a record keeps them: one per line, sorted, each once."""
+    for name in names:
+        if not name or "\n" in name:
+            raise ValueError(f"an adapter name must be non-empty and on one line, got {name!r}")
+    return "\n".join(sorted(set(names)))
 
 
 def heartbeat(keys: ModelKeys, worker_id: str, gid: int, ttl_ms: int) -> ScriptCall[str]:

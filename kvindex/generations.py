@@ -41,7 +41,16 @@ async def register_worker(
     keys = schema.for_model(worker.model)
     for _ in range(MAX_GID_DRAWS):
         status, gid, epoch = await scripts.run(
-            lua.register(keys, worker.worker_id, worker.url, worker.block_size, worker.dp_rank, ttl_ms, new_gid())
+            lua.register(
+                keys,
+                worker.worker_id,
+                worker.url,
+                worker.block_size,
+                worker.dp_rank,
+                ttl_ms,
+                new_gid(),
+                worker.adapters,
+            )
         )
         if status == "ok":
             await client.sadd(schema.models, worker.model)

@@ -70,6 +70,10 @@ class WorkerHandle(Protocol):
 
     async def report_load(self, load: WorkerLoad) -> HeartbeatStatus: ...
 
+    async def set_adapters(self, adapters: Sequence[str]) -> HeartbeatStatus:
+        """The LoRA adapters the worker's engine serves now (they load and unload at run time)."""
+        ...
+
     async def deregister(self) -> None: ...
 
 

@@ -15,6 +15,7 @@ registered again through the same index (the new registration has its own handle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError, ResponseError
@@ -290,6 +291,12 @@ class RedisWorker:
         capacity = load.capacity_blocks or self.mirror.inferred_capacity()
         call = lua.load(self.keys, self.worker_id, self.gid, load.running, load.waiting, load.kv_usage, capacity)
         return HeartbeatStatus(await self._scripts.run(call))
+
+    async def set_adapters(self, adapters: Sequence[str]) -> HeartbeatStatus:
+        """The LoRA adapters the engine serves now (also what a re-registration announces)."""
+        self._check_open()
+        self.info = dataclasses.replace(self.info, adapters=tuple(sorted(set(adapters))))
+        return HeartbeatStatus(await self._scripts.run(lua.adapters(self.keys, self.worker_id, self.gid, adapters)))
 
     async def deregister(self) -> None:
         """Leave the index (the worker's entries stop counting at once); closes the handle."""

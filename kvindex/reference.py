@@ -41,6 +41,7 @@ class _Worker:
     load: WorkerLoad | None = None
     load_ms: int = 0
     closed: bool = False  # deregistered, or registered again: its handle no longer writes
+    adapters: tuple[str, ...] = ()
 
     def deadline_ms(self) -> int:
         return self.heartbeat_ms + self.ttl_ms
@@ -110,6 +111,7 @@ class ReferenceIndex:
         if replaced is not None:
             replaced.closed = True  # even when gc forgot it: as the Redis client forgets only its handle
         registered = _Worker(worker, state.gid_seq, epoch, ttl_ms, self._clock_ms())
+        registered.adapters = tuple(sorted(set(worker.adapters)))
         state.workers[worker.worker_id] = self._latest[(worker.model, worker.worker_id)] = registered
         return ReferenceWorker(self, registered)
 
@@ -233,6 +235,7 @@ class ReferenceIndex:
                 ttl_ms=w.ttl_ms,
                 load=w.load,
                 load_age_ms=now - w.load_ms if w.load else None,
+                adapters=w.adapters,
             )
             for w in sorted(self._models.get(model, _Model()).workers.values(), key=lambda w: w.info.worker_id)
         ]
@@ -326,6 +329,13 @@ class ReferenceWorker:
 
     async def report_load(self, load: WorkerLoad) -> HeartbeatStatus:
         return await self._index._report_load(*self._ids(), load)
+
+    async def set_adapters(self, adapters: Sequence[str]) -> HeartbeatStatus:
+        if not self._worker.closed and not self._index.holds(self._worker):
+            return HeartbeatStatus.MISSING
+        self._ids()
+        self._worker.adapters = tuple(sorted(set(adapters)))
+        return HeartbeatStatus.OK
 
     async def deregister(self) -> None:
         if not self._worker.closed and not self._index.holds(self._worker):

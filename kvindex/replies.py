@@ -63,4 +63,5 @@ def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: i
         ttl_ms=int(record["ttl_ms"]),
         load=load_of(record),
         load_age_ms=now_ms - int(record["load_ms"]) if "load_ms" in record else None,
+        adapters=tuple(name for name in record.get("adapters", "").split("\n") if name),
     )

@@ -15,6 +15,7 @@ class WorkerInfo:
     url: str
     block_size: int
     dp_rank: int = 0
+    adapters: tuple[str, ...] = ()  # the LoRA adapters its engine serves (requests name them as the model)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class WorkerRecord:
     ttl_ms: int
     load: WorkerLoad | None = None
     load_age_ms: int | None = None
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
