@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 from kvindex.keys import BucketKeys, ModelKeys
 from kvindex.pages import Page, PageChange, match_args, page_change_args, segments
 from kvindex.replies import decode
+from kvindex.types import adapter_names
 
 R = TypeVar("R")
 KeyOrArg = str | bytes | int
@@ -181,10 +182,7 @@ def adapters(keys: ModelKeys, worker_id: str, gid: int, names: Sequence[str]) ->
 
 def adapter_lines(names: Sequence[str]) -> str:
     """The adapters' names as a record keeps them: one per line, sorted, each once."""
-    for name in names:
-        if not name or "\n" in name:
-            raise ValueError(f"an adapter name must be non-empty and on one line, got {name!r}")
-    return "\n".join(sorted(set(names)))
+    return "\n".join(adapter_names(names))
 
 
 def heartbeat(keys: ModelKeys, worker_id: str, gid: int, ttl_ms: int) -> ScriptCall[str]:

@@ -41,6 +41,7 @@ from kvindex.types import (
     WorkerInfo,
     WorkerLoad,
     WriteResult,
+    adapter_names,
 )
 
 # Page changes per page_apply.lua call. On a single Redis a write's pages in every bucket go in
@@ -295,8 +296,10 @@ class RedisWorker:
     async def set_adapters(self, adapters: Sequence[str]) -> HeartbeatStatus:
         """The LoRA adapters the engine serves now (also what a re-registration announces)."""
         self._check_open()
-        self.info = dataclasses.replace(self.info, adapters=tuple(sorted(set(adapters))))
-        return HeartbeatStatus(await self._scripts.run(lua.adapters(self.keys, self.worker_id, self.gid, adapters)))
+        names = adapter_names(adapters)
+        status = HeartbeatStatus(await self._scripts.run(lua.adapters(self.keys, self.worker_id, self.gid, names)))
+        self.info = dataclasses.replace(self.info, adapters=names)
+        return status
 
     async def deregister(self) -> None:
         """Leave the index (the worker's entries stop counting at once); closes the handle."""

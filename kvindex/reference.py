@@ -26,6 +26,7 @@ from kvindex.types import (
     WorkerLoad,
     WorkerRecord,
     WriteResult,
+    adapter_names,
 )
 
 
@@ -111,7 +112,7 @@ class ReferenceIndex:
         if replaced is not None:
             replaced.closed = True  # even when gc forgot it: as the Redis client forgets only its handle
         registered = _Worker(worker, state.gid_seq, epoch, ttl_ms, self._clock_ms())
-        registered.adapters = tuple(sorted(set(worker.adapters)))
+        registered.adapters = adapter_names(worker.adapters)
         state.workers[worker.worker_id] = self._latest[(worker.model, worker.worker_id)] = registered
         return ReferenceWorker(self, registered)
 
@@ -333,8 +334,9 @@ class ReferenceWorker:
     async def set_adapters(self, adapters: Sequence[str]) -> HeartbeatStatus:
         if not self._worker.closed and not self._index.holds(self._worker):
             return HeartbeatStatus.MISSING
+        names = adapter_names(adapters)
         self._ids()
-        self._worker.adapters = tuple(sorted(set(adapters)))
+        self._worker.adapters = names
         return HeartbeatStatus.OK
 
     async def deregister(self) -> None:

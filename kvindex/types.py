@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -110,3 +111,12 @@ class ModelStats:
     gids_pending_gc: int
     extra: dict[str, int] = field(default_factory=dict)
     pages: int = 0  # pages with at least one holder (kvindex.pages)
+
+
+def adapter_names(names: Iterable[str]) -> tuple[str, ...]:
+    """LoRA adapter names as the index keeps them: sorted, each once; a ValueError for a name that
+    is empty or not one line (the records keep them one per line)."""
+    for name in names:
+        if not isinstance(name, str) or not name or "\n" in name:
+            raise ValueError(f"an adapter name must be non-empty and on one line, got {name!r}")
+    return tuple(sorted(set(names)))

@@ -9,7 +9,7 @@ import pytest
 from kvindex.errors import BlockSizeMismatchError
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
-from tests.support import raw_call
+from tests.support import raw_call, wait_until
 
 LONG_TTL = 60_000
 
@@ -87,4 +87,9 @@ async def test_lease_frees_its_old_snapshot_outside_the_script_and_a_dead_replic
     assert forgotten == 1 and live == [b"other"]
     assert 0 < await redis_client.pttl(keys.inflight("big")) <= LONG_TTL
     assert await inflight_totals(index, unique_name, ["big", "other"]) == {}
+
+    async def freed() -> bool:  # counted by the background thread once it has freed the hash
+        return await lazyfreed(redis_client) > before
+
+    await wait_until(freed, 10)
     assert await lazyfreed(redis_client) - before == 1

@@ -233,3 +233,33 @@ async def test_a_heartbeat_ttl_that_is_not_a_sane_integer_is_refused(index, uniq
         await index.handle(unique_name, "w").heartbeat(ttl)  # type: ignore[arg-type]
     with pytest.raises(KVIndexError, match="ttl_ms must be an integer"):
         await index.register(WorkerInfo("w2", unique_name, "http://127.0.0.1:9", 4), ttl_ms=ttl)  # type: ignore[arg-type]
+
+
+async def test_a_workers_lora_adapters_are_registered_and_follow_its_engine(index, unique_name):
+    """A worker announces the adapters its engine serves; later loads and unloads replace the list,
+    and a new registration starts from what it announces."""
+    info = WorkerInfo("a", unique_name, "http://a:8000", 4, adapters=("sql-lora", "chat-lora", "sql-lora"))
+    handle = await index.register(info, LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+
+    async def adapters() -> dict[str, tuple[str, ...]]:
+        return {record.worker_id: record.adapters for record in await index.workers(unique_name)}
+
+    assert await adapters() == {"a": ("chat-lora", "sql-lora"), "b": ()}
+    assert await handle.set_adapters(["sql-lora", "new-lora"]) == HeartbeatStatus.OK
+    assert await adapters() == {"a": ("new-lora", "sql-lora"), "b": ()}
+    assert await index.handle(unique_name, "a").set_adapters([]) == HeartbeatStatus.OK
+    assert (await adapters())["a"] == ()
+    again = await index.register(info, LONG_TTL)
+    assert (await adapters())["a"] == ("chat-lora", "sql-lora")
+    with pytest.raises(NotRegisteredError):
+        await handle.set_adapters(["stale"])  # the previous registration's handle is closed
+    await again.deregister()
+    assert "a" not in await adapters()
+
+
+async def test_an_adapter_name_must_be_one_non_empty_line(index, unique_name):
+    handle = await index.register(worker(unique_name, "a"), LONG_TTL)
+    for bad in (["two\nlines"], [""]):
+        with pytest.raises(ValueError, match="adapter name"):
+            await handle.set_adapters(bad)
