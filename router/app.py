@@ -108,7 +108,12 @@ def create_routes(state: RouterState) -> Routes:
         await reply.send_json(_learned(state, _query(request, "model")))
 
     async def models(_: HttpRequest, reply: Reply) -> None:
-        data = [{"id": m, "object": "model", "owned_by": "kvroute"} for m in state.fleet.models_with_workers()]
+        data: list[dict[str, Any]] = []
+        for model in state.fleet.models_with_workers():
+            data.append({"id": model, "object": "model", "owned_by": "kvroute"})
+            # LoRA adapters as vLLM lists them: each under its own name, with its base as parent
+            adapters = state.fleet.adapters(model)
+            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": model} for a in adapters]
         await reply.send_json({"object": "list", "data": data})
 
     async def health(_: HttpRequest, reply: Reply) -> None:

@@ -16,6 +16,7 @@ from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
 from router.routing.accounting import Split
 from router.routing.booking import Booking
 from router.routing.decide import Decision, NoWorkers
+from router.routing.fleet import Fleet
 from router.routing.scoring import Candidate
 from router.state import RouterState
 from router.upstream.proxy import Downstream, Outgoing, UpstreamFailed, forward
@@ -37,10 +38,11 @@ async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
 
 async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: bool = False) -> Decision:
     """The decision for a request; ``dry_run`` (/debug/route) changes no routing state and no metric."""
-    model = body["model"]
-    workers = state.fleet.alive(model)
-    if not workers:
-        raise _no_worker_error(state, model)
+    served = state.fleet.served(body["model"])
+    if served is None:
+        raise _no_worker_error(state, body["model"])
+    model, adapter = served.model, served.adapter  # an adapter's prompt is the base model's text
+    workers = state.fleet.alive(model, adapter)
     tokens: Sequence[int]
     try:
         if chat:
@@ -61,7 +63,7 @@ async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: 
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ApiError(400, "'cache_salt' must be a non-empty string")
     try:
-        decision = await state.decider.decide(model, tokens, salt, dry_run)
+        decision = await state.decider.decide(model, tokens, salt, dry_run, adapter)
     except NoWorkers as exc:
         raise ApiError(503, str(exc), "service_unavailable") from None
     if dry_run:
@@ -84,8 +86,13 @@ def _no_worker_error(state: RouterState, model: str) -> ApiError:
         return ApiError(503, message, "service_unavailable")
     if fleet.known(model):
         return ApiError(503, f"no alive worker serves model {model!r}", "service_unavailable")
-    served = ", ".join(fleet.models_with_workers()) or "none"
+    served = ", ".join(_with_adapters(fleet, m) for m in fleet.models_with_workers()) or "none"
     return ApiError(404, f"The model `{model}` does not exist. Models served: {served}.", "not_found_error")
+
+
+def _with_adapters(fleet: Fleet, model: str) -> str:
+    adapters = fleet.adapters(model)
+    return f"{model} (LoRA adapters: {', '.join(adapters)})" if adapters else model
 
 
 def _reported_cached(usage: dict | None) -> int | None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtokens.tokenizer import ModelPrompts, PromptError
+from sim_engine.block_pool import CacheKeys
+from sim_engine.lora import LoraAdapter, LoraAdapters
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -39,6 +41,14 @@ class Generation:
     cache_salt: str | None
     chat: bool
     return_token_ids: bool = False
+    lora: LoraAdapter | None = None  # the adapter the request names as its model
+
+    @property
+    def keys(self) -> CacheKeys:
+        """What keeps its cached blocks apart from other requests' (vLLM's extra keys)."""
+        if self.lora is None:
+            return CacheKeys(self.cache_salt)
+        return CacheKeys(self.cache_salt, self.lora.name, self.lora.lora_id)
 
 
 def _int_param(body: dict[str, Any], name: str, default: int) -> int:
@@ -50,7 +60,7 @@ def _int_param(body: dict[str, Any], name: str, default: int) -> int:
     return value
 
 
-def _common(body: dict[str, Any], model: str, chat: bool, prompts: list[list[int]]) -> Generation:
+def _common(body: dict[str, Any], lora: LoraAdapter | None, chat: bool, prompts: list[list[int]]) -> Generation:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
@@ -69,16 +79,23 @@ def _common(body: dict[str, Any], model: str, chat: bool, prompts: list[list[int
         salt,
         chat,
         bool(body.get("return_token_ids")),
+        lora,
     )
 
 
-def check_model(body: Any, model: str) -> dict[str, Any]:
+def check_model(
+    body: Any, model: str, adapters: LoraAdapters | None = None
+) -> tuple[dict[str, Any], LoraAdapter | None]:
+    """The body, and the LoRA adapter it names (None: the base model); 404 for another model."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     requested = body.get("model", model)
-    if requested != model:
+    if requested == model:
+        return body, None
+    adapter = adapters.get(requested) if adapters is not None and isinstance(requested, str) else None
+    if adapter is None:
         raise ApiError(404, f"The model `{requested}` does not exist.", "model")
-    return body
+    return body, adapter
 
 
 def _token_list(value: Any, vocab_size: int) -> list[int] | None:
@@ -90,8 +107,8 @@ def _token_list(value: Any, vocab_size: int) -> list[int] | None:
     return None
 
 
-def parse_completion(body: Any, model: str, prompts: ModelPrompts) -> Generation:
-    body = check_model(body, model)
+def parse_completion(body: Any, model: str, prompts: ModelPrompts, adapters: LoraAdapters | None = None) -> Generation:
+    body, lora = check_model(body, model, adapters)
     raw = body.get("prompt")
     add_special = body.get("add_special_tokens", True)
     vocab = prompts.vocab_size
@@ -110,20 +127,22 @@ def parse_completion(body: Any, model: str, prompts: ModelPrompts) -> Generation
         if not tokens:
             raise ApiError(400, "the prompt is empty", "prompt")
         out.append(tokens)
-    return _common(body, model, False, out)
+    return _common(body, lora, False, out)
 
 
-def parse_chat(body: Any, model: str, prompts: ModelPrompts) -> Generation:
-    body = check_model(body, model)
+def parse_chat(body: Any, model: str, prompts: ModelPrompts, adapters: LoraAdapters | None = None) -> Generation:
+    body, lora = check_model(body, model, adapters)
     try:
         tokens = prompts.chat_tokens(body.get("messages"), bool(body.get("add_generation_prompt", True)))
     except PromptError as exc:
         raise ApiError(400, str(exc), "messages") from None
-    return _common(body, model, True, [tokens])
+    return _common(body, lora, True, [tokens])
 
 
-def tokenize(body: Any, model: str, prompts: ModelPrompts, max_model_len: int) -> dict[str, Any]:
-    body = check_model(body, model)
+def tokenize(
+    body: Any, model: str, prompts: ModelPrompts, max_model_len: int, adapters: LoraAdapters | None = None
+) -> dict[str, Any]:
+    body, _ = check_model(body, model, adapters)  # an adapter tokenizes as its base model
     if "messages" in body:
         try:
             tokens = prompts.chat_tokens(body["messages"], bool(body.get("add_generation_prompt", True)))

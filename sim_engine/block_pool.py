@@ -34,6 +34,25 @@ from sim_engine.kv_events import cleared_event, removed_event, stored_event
 NONE_HASH = int.from_bytes(hashlib.sha256(b"kvroute-sim-none-hash").digest()[:8], "little")
 
 
+@dataclass(frozen=True)
+class CacheKeys:
+    """What keeps one request's cached blocks apart from another's with the same tokens: vLLM's
+    extra keys, the LoRA adapter's name on every block and the cache_salt after it on the first
+    (tests/fixtures/vllm-0.32-cpu/captures/run4_lora_events.txt). ``lora_id`` is the adapter's
+    number in the engine (its KV events carry it)."""
+
+    salt: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+
+    def extra(self, index: int) -> tuple[str, ...] | None:
+        """Block ``index``'s extra keys (None: none)."""
+        keys: tuple[str, ...] = (self.lora_name,) if self.lora_name else ()
+        if self.salt and index == 0:
+            keys += (self.salt,)
+        return keys or None
+
+
 def block_hash(parent: int | None, tokens: Sequence[int], extra: tuple[str, ...] | None) -> int:
     data = struct.pack(f"<Q{len(tokens)}I", NONE_HASH if parent is None else parent, *tokens)
     if extra:
@@ -42,13 +61,12 @@ def block_hash(parent: int | None, tokens: Sequence[int], extra: tuple[str, ...]
 
 
 def chain_hashes(
-    tokens: Sequence[int], block_size: int, salt: str | None, start: int = 0, parent: int | None = None
+    tokens: Sequence[int], block_size: int, keys: CacheKeys, start: int = 0, parent: int | None = None
 ) -> list[int]:
     """Hashes of the full blocks of ``tokens`` from block ``start`` on (``parent``: block start-1's)."""
     out = []
     for i in range(start, len(tokens) // block_size):
-        extra = (salt,) if salt and i == 0 else None
-        parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size], keys.extra(i))
         out.append(parent)
     return out
 
@@ -56,11 +74,13 @@ def chain_hashes(
 @dataclass(frozen=True)
 class CachedContent:
     """What a cached hash stands for: its parent's hash (None on a chain's first block), the
-    block's token ids and the salt of a chain's first block (the engine's debug view)."""
+    block's token ids, the salt of a chain's first block and the LoRA adapter of every block (the
+    engine's debug view)."""
 
     parent: int | None
     tokens: tuple[int, ...]
     salt: str | None
+    lora_name: str | None = None
 
 
 @dataclass
@@ -172,7 +192,7 @@ class BlockPool:
             self._free.move_to_end(block_id, last=False)
 
     def cache(
-        self, blocks: Sequence[Block], hashes: Sequence[int], tokens: Sequence[int], start: int, salt: str | None
+        self, blocks: Sequence[Block], hashes: Sequence[int], tokens: Sequence[int], start: int, keys: CacheKeys
     ) -> None:
         """Cache ``blocks[start:]`` under ``hashes[start:]`` (full blocks only) and announce them."""
         stop = min(len(blocks), len(hashes))
@@ -184,9 +204,9 @@ class BlockPool:
             self._cached.setdefault(hash_, {})[block.block_id] = block
             parent = hashes[i - 1] if i else None
             self._content[hash_] = CachedContent(
-                parent, tuple(tokens[i * size : (i + 1) * size]), salt if i == 0 else None
+                parent, tuple(tokens[i * size : (i + 1) * size]), keys.salt if i == 0 else None, keys.lora_name
             )
-        extra = [[salt] if salt and i == 0 else None for i in range(start, stop)]
+        extra = [list(e) if (e := keys.extra(i)) else None for i in range(start, stop)]
         self.events.append(
             stored_event(
                 hashes[start:stop],
@@ -194,6 +214,8 @@ class BlockPool:
                 tokens[start * size : stop * size],
                 size,
                 extra_keys=extra,
+                lora_name=keys.lora_name,
+                lora_id=keys.lora_id,
             )
         )
 

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sim_engine.block_pool import Block, BlockPool, chain_hashes
+from sim_engine.block_pool import Block, BlockPool, CacheKeys, chain_hashes
 from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
 
@@ -152,7 +152,7 @@ class SimRequest:
     request_id: str
     prompt: list[int]
     max_tokens: int
-    salt: str | None = None
+    keys: CacheKeys = field(default_factory=CacheKeys)  # its cache_salt and LoRA adapter
     output: list[int] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # full blocks of prompt + output
@@ -262,11 +262,12 @@ class SimEngine:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
-    def cached_prefix_tokens(self, prompt: list[int], salt: str | None = None) -> int:
+    def cached_prefix_tokens(self, prompt: list[int], keys: CacheKeys | None = None) -> int:
         """The prefix-cache hit ``prompt`` would get if it were scheduled now, in tokens (what an
         oracle router asks: ``POST /debug/match``)."""
         size = self.pool.block_size
-        return len(self.pool.longest_hit(chain_hashes(prompt, size, salt), len(prompt))) * size
+        hashes = chain_hashes(prompt, size, keys or CacheKeys())
+        return len(self.pool.longest_hit(hashes, len(prompt))) * size
 
     async def _loop(self) -> None:
         while True:
@@ -354,7 +355,7 @@ class SimEngine:
         for it in this step (its first chunk), else None."""
         tokens = request.all_tokens
         size = self.pool.block_size
-        request.hashes = chain_hashes(tokens, size, request.salt)
+        request.hashes = chain_hashes(tokens, size, request.keys)
         hit = self.pool.longest_hit(request.hashes, len(tokens))
         if _cdiv(len(tokens), size) - len(hit) + self.pool.evictable(hit) > self.pool.num_free:
             return None
@@ -379,11 +380,11 @@ class SimEngine:
             request.hashes += chain_hashes(
                 tokens[: full * self.pool.block_size],
                 self.pool.block_size,
-                request.salt,
+                request.keys,
                 start=len(request.hashes),
                 parent=parent,
             )
-        self.pool.cache(request.blocks, request.hashes[:full], tokens, request.num_cached_blocks, request.salt)
+        self.pool.cache(request.blocks, request.hashes[:full], tokens, request.num_cached_blocks, request.keys)
         request.num_cached_blocks = max(request.num_cached_blocks, min(full, len(request.blocks)))
 
     def _preempt(self, request: SimRequest) -> None:

@@ -13,7 +13,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
@@ -27,6 +27,7 @@ from sim_engine import api
 from sim_engine.engine import RequestRejected, SimEngine, SimRequest
 from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
+from sim_engine.lora import LoraAdapters, LoraError
 from sim_engine.metrics import EngineCollector, RequestHistograms
 from sim_engine.settings import SimEngineSettings
 
@@ -43,6 +44,7 @@ class _State:
     histograms: RequestHistograms
     registry: CollectorRegistry  # everything (/debug/metrics)
     public: CollectorRegistry  # what /metrics exports (--metrics)
+    adapters: LoraAdapters = field(default_factory=LoraAdapters)
 
 
 STATE = web.AppKey("state", _State)
@@ -74,14 +76,50 @@ async def _models(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": settings.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [entry]})
+    adapters = [
+        {**entry, "id": a.name, "root": a.path, "parent": settings.model, "max_model_len": None}
+        for a in request.app[STATE].adapters
+    ]
+    return web.json_response({"object": "list", "data": [entry, *adapters]})
+
+
+async def _load_lora(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/load_lora_adapter ``{"lora_name", "lora_path"}``."""
+    return await _change_lora(request, load=True)
+
+
+async def _unload_lora(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/unload_lora_adapter ``{"lora_name"}``."""
+    return await _change_lora(request, load=False)
+
+
+async def _change_lora(request: web.Request, load: bool) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise api.ApiError(400, "the body must be an object with a string 'lora_name'")
+        name = body["lora_name"]
+        if load:
+            state.adapters.load(name, str(body.get("lora_path") or ""))
+        else:
+            state.adapters.unload(name)
+    except api.ApiError as exc:
+        return _error(exc)
+    except LoraError as exc:
+        return _error(api.ApiError(exc.status, str(exc)))
+    done = "added" if load else "removed"
+    return web.Response(text=f"Success: LoRA adapter '{name}' {done} successfully.")
 
 
 async def _tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         body = await _json_body(request)
-        return web.json_response(api.tokenize(body, state.settings.model, state.prompts, state.settings.max_model_len))
+        settings = state.settings
+        return web.json_response(
+            api.tokenize(body, settings.model, state.prompts, settings.max_model_len, state.adapters)
+        )
     except api.ApiError as exc:
         return _error(exc)
 
@@ -105,6 +143,7 @@ async def _cached_blocks(request: web.Request) -> web.Response:
                 "parent": None if c.parent is None else f"{c.parent:016x}",
                 "token_ids": list(c.tokens),
                 "salt": c.salt,
+                "lora_name": c.lora_name,
             }
             for h, c in pool.cached_contents().items()
         ]
@@ -119,11 +158,11 @@ async def _cached_prefix(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request)
         parse = api.parse_chat if isinstance(body, dict) and "messages" in body else api.parse_completion
-        generation = parse(body, state.settings.model, state.prompts)
+        generation = parse(body, state.settings.model, state.prompts, state.adapters)
     except api.ApiError as exc:
         return _error(exc)
     engine, prompt = state.engine, generation.prompts[0]
-    cached = engine.cached_prefix_tokens(prompt, generation.cache_salt)
+    cached = engine.cached_prefix_tokens(prompt, generation.keys)
     answer = {"prompt_tokens": len(prompt), "cached_tokens": cached}
     return web.json_response({**answer, "running": len(engine.running), "waiting": len(engine.waiting)})
 
@@ -166,6 +205,9 @@ def create_app(state: _State) -> web.Application:
     app.router.add_get("/debug/metrics", _all_metrics)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
+    if state.settings.enable_lora:
+        app.router.add_post("/v1/load_lora_adapter", _load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
     return app
 
 
@@ -173,10 +215,10 @@ async def _generate(request: web.Request, state: _State, chat: bool) -> web.Stre
     try:
         body = await _json_body(request)
         parse = api.parse_chat if chat else api.parse_completion
-        generation = parse(body, state.settings.model, state.prompts)
+        generation = parse(body, state.settings.model, state.prompts, state.adapters)
         request_id = api.new_id(chat)
         submitted = [
-            state.engine.submit(SimRequest(f"{request_id}-{i}", prompt, generation.max_tokens, generation.cache_salt))
+            state.engine.submit(SimRequest(f"{request_id}-{i}", prompt, generation.max_tokens, generation.keys))
             for i, prompt in enumerate(generation.prompts)
         ]
     except api.ApiError as exc:
@@ -188,7 +230,8 @@ async def _generate(request: web.Request, state: _State, chat: bool) -> web.Stre
             return await _stream(request, state, generation, request_id, submitted)
         texts = await asyncio.gather(*(_collect(state, r) for r in submitted))
         ids = [(r.prompt, r.output) for r in submitted] if generation.return_token_ids else None
-        body = api.completion(request_id, state.settings.model, chat, list(texts), _usage(submitted), ids)
+        model = generation.lora.name if generation.lora is not None else state.settings.model
+        body = api.completion(request_id, model, chat, list(texts), _usage(submitted), ids)
         return web.json_response(body)
     finally:
         for sim_request in submitted:
@@ -245,7 +288,8 @@ async def _stream(
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
     queue: asyncio.Queue[tuple[int, str, str | None]] = asyncio.Queue()
-    model, chat = state.settings.model, generation.chat
+    model = generation.lora.name if generation.lora is not None else state.settings.model
+    chat = generation.chat
     tasks = [asyncio.create_task(_pump(state, i, r, queue)) for i, r in enumerate(submitted)]
     started = dict.fromkeys(range(len(submitted)), False)
     try:
@@ -293,7 +337,7 @@ def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts
     if settings.metrics == "minimal":
         public = CollectorRegistry()
         public.register(EngineCollector(engine, labels, minimal=True))
-    return _State(settings, engine, prompts, histograms, registry, public)
+    return _State(settings, engine, prompts, histograms, registry, public, LoraAdapters(settings.lora_modules))
 
 
 async def _serve_http(stack: contextlib.AsyncExitStack, state: _State) -> int:

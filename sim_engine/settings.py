@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvservice.logs import add_log_arguments
 from sim_engine.engine import TimingModel
+from sim_engine.lora import parse_module
 
 # The tokenizer and chat template of the tiny model that tests/fixtures/vllm-0.32-cpu was captured
 # with (no weights): text prompts tokenize exactly as that real vLLM server's did.
@@ -53,6 +54,10 @@ class SimEngineSettings:
     # "full": vLLM's whole metric set on /metrics; "minimal": only the running, waiting and
     # KV-usage gauges (an engine, or an older vLLM, that reports little). /debug/metrics is full.
     metrics: str = "full"
+    # LoRA adapters served from the start (NAME, PATH), and whether they may be loaded and
+    # unloaded at run time (vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -77,6 +82,9 @@ class SimEngineSettings:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557, got {endpoint!r}")
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ValueError("--replay-endpoint needs KV events: drop --events-endpoint none")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) < len(names) or self.model in names:
+            raise ValueError("--lora-modules names must differ from each other and from --model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +187,18 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
         "longest chunk's time, not their sum (an engine whose prefills do not queue behind each other)",
     )
     parser.add_argument("--speedup", type=float, default=t.speedup, help="run this many times faster than real time")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start, as vLLM's flag (requests name them as the model)",
+    )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="also load and unload adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
@@ -210,4 +230,6 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         drop_events_every=args.drop_events_every,
         timing=timing,
         metrics=args.metrics,
+        lora_modules=tuple(parse_module(text) for text in args.lora_modules),
+        enable_lora=args.enable_lora or bool(args.lora_modules),
     )

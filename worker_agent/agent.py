@@ -82,6 +82,7 @@ class Agent:
         self._lock = asyncio.Lock()  # one writer at a time: op ids must reach Redis in order
         self._stop = stop or asyncio.Event()
         self._model = settings.model
+        self._adapters: tuple[str, ...] = ()  # the LoRA adapters the engine serves, as last listed
         self._health_failures = 0
         self._bad_metrics_said: set[str] = set()  # metrics whose bad values were logged (once each)
         self._last_error_log = 0.0
@@ -105,6 +106,7 @@ class Agent:
                 (self.settings.heartbeat_interval_s, self._liveness_step),
                 (self.settings.load_interval_s, self._engine_step),
                 (self.settings.health_interval_s, self._health_step),
+                (self.settings.health_interval_s, self._models_step),
                 (self.settings.gc_interval_s, self._gc_step),
             ]
             tasks += [asyncio.create_task(self._every(seconds, step)) for seconds, step in loops]
@@ -145,14 +147,18 @@ class Agent:
         return not self._stop.is_set()
 
     async def _learn_model(self) -> bool:
+        """The model to index: --model, else the engine's one base model (its LoRA adapters are
+        listed beside it and are not models of their own: their blocks are the base model's,
+        hashed with the adapter's name)."""
         if self._model is not None:
             return True
         served = await self.engine.served_models()
-        if len(served) == 1:
-            self._model = served[0]
+        if served is not None and len(served.bases) == 1:
+            self._model = served.bases[0]
+            self._adapters = served.adapters_of(self._model)
             return True
-        if served:
-            log.error("the engine serves %s: pass --model", served)
+        if served is not None and served.bases:
+            log.error("the engine serves %s: pass --model", list(served.bases))
         return False
 
     async def _register_and_catch_up(self) -> None:
@@ -162,7 +168,9 @@ class Agent:
         if block_size is None or self._model is None or self._stop.is_set():
             return
         settings = self.settings
-        info = WorkerInfo(settings.resolved_worker_id, self._model, settings.engine_root, block_size, settings.dp_rank)
+        info = WorkerInfo(
+            settings.resolved_worker_id, self._model, settings.engine_root, block_size, settings.dp_rank, self._adapters
+        )
         while not await self.writer.register(info):
             if await self._sleep(settings.heartbeat_interval_s):
                 return
@@ -281,6 +289,21 @@ class Agent:
             await self.pipeline.engine_restarted(why)
             if self.writer.registered:
                 await self.pipeline.catch_up()
+
+    async def _models_step(self) -> None:
+        """The LoRA adapters the engine serves now (vLLM loads and unloads them at run time): a
+        change goes into the worker's record, so routers send an adapter's requests only here."""
+        if self._model is None or not self.engine_up:
+            return
+        served = await self.engine.served_models()
+        if served is None:
+            return
+        self._adapters = served.adapters_of(self._model)  # what a registration announces
+        info = self.writer.info
+        if not self.writer.registered or info is None or info.adapters == self._adapters:
+            return
+        if await self.writer.set_adapters(self._adapters):
+            log.info("the engine serves LoRA adapters %s", list(self._adapters) or "none")
 
     async def _health_step(self) -> None:
         if await self.engine.healthy():

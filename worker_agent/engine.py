@@ -188,11 +188,45 @@ class EngineClient:
             return EngineMetrics(None, None, bad=(BadValue("/metrics", f"the page is over {MAX_PAGE_BYTES} bytes"),))
         return parse_metrics(body.decode("utf-8", errors="replace"), self._dp_rank)
 
-    async def served_models(self) -> list[str]:
+    async def served_models(self) -> ServedModels | None:
+        """/v1/models, parsed; None when the engine does not answer with a listing."""
         try:
             async with self._session.get(f"{self.root}/v1/models", timeout=self._timeout) as response:
-                body = await response.json() if response.status == 200 else {}
+                if response.status != 200:
+                    return None
+                body = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return []
-        data = body.get("data") if isinstance(body, dict) else None
-        return [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            return None
+        return parse_models(body)
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """What an engine's /v1/models lists: its base models, and its LoRA adapters by the base model
+    each applies to (vLLM lists an adapter with ``parent``, the base model's name)."""
+
+    bases: tuple[str, ...] = ()
+    adapters: Mapping[str, str] = field(default_factory=dict)  # adapter -> its base model
+
+    def adapters_of(self, base: str) -> tuple[str, ...]:
+        return tuple(sorted(name for name, parent in self.adapters.items() if parent == base))
+
+
+def parse_models(body: object) -> ServedModels:
+    """An OpenAI model listing -> :class:`ServedModels`. Entries without a string ``id`` are left
+    out; an entry with a string ``parent`` is an adapter (vLLM's LoRA modules), any other a base
+    model. An adapter whose name is not one line is left out (the index keeps one per line)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    bases: list[str] = []
+    adapters: dict[str, str] = {}
+    for entry in data if isinstance(data, list) else []:
+        name = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            continue
+        parent = entry.get("parent")
+        if isinstance(parent, str) and parent and parent != name:
+            if "\n" not in name:
+                adapters[name] = parent
+        else:
+            bases.append(name)
+    return ServedModels(tuple(bases), adapters)

@@ -157,6 +157,18 @@ class WorkerWriter:
         except REDIS_FAILURES as exc:
             self._failed("load report", exc)
 
+    async def set_adapters(self, adapters: tuple[str, ...]) -> bool:
+        """The LoRA adapters the engine serves; False (logged) when Redis did not take them."""
+        handle = self._live()
+        if handle is None:
+            return False
+        try:
+            await handle.set_adapters(adapters)
+        except REDIS_FAILURES as exc:
+            self._failed("adapters", exc)
+            return False
+        return True
+
     def needs_reassert(self) -> bool:
         handle = self._live()
         return handle is not None and handle.needs_reassert()

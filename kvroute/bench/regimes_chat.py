@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvroute.bench.replay_workload import TraceRequest
 from kvtokens.tokenizer import ModelPrompts
-from sim_engine.block_pool import chain_hashes
+from sim_engine.block_pool import CacheKeys, chain_hashes
 
 CHAT_SYSTEMS = 8
 CHAT_TURNS = 4
@@ -100,7 +100,7 @@ def chat_conversations(count: int, seed: int, prompts: ModelPrompts, block_size:
         question = _sentence_text(rng, words, USER_WORDS)
         text = transcript(systems[chat["tenant"]], chat["turns"], question)
         tokens = prompts.encode(text, add_special_tokens=True)
-        hashes = tuple(chain_hashes(tokens, block_size, None))
+        hashes = tuple(chain_hashes(tokens, block_size, CacheKeys()))
         out.requests.append(TraceRequest(0.0, len(tokens), OUTPUT_TOKENS, hashes))
         out.after.append(chat["last"])
         out.tenants.append(chat["tenant"])

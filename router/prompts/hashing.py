@@ -40,31 +40,38 @@ class PromptHasher:
         self.in_progress = 0  # prompts being hashed in slices now
         self.sliced = 0  # prompts hashed in slices so far
 
-    async def chain(self, tokens: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
-        """The prompt's chained block hashes (full blocks only)."""
+    async def chain(
+        self, tokens: Sequence[int], block_size: int, cache_salt: str | None = None, lora_name: str | None = None
+    ) -> list[int]:
+        """The prompt's chained block hashes (full blocks only), with the request's identity (its
+        cache_salt and LoRA adapter) in the first, as the agent hashes what the engine stored."""
         blocks = len(tokens) // block_size if block_size > 0 else 0
         if blocks <= self._slice_blocks:
-            return self.memo.sequence_hashes(tokens, block_size, cache_salt=cache_salt)
+            return self.memo.sequence_hashes(tokens, block_size, lora_name=lora_name, cache_salt=cache_salt)
         ids = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
         self.in_progress += 1
         self.sliced += 1
         try:
             if blocks <= self._memo_max_blocks:
-                return await self._through_memo(ids, blocks, block_size, cache_salt)
-            return await self._plain(ids, blocks, block_size, cache_salt)
+                return await self._through_memo(ids, blocks, block_size, cache_salt, lora_name)
+            return await self._plain(ids, blocks, block_size, cache_salt, lora_name)
         finally:
             self.in_progress -= 1
 
-    async def _through_memo(self, ids: array, blocks: int, block_size: int, cache_salt: str | None) -> list[int]:
+    async def _through_memo(
+        self, ids: array, blocks: int, block_size: int, cache_salt: str | None, lora_name: str | None
+    ) -> list[int]:
         for end in range(self._slice_blocks, blocks, self._slice_blocks):
-            self.memo.sequence_hashes(ids[: end * block_size], block_size, cache_salt=cache_salt)
+            self.memo.sequence_hashes(ids[: end * block_size], block_size, lora_name=lora_name, cache_salt=cache_salt)
             await asyncio.sleep(0)
-        return self.memo.sequence_hashes(ids, block_size, cache_salt=cache_salt)
+        return self.memo.sequence_hashes(ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
 
-    async def _plain(self, ids: array, blocks: int, block_size: int, cache_salt: str | None) -> list[int]:
+    async def _plain(
+        self, ids: array, blocks: int, block_size: int, cache_salt: str | None, lora_name: str | None
+    ) -> list[int]:
         data = token_bytes(ids)
         stride = 4 * block_size
-        identity = identity_tag(None, cache_salt)
+        identity = identity_tag(lora_name, cache_salt)
         chain: list[int] = []
         for start in range(0, blocks, self._slice_blocks):
             piece = data[start * stride : (start + self._slice_blocks) * stride]

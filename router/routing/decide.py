@@ -201,11 +201,17 @@ class Decider:
         return learner
 
     async def decide(
-        self, model: str, tokens: Sequence[int], cache_salt: str | None = None, dry_run: bool = False
+        self,
+        model: str,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        dry_run: bool = False,
+        adapter: str | None = None,
     ) -> Decision:
         """The decision for this prompt now. ``dry_run`` (``/debug/route``): the same answer the next
         real decision would give, changing nothing: no round-robin turn or random draw is used up,
-        degraded mode is neither entered nor left."""
+        degraded mode is neither entered nor left. ``adapter``: the LoRA adapter the request names
+        (only workers that serve it, and the prompt hashed with its name, as vLLM does)."""
         started = time.perf_counter()
         turn = self._turn
         rng = self._rng
@@ -214,11 +220,11 @@ class Decider:
             rng.setstate(self._rng.getstate())
         else:
             self._turn += 1
-        workers = self._fleet.alive(model)
+        workers = self._fleet.alive(model, adapter)
         if not workers:
-            raise NoWorkers(f"no alive worker serves model {model!r}")
+            raise NoWorkers(f"no alive worker serves model {adapter or model!r}")
         block_size = workers[0].block_size
-        chain = await self.hasher.chain(tokens, block_size, cache_salt)  # long prompts: in slices
+        chain = await self.hasher.chain(tokens, block_size, cache_salt, adapter)  # long prompts: in slices
         try:
             view = await self.lookups.run(lambda: self._lookup(model, chain))
         except REDIS_FAILURES as exc:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
@@ -24,6 +25,17 @@ from router.routing.allow import WorkerAllowList
 
 log = logging.getLogger("router.fleet")  # the name it always had: log filters rely on it
 DEFAULT_RETAIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a request's ``model`` names: a base model, or a LoRA adapter of one (vLLM serves an
+    adapter under its own name). The base model keys the index, its block size and tokenizer; the
+    adapter's name goes into the prompt's block hashes (vLLM's extra keys), and only workers whose
+    engine serves the adapter are offered."""
+
+    model: str
+    adapter: str | None = None
 
 
 class Fleet:
@@ -129,8 +141,24 @@ class Fleet:
     def known_models(self) -> list[str]:
         return sorted(self._known_models)
 
-    def alive(self, model: str) -> list[WorkerRecord]:
-        return list(self._alive.get(model, ()))
+    def alive(self, model: str, adapter: str | None = None) -> list[WorkerRecord]:
+        """The alive workers of ``model`` (that serve ``adapter``, when one is named)."""
+        workers = self._alive.get(model, ())
+        return [w for w in workers if adapter in w.adapters] if adapter is not None else list(workers)
+
+    def served(self, name: str) -> Served | None:
+        """``name`` as a base model with alive workers, else as an adapter an alive worker serves
+        (None: neither). A base model's name wins over an adapter's of the same name."""
+        if self._alive.get(name):
+            return Served(name)
+        for model, workers in sorted(self._alive.items()):
+            if any(name in w.adapters for w in workers):
+                return Served(model, name)
+        return None
+
+    def adapters(self, model: str) -> list[str]:
+        """The adapters of ``model`` that an alive worker serves."""
+        return sorted({a for w in self._alive.get(model, ()) for a in w.adapters})
 
     def models_with_workers(self) -> list[str]:
         return sorted(m for m, workers in self._alive.items() if workers)

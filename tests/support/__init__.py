@@ -73,6 +73,7 @@ class EngineStandIn:
     healthy: bool = True
     load: tuple[int, int, float] = (0, 0, 0.0)
     num_gpu_blocks: int | None = None  # the KV-cache size its /metrics reports (vLLM's cache_config_info)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters /v1/models lists, as vLLM does
     port: int = field(default_factory=free_port)
     publisher: KVEventPublisher | None = None
     _runner: web.AppRunner | None = None
@@ -119,7 +120,9 @@ class EngineStandIn:
         return "" if self.num_gpu_blocks is None else f',num_gpu_blocks="{self.num_gpu_blocks}"'
 
     async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        base = {"id": self.model, "object": "model", "root": f"/models/{self.model}", "parent": None}
+        loras = [{"id": a, "object": "model", "root": f"/adapters/{a}", "parent": self.model} for a in self.adapters]
+        return web.json_response({"object": "list", "data": [base, *loras]})
 
     async def stop(self) -> None:
         if self.publisher is not None:

@@ -279,3 +279,25 @@ def test_every_counter_and_gauge_is_on_the_metrics_page_with_its_help():
     assert values["kvroute_agent_engine_metric_errors_total"] == 2 and values["kvroute_agent_heartbeats_total"] == 9
     assert values["kvroute_agent_dropped_messages_total"] == 3 and values["kvroute_agent_replays_timed_out_total"] == 1
     assert values["kvroute_agent_queued_bytes"] == 99 and values["kvroute_agent_engine_start_time_seconds"] == 1.5e9
+
+
+def test_a_model_listing_separates_base_models_from_their_lora_adapters():
+    from worker_agent.engine import ServedModels, parse_models
+
+    listing = {
+        "object": "list",
+        "data": [
+            {"id": "tiny", "object": "model", "root": "/models/tiny", "parent": None},
+            {"id": "sql-lora", "object": "model", "root": "/adapters/sql", "parent": "tiny"},
+            {"id": "chat-lora", "object": "model", "root": "/adapters/chat", "parent": "tiny"},
+            {"id": "other-base-lora", "object": "model", "parent": "big"},
+            {"id": "two\nlines", "parent": "tiny"},  # not one line: the index could not keep it
+            {"id": 7},
+            "garbage",
+            {"object": "model"},
+        ],
+    }
+    served = parse_models(listing)
+    assert served.bases == ("tiny",)
+    assert served.adapters_of("tiny") == ("chat-lora", "sql-lora") and served.adapters_of("big") == ("other-base-lora",)
+    assert parse_models({"data": "nope"}) == ServedModels() and parse_models(["x"]) == ServedModels()

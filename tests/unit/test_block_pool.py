@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvevents.vllm import BlockStored
-from sim_engine.block_pool import BlockPool, chain_hashes
+from sim_engine.block_pool import BlockPool, CacheKeys, chain_hashes
 
 BS = 4
 
@@ -26,24 +26,24 @@ def test_block_zero_is_the_null_block():
 def test_stored_blocks_are_announced_with_parent_tokens_and_salt():
     pool = BlockPool(8, BS)
     toks = tokens(3)
-    hashes = chain_hashes(toks, BS, "s")
+    hashes = chain_hashes(toks, BS, CacheKeys("s"))
     blocks = pool.allocate(3)
-    pool.cache(blocks, hashes[:1], toks, 0, "s")
-    pool.cache(blocks, hashes, toks, 1, "s")
+    pool.cache(blocks, hashes[:1], toks, 0, CacheKeys("s"))
+    pool.cache(blocks, hashes, toks, 1, CacheKeys("s"))
     first, second = pool.take_events()
     assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
     assert (first.block_hashes, first.parent_block_hash, first.extra_keys) == ((hashes[0],), None, (["s"],))
     assert (second.block_hashes, second.parent_block_hash) == (tuple(hashes[1:]), hashes[0])
     assert second.token_ids == tuple(toks[BS:]) and second.extra_keys == (None, None)
-    assert chain_hashes(toks, BS, None) != hashes  # the salt separates caches
+    assert chain_hashes(toks, BS, CacheKeys()) != hashes  # the salt separates caches
 
 
 def test_a_hit_is_capped_one_token_short_of_the_prompt():
     pool = BlockPool(8, BS)
     toks = tokens(2)
-    hashes = chain_hashes(toks, BS, None)
+    hashes = chain_hashes(toks, BS, CacheKeys())
     blocks = pool.allocate(2)
-    pool.cache(blocks, hashes, toks, 0, None)
+    pool.cache(blocks, hashes, toks, 0, CacheKeys())
     assert len(pool.longest_hit(hashes, len(toks))) == 1  # 8 tokens: at most 7 may hit
     assert len(pool.longest_hit(hashes, len(toks) + 1)) == 2
 
@@ -51,9 +51,9 @@ def test_a_hit_is_capped_one_token_short_of_the_prompt():
 def test_freed_cached_blocks_are_evicted_tail_first_and_uncached_ones_reused_first():
     pool = BlockPool(6, BS)  # 5 usable
     toks = tokens(2)
-    hashes = chain_hashes(toks, BS, None)
+    hashes = chain_hashes(toks, BS, CacheKeys())
     blocks = pool.allocate(3)  # 2 full blocks + a partial one
-    pool.cache(blocks, hashes, toks, 0, None)
+    pool.cache(blocks, hashes, toks, 0, CacheKeys())
     pool.take_events()
     pool.free(list(reversed(blocks)))
     # Queue: the partial block first (reused first), then blocks 4, 5, then the chain tail-first.
@@ -65,9 +65,9 @@ def test_freed_cached_blocks_are_evicted_tail_first_and_uncached_ones_reused_fir
 def test_touching_a_cached_free_block_takes_it_out_of_the_queue():
     pool = BlockPool(4, BS)
     toks = tokens(1)
-    hashes = chain_hashes(toks, BS, None)
+    hashes = chain_hashes(toks, BS, CacheKeys())
     (block,) = pool.allocate(1)
-    pool.cache([block], hashes, toks, 0, None)
+    pool.cache([block], hashes, toks, 0, CacheKeys())
     pool.free([block])
     hit = pool.longest_hit(hashes, len(toks) + 1)
     assert hit == [block] and pool.evictable(hit) == 1
@@ -81,10 +81,10 @@ def test_touching_a_cached_free_block_takes_it_out_of_the_queue():
 def test_a_second_copy_of_a_hash_is_stored_and_removed_on_its_own():
     pool = BlockPool(6, BS)
     toks = tokens(1)
-    hashes = chain_hashes(toks, BS, None)
+    hashes = chain_hashes(toks, BS, CacheKeys())
     a, b = pool.allocate(2)
-    pool.cache([a], hashes, toks, 0, None)
-    pool.cache([b], hashes, toks, 0, None)
+    pool.cache([a], hashes, toks, 0, CacheKeys())
+    pool.cache([b], hashes, toks, 0, CacheKeys())
     assert kinds(pool) == [("BlockStored", (hashes[0],)), ("BlockStored", (hashes[0],))]
     pool.free([a])
     pool.free([b])
@@ -95,9 +95,9 @@ def test_a_second_copy_of_a_hash_is_stored_and_removed_on_its_own():
 def test_reset_prefix_cache_needs_an_idle_pool_and_sends_one_clear():
     pool = BlockPool(6, BS)
     toks = tokens(2)
-    hashes = chain_hashes(toks, BS, None)
+    hashes = chain_hashes(toks, BS, CacheKeys())
     blocks = pool.allocate(2)
-    pool.cache(blocks, hashes, toks, 0, None)
+    pool.cache(blocks, hashes, toks, 0, CacheKeys())
     pool.take_events()
     assert not pool.reset_prefix_cache()
     pool.free(list(reversed(blocks)))

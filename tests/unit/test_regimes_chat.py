@@ -9,7 +9,7 @@ import pytest
 from kvroute.bench.regimes_chat import CHAT_SYSTEMS, CHAT_TURNS, chat_conversations, transcript, vocabulary
 from kvroute.bench.replay_workload import reference_hit_rates
 from kvtokens.tokenizer import ModelPrompts
-from sim_engine.block_pool import chain_hashes
+from sim_engine.block_pool import CacheKeys, chain_hashes
 from sim_engine.settings import TINY_MODEL_DIR
 
 
@@ -32,7 +32,7 @@ def test_each_request_is_hashed_as_the_engine_hashes_its_tokens(prompts, chats):
     for request, text in zip(chats.requests, chats.texts, strict=True):
         tokens = prompts.encode(text, add_special_tokens=True)
         assert request.input_length == len(tokens)
-        assert list(request.hash_ids) == chain_hashes(tokens, 16, None)
+        assert list(request.hash_ids) == chain_hashes(tokens, 16, CacheKeys())
 
 
 def test_a_turn_extends_the_previous_one_and_tenants_share_their_system_prompt(chats):

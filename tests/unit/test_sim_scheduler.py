@@ -10,6 +10,7 @@ import random
 import pytest
 
 from kvevents.vllm import BlockStored, Event
+from sim_engine.block_pool import CacheKeys
 from sim_engine.engine import SimEngine, SimRequest, StepPlan, TimingModel
 from sim_engine.main import build_parser
 from sim_engine.settings import settings_from_args
@@ -254,7 +255,7 @@ def test_the_prefix_hit_now_is_what_admission_would_give():
     step(engine)
     assert engine.cached_prefix_tokens(prompt(17)) == 16  # at most prompt length - 1, whole blocks
     assert engine.cached_prefix_tokens(prompt(30)) == 16 and engine.cached_prefix_tokens(prompt(9, base=99)) == 0
-    assert engine.cached_prefix_tokens(prompt(17), salt="tenant") == 0  # a salt is another chain
+    assert engine.cached_prefix_tokens(prompt(17), CacheKeys("tenant")) == 0  # a salt is another chain
 
 
 def test_the_timing_flags():

@@ -18,7 +18,7 @@ from kvevents.vllm import (
 )
 from tests.conftest import CAPTURES
 
-CAPTURE_NAMES = ["run1_events", "run2_evict_events", "run3_cbor_bytes_events"]
+CAPTURE_NAMES = ["run1_events", "run2_evict_events", "run3_cbor_bytes_events", "run4_lora_events"]
 
 
 def raw_messages(name: str) -> list[list[bytes]]:

@@ -304,3 +304,26 @@ async def test_an_engine_storing_past_its_capacity_cannot_grow_the_index(engine,
     assert list((await index.match(unique_name, chain)).values()) == [20]
     (record,) = await index.workers(unique_name)
     assert record.blocks == 20
+
+
+async def test_the_engines_lora_adapters_are_registered_and_followed(engine, index, server, unique_name):
+    """The agent learns the base model from a listing that has adapters beside it (vLLM lists each
+    with its parent), registers the adapters, and follows the engine loading and unloading them."""
+    engine.adapters = ["sql-lora"]
+    process = AgentProcess(agent_args(engine, server.url)).start()
+
+    def adapters_are(expected: tuple[str, ...]):
+        async def check() -> bool:
+            records = await index.workers(unique_name)
+            return len(records) == 1 and records[0].alive and records[0].adapters == expected
+
+        return check
+
+    try:
+        await wait_until(adapters_are(("sql-lora",)), 15)
+        engine.adapters = ["sql-lora", "chat-lora"]
+        await wait_until(adapters_are(("chat-lora", "sql-lora")), 10)
+        engine.adapters = []
+        await wait_until(adapters_are(()), 10)
+    finally:
+        process.kill()

@@ -40,8 +40,8 @@ async def engine_block_parents(session: aiohttp.ClientSession, url: str, block_s
         parent = None if block["parent"] is None else index_hash(int(block["parent"], 16))
         if block["parent"] is not None and parent is None:
             return None
-        salt = block["salt"] if parent is None else None
-        value = extend_sequence_hashes(parent, block["token_ids"], block_size, cache_salt=salt)[0]
+        salt, lora = (block["salt"], block.get("lora_name")) if parent is None else (None, None)
+        value = extend_sequence_hashes(parent, block["token_ids"], block_size, lora_name=lora, cache_salt=salt)[0]
         hashed[engine_hash] = value
         parents[value] = parent
         return value
