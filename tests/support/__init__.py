@@ -208,6 +208,7 @@ class SimFleet:
     max_running: int = 64
     agent_args: list[str] = field(default_factory=list)  # more flags for every agent
     engine_metrics: str = "full"  # the engines' --metrics: full, or minimal (three gauges)
+    adapters: Sequence[Sequence[str]] = ()  # engine i serves the LoRA adapters adapters[i]
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -217,7 +218,8 @@ class SimFleet:
         from sim_engine.server import running_engine
         from sim_engine.settings import SimEngineSettings
 
-        for _ in range(self.count):
+        for number in range(self.count):
+            served = self.adapters[number] if number < len(self.adapters) else ()
             settings = SimEngineSettings(
                 port=0,
                 events_endpoint="tcp://127.0.0.1:*",
@@ -228,6 +230,8 @@ class SimFleet:
                 block_size=self.block_size,
                 timing=TimingModel(speedup=self.speedup, max_running=self.max_running),
                 metrics=self.engine_metrics,
+                lora_modules=tuple((name, f"/adapters/{name}") for name in served),
+                enable_lora=True,
             )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())
