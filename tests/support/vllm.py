@@ -125,6 +125,34 @@ def vllm_server(num_blocks: int = 12, max_model_len: int = 256, extra_args: Sequ
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# Run by the vLLM environment's Python: a random LoRA adapter (rank 8 on q_proj and v_proj) of
+# the tiny model, made with peft as a user would make a real one.
+_MAKE_ADAPTER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from peft import LoraConfig, get_peft_model
+model_dir, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(seed)
+config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config).save_pretrained(out)
+"""
+
+
+def make_lora_adapters(directory: Path, names: Sequence[str]) -> dict[str, Path]:
+    """A random LoRA adapter of the tiny model per name, in ``directory``; name -> its directory."""
+    model = assemble_model(directory)
+    adapters = {}
+    for seed, name in enumerate(names, 1):
+        out = directory / name
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+        command = [str(vllm_python()), "-c", _MAKE_ADAPTER, str(model), str(out), str(seed)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            pytest.fail(f"making the LoRA adapter {name} failed (is peft in the vLLM environment?):\n{done.stderr}")
+        adapters[name] = out
+    return adapters
+
+
 def distinct_free_ports(count: int) -> list[int]:
     """``count`` free ports, all different: free_port() can hand out the same port twice (CI once
     gave vLLM's HTTP and KV-event sockets one port, and vLLM never became healthy)."""
