@@ -25,7 +25,7 @@ from kvroute.devstack.embedded_redis import redis_unusable, usable_redis_url
 from kvservice.lifecycle import StartupError
 
 WORKER_COLUMNS = ["model", "id", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch", "heartbeat_age_ms"]
-WORKER_COLUMNS += ["running", "waiting", "kv_usage"]
+WORKER_COLUMNS += ["running", "waiting", "kv_usage", "adapters"]
 STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "pages", "block_keys", "gids_pending_gc"]
 
 
@@ -180,6 +180,7 @@ def _record_json(record: WorkerRecord) -> dict[str, Any]:
         "waiting": load.waiting if load else None,
         "kv_usage": load.kv_usage if load else None,
         "load_age_ms": record.load_age_ms,
+        "adapters": list(record.adapters),  # the LoRA adapters its engine serves
     }
 
 
@@ -195,7 +196,8 @@ def _run_workers(args: argparse.Namespace) -> int:
         return workers
 
     def table(workers: list[dict[str, Any]]) -> str:
-        return text_table(WORKER_COLUMNS, [[w[c] for c in WORKER_COLUMNS] for w in workers])
+        rows = [[",".join(w[c]) if c == "adapters" else w[c] for c in WORKER_COLUMNS] for w in workers]
+        return text_table(WORKER_COLUMNS, rows)
 
     return _emit(args, _run_with_index(args, body), table)
 

@@ -98,6 +98,7 @@ async def fleet_view(state: RouterState, totals: SharedTotals) -> dict[str, Any]
                     "inflight_prompt_tokens": inflight.prompt_tokens,
                     "inflight_uncached_tokens": inflight.uncached_tokens,
                     "heartbeat_age_ms": w.heartbeat_age_ms,
+                    "adapters": list(w.adapters),  # the LoRA adapters its engine serves
                 }
             )
         models.append({"model": model, "retained": model in retained, "inflight_scope": scope, "workers": workers})

@@ -48,7 +48,11 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": 4294967295}}
 COMMON_FIELDS: dict[str, Any] = {
-    "model": {"type": "string", "minLength": 1, "description": "a model served by the fleet (GET /v1/models)"},
+    "model": {
+        "type": "string",
+        "minLength": 1,
+        "description": "a model served by the fleet, or a LoRA adapter of one (GET /v1/models)",
+    },
     "stream": {"type": "boolean", "default": False},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
@@ -147,6 +151,10 @@ SCHEMAS: dict[str, Any] = {
                         "id": {"type": "string"},
                         "object": {"type": "string"},
                         "owned_by": {"type": "string"},
+                        "parent": {
+                            "type": "string",
+                            "description": "a LoRA adapter's base model (absent for a base model)",
+                        },
                     },
                 },
             },

@@ -83,6 +83,9 @@ async def test_an_adapter_no_worker_serves_is_404_naming_what_is_served(router):
     async with aiohttp.ClientSession() as session, session.get(router.url + "/v1/models") as response:
         listed = {(m["id"], m.get("parent")) for m in (await response.json())["data"]}
     assert listed == {("tiny", None), ("sql-lora", "tiny"), ("chat-lora", "tiny")}
+    async with aiohttp.ClientSession() as session, session.get(router.url + "/dashboard/api/fleet") as response:
+        (model,) = (await response.json())["models"]
+    assert sorted(tuple(w["adapters"]) for w in model["workers"]) == [(), ("chat-lora", "sql-lora"), ("sql-lora",)]
 
 
 async def test_an_adapter_loaded_at_run_time_is_routed_to_once_its_agent_says_so(router, lora_fleet):
