@@ -50,6 +50,8 @@ async def register_worker(
                 ttl_ms,
                 new_gid(),
                 worker.adapters,
+                "" if worker.tier == "GPU" else worker.tier,
+                worker.tier_of or "",
             )
         )
         if status == "ok":

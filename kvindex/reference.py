@@ -237,6 +237,8 @@ class ReferenceIndex:
                 load=w.load,
                 load_age_ms=now - w.load_ms if w.load else None,
                 adapters=w.adapters,
+                tier=w.info.tier,
+                tier_of=w.info.tier_of,
             )
             for w in sorted(self._models.get(model, _Model()).workers.values(), key=lambda w: w.info.worker_id)
         ]

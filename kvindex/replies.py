@@ -64,4 +64,6 @@ def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: i
         load=load_of(record),
         load_age_ms=now_ms - int(record["load_ms"]) if "load_ms" in record else None,
         adapters=tuple(name for name in record.get("adapters", "").split("\n") if name),
+        tier=record.get("tier") or "GPU",
+        tier_of=record.get("tier_of") or None,
     )

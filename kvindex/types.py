@@ -17,6 +17,8 @@ class WorkerInfo:
     block_size: int
     dp_rank: int = 0
     adapters: tuple[str, ...] = ()  # the LoRA adapters its engine serves (requests name them as the model)
+    tier: str = "GPU"  # a tier holder's tier (kvindex/tiers.py); GPU: the worker's own blocks
+    tier_of: str | None = None  # a tier holder's worker
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class WorkerRecord:
     load: WorkerLoad | None = None
     load_age_ms: int | None = None
     adapters: tuple[str, ...] = ()
+    tier: str = "GPU"
+    tier_of: str | None = None
 
 
 @dataclass(frozen=True)

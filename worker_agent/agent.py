@@ -71,7 +71,9 @@ class Agent:
         self.engine = engine
         self.counters = counters
         self.writer = WorkerWriter(index, counters, settings.ttl_ms)
-        self.pipeline = EventPipeline(self.writer, replay, settings.topic, counters, latency, settings.block_size)
+        self.pipeline = EventPipeline(
+            self.writer, replay, settings.topic, counters, latency, settings.block_size, settings.tiers
+        )
         self.watch = EventsWatch(settings.events, settings.topic, settings.events_warn_after_s)
         self.liveness = Liveness(settings, index, self.writer, counters)
         self.restarts = RestartEvidence()

@@ -21,6 +21,7 @@ import xxhash
 from prometheus_client import Histogram
 
 from kvevents.vllm import BlockStored, EventBatch, WireError, decode_message
+from kvindex.tiers import GPU, TIERS
 from kvindex.types import BlockChange
 from worker_agent.metrics import AgentCounters
 from worker_agent.replay import ReplayClient
@@ -39,11 +40,15 @@ class Received:
 
 @dataclass
 class _Pending:
-    """Changes of in-order batches not yet written (one list per engine batch, so that each
-    reaches Redis whole: ``RedisWorker.apply_batches``), with their receive times."""
+    """Changes of in-order batches not yet written, per tier (one list per engine batch, so that
+    each reaches Redis whole: ``RedisWorker.apply_batches``), with their receive times."""
 
-    batches: list[list[BlockChange]] = field(default_factory=list)
+    tiers: dict[str, list[list[BlockChange]]] = field(default_factory=dict)
     received_at: list[float] = field(default_factory=list)
+
+    def add(self, tier: str, changes: list[BlockChange]) -> None:
+        if changes:
+            self.tiers.setdefault(tier, []).append(list(changes))
 
 
 class EventPipeline:
@@ -55,9 +60,10 @@ class EventPipeline:
         counters: AgentCounters,
         latency: Histogram,
         block_size: int | None = None,
+        tiers: frozenset[str] = frozenset(TIERS),
     ) -> None:
         self.writer = writer
-        self._translator = Translator(block_size)
+        self._translator = Translator(block_size, tiers)
         self._sequencer = Sequencer()
         self._replay = replay
         self._topic = topic
@@ -186,11 +192,12 @@ class EventPipeline:
     async def _accept(self, batch: EventBatch, digest: int, received_at: float, pending: _Pending) -> None:
         translated = self._translator.translate(batch.events)
         if translated.clear:
-            pending.batches.clear()  # the clear wipes them anyway
+            pending.tiers.clear()  # the clear wipes them anyway
             await self._flush(pending)
             await self.writer.clear()
-        if translated.changes:
-            pending.batches.append(list(translated.changes))
+        pending.add(GPU, translated.changes)
+        for tier, changes in translated.lower.items():
+            pending.add(tier, changes)
         pending.received_at.append(received_at)
         self._sequencer.applied(batch.seq, digest)
         self.last_seq = batch.seq
@@ -198,12 +205,12 @@ class EventPipeline:
         self._counters.events_applied += len(batch.events)
 
     async def _flush(self, pending: _Pending) -> None:
-        if pending.batches:
-            await self.writer.apply_batches(pending.batches)
+        if pending.tiers:
+            await self.writer.apply_tiers(pending.tiers)
         now = time.perf_counter()
         for received_at in pending.received_at:
             self._latency.observe(now - received_at)
-        pending.batches, pending.received_at = [], []
+        pending.tiers, pending.received_at = {}, []
 
     async def _repair(self, start: int, until: int | None) -> None:
         """Apply batches [start, until) (until None: all there are) from the replay buffer."""

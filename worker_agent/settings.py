@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvindex.settings import RedisSettings, add_redis_arguments, redis_security_overrides
+from kvindex.tiers import TIERS, parse_tiers
 from kvservice.logs import add_log_arguments
 from kvservice.options import flag_or_env, parse_switch, typed
 from worker_agent.engine import root_url
@@ -28,6 +29,7 @@ ENV_VARS = {
     "metrics_host": "KVROUTE_METRICS_HOST",
     "events_warn_after": "KVROUTE_EVENTS_WARN_AFTER",
     "events_bind": "KVROUTE_EVENTS_BIND",
+    "tiers": "KVROUTE_TIERS",
 }
 _INTS = ("block_size", "dp_rank", "metrics_port")
 _FLOATS = ("events_warn_after",)
@@ -65,6 +67,8 @@ class AgentSettings:
     # Listen for KV events on a wildcard --events endpoint (for an engine told to connect to the
     # agent). Off by default: a bound SUB takes events from any publisher that reaches the port.
     events_bind: bool = False
+    # The cache tiers indexed (kvindex/tiers.py): every tier the engine reports, by default.
+    tiers: frozenset[str] = frozenset(TIERS)
 
     def __post_init__(self) -> None:
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
@@ -130,6 +134,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--worker-id", str, "worker id in the index (default <engine url>#<rank>)"),
     ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),
     ("--metrics-host", str, "address for /health and /metrics (default 0.0.0.0)"),
+    ("--tiers", str, "cache tiers to index, of GPU,CPU,DISK,REMOTE (default all the engine reports; GPU always)"),
     (
         "--events-warn-after",
         float,
@@ -176,11 +181,20 @@ def _parser(name: str) -> Callable[[str, str], object]:
     """How a setting's KVROUTE_* variable is read (kvservice.options)."""
     if name == "events_bind":
         return parse_switch
+    if name == "tiers":
+        return lambda variable, text: _tiers(variable, text)
     if name in _INTS:
         return typed(int)
     if name in _FLOATS:
         return typed(float)
     return lambda _, text: text
+
+
+def _tiers(where: str, text: str) -> frozenset[str]:
+    try:
+        return parse_tiers(text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentSettings:
@@ -202,6 +216,8 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     for name in ("max_message_bytes", "max_queued_messages", "max_queued_bytes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if isinstance(values.get("tiers"), str):  # the flag's text
+        values["tiers"] = _tiers("--tiers", values["tiers"])
     if "events_warn_after" in values:
         values["events_warn_after_s"] = values.pop("events_warn_after")
     values["redis"] = RedisSettings.from_env(

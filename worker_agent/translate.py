@@ -9,8 +9,11 @@ engine's hash to ours, with a reference count per copy, so that BlockRemoved (wh
 engine's hash) can be applied.
 
 Choices (see docs/agent.md):
-* Only the GPU tier is indexed. Stores and removals on offload tiers ("CPU", "STORAGE") are
-  counted and skipped: a hit there still needs a transfer, and the router scores GPU prefixes.
+* Every tier the engine reports (``medium``: GPU, CPU, disk, remote; kvindex/tiers.py) is indexed,
+  each apart: a batch's changes come out per tier, written to the worker (GPU) and to its tier
+  holders. One engine hash stands for one content in every tier (vLLM's offloading keeps the
+  block's hash), so the map to our hashes is shared and the copies are counted per tier. Tiers
+  left out of ``tiers`` (the agent's --tiers), and media not known, are counted and skipped.
 * Only KV-cache group 0 is indexed (hybrid models publish one stream per group).
 * A stored run whose parent the agent does not know is counted and skipped, never guessed.
 * Blocks with extra keys the router cannot reproduce (multimodal inputs) start an unknown chain:
@@ -27,9 +30,8 @@ from typing import Any
 
 from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 from kvindex.hashing import extend_sequence_hashes
+from kvindex.tiers import GPU, TIERS, tier_of
 from kvindex.types import BlockChange, RemovedBlocks, StoredRun
-
-INDEXED_MEDIUM = "GPU"
 
 
 @dataclass
@@ -51,11 +53,17 @@ class TranslateCounters:
 
 @dataclass
 class TranslatedBatch:
-    """One engine batch as index work: ``clear`` first (when the batch held AllBlocksCleared),
-    then ``changes`` in order. Changes before the last clear are dropped: it wipes them."""
+    """One engine batch as index work: ``clear`` first (when the batch held AllBlocksCleared:
+    every tier), then each tier's changes in order: ``changes`` the GPU's, ``lower`` the other
+    tiers' by tier. Changes before the last clear are dropped: it wipes them."""
 
     clear: bool = False
     changes: list[BlockChange] = field(default_factory=list)
+    lower: dict[str, list[BlockChange]] = field(default_factory=dict)
+
+    def of(self, tier: str) -> list[BlockChange]:
+        """The changes of ``tier`` (a new list to append to when it has none yet)."""
+        return self.changes if tier == GPU else self.lower.setdefault(tier, [])
 
 
 def _salt_of(first_block_keys: Any, lora_name: str | None) -> tuple[bool, str | None]:
@@ -87,11 +95,13 @@ def _later_keys_ok(extra_keys: Sequence[Any], lora_name: str | None) -> bool:
 class Translator:
     """Per-worker translation state: the engine-hash map and the learned block size."""
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, tiers: frozenset[str] = frozenset(TIERS)) -> None:
         self.block_size = block_size
+        self.tiers = tiers
         self.counters = TranslateCounters()
         self._ours: dict[EngineHash, int] = {}
-        self._refs: dict[EngineHash, int] = {}
+        self._refs: dict[EngineHash, int] = {}  # copies in every tier: the mapping goes with the last
+        self._tier_refs: dict[tuple[str, EngineHash], int] = {}
 
     def __len__(self) -> int:
         return len(self._ours)
@@ -103,6 +113,7 @@ class Translator:
         """The engine's cache is empty (restart, clear, or a resync)."""
         self._ours.clear()
         self._refs.clear()
+        self._tier_refs.clear()
 
     def translate(self, events: Iterable[Event]) -> TranslatedBatch:
         out = TranslatedBatch()
@@ -111,28 +122,29 @@ class Translator:
                 self.counters.clears += 1
                 self.reset()
                 out = TranslatedBatch(clear=True)
-            elif not self._indexed_tier(event):
+            elif (tier := self._indexed_tier(event)) is None:
                 continue
             elif isinstance(event, BlockStored):
-                run = self._stored(event)
+                run = self._stored(event, tier)
                 if run is not None:
-                    out.changes.append(run)
+                    out.of(tier).append(run)
             else:
-                removed = self._removed(event)
+                removed = self._removed(event, tier)
                 if removed:
-                    out.changes.append(RemovedBlocks(tuple(removed)))
+                    out.of(tier).append(RemovedBlocks(tuple(removed)))
         return out
 
-    def _indexed_tier(self, event: BlockStored | BlockRemoved) -> bool:
-        if event.medium not in (None, INDEXED_MEDIUM):
+    def _indexed_tier(self, event: BlockStored | BlockRemoved) -> str | None:
+        tier = tier_of(event.medium)
+        if tier is None or tier not in self.tiers:
             self.counters.other_tier_events += 1
-            return False
+            return None
         if event.group_idx not in (None, 0):
             self.counters.other_group_events += 1
-            return False
-        return True
+            return None
+        return tier
 
-    def _stored(self, event: BlockStored) -> StoredRun | None:
+    def _stored(self, event: BlockStored, tier: str) -> StoredRun | None:
         if self.block_size is None:
             self.block_size = event.block_size
         elif event.block_size != self.block_size:
@@ -164,16 +176,22 @@ class Translator:
                 ours = ours[:position]
                 break
             self._refs[engine_hash] = self._refs.get(engine_hash, 0) + 1
+            self._tier_refs[tier, engine_hash] = self._tier_refs.get((tier, engine_hash), 0) + 1
         self.counters.blocks_stored += len(ours)
         return StoredRun(parent, tuple(ours)) if ours else None
 
-    def _removed(self, event: BlockRemoved) -> list[int]:
+    def _removed(self, event: BlockRemoved, tier: str) -> list[int]:
         removed = []
         for engine_hash in event.block_hashes:
             our_hash = self._ours.get(engine_hash)
-            if our_hash is None:
+            copies = self._tier_refs.get((tier, engine_hash), 0)
+            if our_hash is None or copies == 0:
                 self.counters.unknown_removals += 1
                 continue
+            if copies > 1:
+                self._tier_refs[tier, engine_hash] = copies - 1
+            else:
+                del self._tier_refs[tier, engine_hash]
             refs = self._refs[engine_hash] - 1
             if refs:
                 self._refs[engine_hash] = refs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvevents.vllm import BlockRemoved, BlockStored
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from sim_engine.kv_events import removed_event, stored_event
@@ -17,13 +18,13 @@ def engine_hashes(start: int, stop: int) -> list[int]:
     return [7_000_000 + i for i in range(start, stop)]
 
 
-def stored(start: int, stop: int) -> dict:
+def stored(start: int, stop: int, medium: str = "GPU") -> BlockStored:
     parent = engine_hashes(start - 1, start)[0] if start else None
-    return stored_event(engine_hashes(start, stop), parent, TOKENS[start * BS : stop * BS], BS)
+    return stored_event(engine_hashes(start, stop), parent, TOKENS[start * BS : stop * BS], BS, medium=medium)
 
 
-def removed(*blocks: int) -> dict:
-    return removed_event([engine_hashes(b, b + 1)[0] for b in blocks])
+def removed(*blocks: int, medium: str = "GPU") -> BlockRemoved:
+    return removed_event([engine_hashes(b, b + 1)[0] for b in blocks], medium=medium)
 
 
 def agent_args(engine: EngineStandIn, redis_url: str, replay: bool = True) -> list[str]:

@@ -62,12 +62,12 @@ def test_unknown_parents_other_tiers_groups_and_block_sizes_are_counted_and_skip
     batch = translator.translate(
         [
             BlockStored((1,), 999, tokens, BS),  # parent never seen
-            BlockStored((2,), None, tokens, BS, medium="CPU"),
+            BlockStored((2,), None, tokens, BS, medium="TAPE"),  # a medium no engine reports
             BlockStored((3,), None, tokens, BS, group_idx=1),
             BlockStored((4,), None, tuple(range(2 * BS)), 2 * BS),
             BlockStored((5,), None, tokens, BS, extra_keys=(["mm-hash", "salt"],)),
             BlockRemoved((77,)),
-            BlockRemoved((2,), medium="CPU"),
+            BlockRemoved((2,), medium="TAPE"),
         ]
     )
     assert batch.changes == []
@@ -96,3 +96,31 @@ def test_removals_follow_reference_counts_of_duplicate_stores():
     assert translator.our_hash(7) == ours
     assert translator.translate([BlockRemoved((7,))]).changes == [RemovedBlocks((ours,))]
     assert translator.our_hash(7) is None
+
+
+def test_each_tier_is_translated_apart_and_a_block_moving_between_tiers_keeps_its_hash():
+    """vLLM's offloading: a block stored on the GPU, copied to the CPU, evicted from the GPU, then
+    from the CPU. One engine hash, one content: our hash is the same in every tier, and its copies
+    are counted per tier (removing it from the GPU leaves the CPU's)."""
+    translator = Translator(BS)
+    tokens = tuple(range(2 * BS))
+    ours = tuple(sequence_hashes(list(tokens), BS))
+    stored = translator.translate([BlockStored((1, 2), None, tokens, BS, medium="GPU")])
+    assert stored.changes == [StoredRun(None, ours)] and stored.lower == {}
+    offloaded = translator.translate([BlockStored((1, 2), None, tokens, BS, medium="CPU")])
+    assert offloaded.changes == [] and offloaded.lower == {"CPU": [StoredRun(None, ours)]}
+    evicted = translator.translate([BlockRemoved((2, 1), medium="GPU")])
+    assert evicted.changes == [RemovedBlocks(ours[::-1])] and evicted.lower == {}
+    # the CPU's copy still names the content: a child stored on the CPU chains to it
+    child = translator.translate([BlockStored((3,), 2, tuple(range(2 * BS, 3 * BS)), BS, medium="cpu")])
+    assert child.lower["CPU"] == [StoredRun(ours[-1], tuple(sequence_hashes(list(range(3 * BS)), BS))[2:])]
+    gone = translator.translate([BlockRemoved((3, 2, 1), medium="CPU")])
+    assert len(gone.lower["CPU"][0].hashes) == 3 and len(translator) == 0
+    assert translator.counters.unknown_removals == 0
+
+
+def test_tiers_left_out_are_counted_and_skipped():
+    translator = Translator(BS, tiers=frozenset({"GPU"}))
+    tokens = tuple(range(BS))
+    batch = translator.translate([BlockStored((1,), None, tokens, BS, medium="CPU"), BlockRemoved((1,), medium="CPU")])
+    assert batch.changes == [] and batch.lower == {} and translator.counters.other_tier_events == 2

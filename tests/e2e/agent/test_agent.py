@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from kvindex.hashing import sequence_hashes
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
+from kvindex.tiers import tier_holder
 from kvindex.types import WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer, available_servers, free_port
 from sim_engine.kv_events import cleared_event, stored_event
@@ -327,3 +328,28 @@ async def test_the_engines_lora_adapters_are_registered_and_followed(engine, ind
         await wait_until(adapters_are(()), 10)
     finally:
         process.kill()
+
+
+async def test_every_tier_the_engine_reports_is_indexed_under_its_tier_holder(engine, agent, index, unique_name):
+    """vLLM's CPU offloading: blocks copied to the CPU, then evicted from the GPU. The CPU tier's
+    holder (a registration of its own, kvindex/tiers.py) keeps them, and a router reads both depths."""
+    pub = engine.publisher
+    worker = f"{engine.url}#0"
+    cpu = tier_holder(worker, "CPU")
+    await pub.publish([stored(0, 6)])
+    await wait_for_match(index, unique_name, [6])
+    await pub.publish([stored(0, 8, medium="CPU")])  # offloaded, and two more only on the CPU
+
+    async def depths_are(expected: dict[str, int]) -> bool:
+        return await index.match(unique_name, CHAIN) == expected
+
+    await wait_until(lambda: depths_are({worker: 6, cpu: 8}), 10)
+    await pub.publish([removed(5, 4, 3)])  # evicted from the GPU: the CPU still has them
+    await wait_until(lambda: depths_are({worker: 3, cpu: 8}), 10)
+    records = {r.worker_id: r for r in await index.workers(unique_name)}
+    assert (records[cpu].tier, records[cpu].tier_of, records[cpu].blocks) == ("CPU", worker, 8)
+    assert (records[worker].tier, records[worker].tier_of) == ("GPU", None)
+    await pub.publish([cleared_event()])  # the engine's cache reset: every tier
+    await wait_until(lambda: depths_are({worker: 0, cpu: 0}), 10)
+    assert agent.terminate() == 0  # a graceful stop deregisters the tier holder too
+    assert await index.workers(unique_name) == []
