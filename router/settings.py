@@ -15,6 +15,7 @@ from kvservice.logs import add_log_arguments
 from kvservice.options import flag_or_env, parse_switch, typed
 from router.routing.allow import WorkerAllowList
 from router.routing.scoring import Policy, ScoringWeights
+from router.routing.tiers import TierCosts, TierMode, parse_tier_values
 
 MIN_POOL_SIZE = 4  # one decision at a time, and the fleet refresh, the lease and the load writer
 # Settings that a flag or a KVROUTE_* variable sets (the flag wins): name -> (variable, type).
@@ -142,6 +143,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="per token a prefill would evict from a full cache (default: the measured cache hit rate)",
+    )
+    tiers = parser.add_argument_group(
+        "cache tiers",
+        "what a prefix in a worker's CPU, disk or remote tier is worth (docs/router.md, 'Cache tiers')",
+    )
+    tiers.add_argument(
+        "--tier-cost",
+        choices=[m.value for m in TierMode],
+        help="time: a loaded block costs its load time (default); weights: it counts as cached by its tier's "
+        "weight (--tier-weights); ignore: only GPU blocks count (env KVROUTE_TIER_COST)",
+    )
+    tiers.add_argument(
+        "--tier-load-ms",
+        metavar="TIER=MS,...",
+        help="load time per 1k tokens of each lower tier (default CPU=4,DISK=30,REMOTE=60: an 8B model's KV "
+        "over PCIe Gen5, a local NVMe, a remote store; env KVROUTE_TIER_LOAD_MS)",
+    )
+    tiers.add_argument(
+        "--tier-weights",
+        metavar="TIER=W,...",
+        help="with --tier-cost weights: each lower tier's weight of a GPU hit (default CPU=0.75,DISK=0.25,"
+        "REMOTE=0.25, Dynamo's; env KVROUTE_TIER_WEIGHTS)",
     )
     parser.add_argument("--busy-kv-usage", type=float, default=w.busy_kv_usage, help=f"busy above ({w.busy_kv_usage})")
     parser.add_argument(
@@ -274,6 +297,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         args.busy_waiting,
         args.temperature,
         args.weight_cache_pressure,
+        _tier_costs(args, env),
     )
     extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
     extra.update(_flag_or_env(args, env))
@@ -300,6 +324,40 @@ _SWITCHES = (
     ("expose_routing_headers", "KVROUTE_EXPOSE_ROUTING_HEADERS"),
     ("lean_front", "KVROUTE_LEAN_FRONT"),
 )
+
+
+def _tier_costs(args: argparse.Namespace, env: Mapping[str, str]) -> TierCosts:
+    """--tier-cost, --tier-load-ms and --tier-weights, else their variables, else the defaults."""
+
+    def values(variable: str, text: str) -> dict[str, float]:
+        return parse_tier_values(text, variable)
+
+    given = flag_or_env(
+        argparse.Namespace(
+            mode=getattr(args, "tier_cost", None),
+            load_ms_per_1k=getattr(args, "tier_load_ms", None),
+            weights=getattr(args, "tier_weights", None),
+        ),
+        env,
+        [
+            ("mode", "KVROUTE_TIER_COST", _tier_mode),
+            ("load_ms_per_1k", "KVROUTE_TIER_LOAD_MS", values),
+            ("weights", "KVROUTE_TIER_WEIGHTS", values),
+        ],
+    )
+    for name, flag in (("load_ms_per_1k", "--tier-load-ms"), ("weights", "--tier-weights")):
+        if isinstance(given.get(name), str):  # the flag's text
+            given[name] = parse_tier_values(given[name], flag)
+    if isinstance(given.get("mode"), str):
+        given["mode"] = TierMode(given["mode"])
+    return TierCosts(**given)
+
+
+def _tier_mode(variable: str, text: str) -> TierMode:
+    try:
+        return TierMode(text.strip().lower())
+    except ValueError:
+        raise ValueError(f"{variable} must be one of {', '.join(m.value for m in TierMode)}, got {text!r}") from None
 
 
 def _flag_or_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:

@@ -24,6 +24,7 @@ from kvindex.pipelined import WireWatch, wire_watch
 from kvindex.prefix_memo import PrefixHashMemo
 from kvindex.redis_index import RedisIndex
 from kvindex.scripts import ScriptCall
+from kvindex.tiers import LOWER_TIERS, tier_holder
 from kvindex.types import WorkerRecord
 from router.prompts.hashing import PromptHasher
 from router.routing.accounting import Split, split
@@ -337,14 +338,17 @@ class Decider:
         # booked, say), and move a conversation off its worker.
         for own_worker, load in self._replica_load.inflight(model).items():
             totals[own_worker] = totals.get(own_worker, InflightLoad()) + load
+        matches = view.matches
         candidates = [
             Candidate(
                 w.worker_id,
                 w.url,
-                view.matches.get(w.worker_id, 0),
+                matches.get(w.worker_id, 0),
                 totals.get(w.worker_id, InflightLoad()),
                 w.load,
                 cached_blocks=w.blocks,
+                # its lower tiers' depths: their holders match beside it (kvindex/tiers.py)
+                tier_depths=tuple(matches.get(tier_holder(w.worker_id, t), 0) for t in LOWER_TIERS),
             )
             for w in workers
         ]

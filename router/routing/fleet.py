@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
+from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
 from router.routing.allow import WorkerAllowList
 
@@ -74,7 +75,8 @@ class Fleet:
         listed: dict[str, list[WorkerRecord]] = {}
         for model in models:
             workers = await self._index.workers(model)
-            listed[model] = [w for w in workers if w.alive and self._allow.admits(w.worker_id, w.url)]
+            # a worker's lower cache tiers are registrations of their own (kvindex/tiers.py), not workers
+            listed[model] = [w for w in workers if w.alive and w.tier == GPU and self._allow.admits(w.worker_id, w.url)]
         self.apply_listing(listed, time.monotonic())
         self.last_error = None
 

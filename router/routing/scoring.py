@@ -29,15 +29,18 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvindex.tiers import LOWER_TIERS
 from kvindex.types import WorkerLoad
+from router.routing.tiers import TierCosts, TierMode, loadable
 from router.routing.ttft import CostModel
 from router.routing.ttft_fit import attention_work
 from router.shared.shared_load import InflightLoad
 
 NO_LOAD = InflightLoad()
+NO_TIER_COSTS = TierCosts()
 MAX_CONGESTION = 8.0
 MAX_UTILIZATION = 0.9  # beyond this the queueing estimate explodes; MAX_CONGESTION caps it anyway
 MAX_OWN_DELAYED = 1.0  # arrivals a prefill delays while it is computed (requests_behind)
@@ -71,6 +74,7 @@ class ScoringWeights:
     busy_waiting: int = 16
     temperature: float = 0.0
     cache_pressure: float | None = None  # per evicted token; None: the measured reuse
+    tiers: TierCosts = field(default_factory=TierCosts)  # what a lower cache tier's blocks are worth
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.queued, self.active, self.queue, self.temperature) < 0:
@@ -92,6 +96,7 @@ class Candidate:
     cached_blocks: int | None = None  # blocks the index lists for that worker (its cache's content)
     held_blocks: int = 0  # leading blocks of this prompt that requests in flight there compute or hold
     idle_s: float | None = None  # since it was last seen busy (None: not seen busy since this replica started)
+    tier_depths: tuple[int, ...] = ()  # its lower tiers' prefix depths (kvindex.tiers.LOWER_TIERS order)
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ class Scored:
     busy: bool
     prefill_tokens: float = 0.0  # the prefill it would wait for there (ahead + own): what TTFT is fitted on
     ttft_s: float = 0.0  # the predicted time to first token there
-    hit_blocks: int = 0  # of its matched blocks, those predicted still cached when it is scheduled
+    hit_blocks: int = 0  # blocks the engine will not compute: its GPU's that survive, and those loaded
+    loaded_blocks: int = 0  # of them, those loaded from a lower tier (CPU, disk, remote)
     attention: float = 0.0  # the attention work of that prefill (ahead + own; router.routing.ttft_fit.attention_work)
     own_attention: float = 0.0  # of it, its own prefill's (booked there with it)
 
@@ -169,11 +175,24 @@ class Terms:
     hit_blocks: int = 0
     own_attention: float = 0.0  # its own prefill's attention work: own tokens after the hit ones
     ahead_attention: float = 0.0  # the prefill ahead's, as booked
+    loaded: tuple[int, ...] = ()  # blocks each lower tier loads past the GPU's hit (router.routing.tiers)
+    load_s: float = 0.0  # the time those loads take
 
 
-def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: CostModel) -> Terms:
+def terms(
+    candidate: Candidate, prompt_blocks: int, block_size: int, model: CostModel, tiers: TierCosts | None = None
+) -> Terms:
+    tiers = tiers or NO_TIER_COSTS
     hit_blocks = min(surviving_blocks(candidate, block_size), prompt_blocks)
-    own_blocks = max(prompt_blocks - hit_blocks, 0)
+    loaded: tuple[int, ...] = ()
+    if tiers.mode is not TierMode.IGNORE:
+        loaded = loadable(candidate.tier_depths, hit_blocks, prompt_blocks)
+    own_blocks = max(prompt_blocks - hit_blocks - sum(loaded), 0)
+    load_s, credited = 0.0, float(sum(loaded))
+    if tiers.mode is TierMode.TIME:
+        load_s = sum(n * block_size * tiers.load_s_per_token(t) for t, n in zip(LOWER_TIERS, loaded, strict=False))
+    elif tiers.mode is TierMode.WEIGHTS:  # a loaded block counts as cached by its weight, the rest computed
+        credited = sum(n * tiers.weight(t) for t, n in zip(LOWER_TIERS, loaded, strict=False))
     # Prefill queued there delays this prompt, except the part that computes this prompt's own
     # prefix (a burst of one prompt shares that work instead of queueing behind it).
     booked_ahead = max(candidate.inflight.uncached_tokens - candidate.pending_blocks * block_size, 0)
@@ -185,12 +204,14 @@ def terms(candidate: Candidate, prompt_blocks: int, block_size: int, model: Cost
         filling = candidate.inflight.uncached_tokens // block_size  # being computed: cached soon
         free = max(capacity - candidate.cached_blocks - filling, 0)
         evicted_blocks = max(own_blocks - free, 0)
-    own, uncached_ahead = own_blocks * block_size, candidate.inflight.uncached_tokens
+    own = (own_blocks + sum(loaded) - credited) * block_size
+    uncached_ahead = candidate.inflight.uncached_tokens
     # the booked attention, less the share of the shared prefix's prefill (as the tokens ahead)
     ahead_attention = candidate.inflight.attention * booked_ahead / uncached_ahead if uncached_ahead > 0 else 0.0
-    own_attention = attention_work(own, hit_blocks * block_size)
+    own_attention = attention_work(own, (prompt_blocks * block_size - own) if own > 0 else 0)
     ahead = max(booked_ahead, engine_ahead)
-    return Terms(own, ahead, evicted_blocks * block_size, hit_blocks, own_attention, ahead_attention)
+    evicted = evicted_blocks * block_size
+    return Terms(own, ahead, evicted, hit_blocks, own_attention, ahead_attention, loaded, load_s)
 
 
 def queued_requests(ahead_tokens: float, model: CostModel) -> float:
@@ -247,19 +268,29 @@ def score(
     greedy equilibrium) and what keeps prompts on their caches when every worker is busy
     (moving one re-prefills its prefix in front of others); at light load, where few requests
     will wait behind it, a briefly busy worker keeps its conversation."""
-    t = terms(candidate, prompt_blocks, block_size, model)
+    t = terms(candidate, prompt_blocks, block_size, model, weights.tiers)
     params = model.params(candidate.worker_id)
     waiting = candidate.engine.waiting if candidate.engine else 0
     extra = weights.active * candidate.inflight.prompt_tokens + weights.queue * waiting * model.typical_uncached_tokens
     reuse = model.reuse if weights.cache_pressure is None else weights.cache_pressure
     attention = weights.prefill * t.own_attention + weights.queued * t.ahead_attention
-    ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra, attention)
+    ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra, attention) + t.load_s
     behind = requests_behind(t.ahead, model, t.own) if marginal else 0.0
     own_s = params.per_token_s * t.own + params.per_context_s * t.own_attention  # its own prefill's time
     cost = ttft + behind * weights.prefill * own_s + params.per_token_s * reuse * t.evicted
     own_attention, waited_attention = t.own_attention, t.own_attention + t.ahead_attention
     busy = is_busy(candidate, weights)
-    return Scored(candidate, cost, busy, t.own + t.ahead, ttft, t.hit_blocks, waited_attention, own_attention)
+    return Scored(
+        candidate,
+        cost,  # the load time is in the ttft
+        busy,
+        prefill_tokens=t.own + t.ahead,
+        ttft_s=ttft,
+        hit_blocks=t.hit_blocks + sum(t.loaded),
+        loaded_blocks=sum(t.loaded),
+        attention=waited_attention,
+        own_attention=own_attention,
+    )
 
 
 def cost(
