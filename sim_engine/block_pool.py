@@ -117,6 +117,10 @@ class BlockPool:
         """vLLM's kv_cache_usage_perc: cached but unused blocks count as free."""
         return 1.0 - self.num_free / (self.num_blocks - 1)
 
+    def emit(self, event: Event) -> None:
+        """Add an event to this step's (the CPU tier's go out with the pool's)."""
+        self.events.append(event)
+
     def take_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from sim_engine.block_pool import Block, BlockPool, CacheKeys, chain_hashes
 from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
+from sim_engine.offload import CpuTier
 
 FIRST_ORDINARY_TOKEN = 5  # below: <unk>, <s>, </s> and the chat markers of the tiny model
 
@@ -158,7 +159,9 @@ class SimRequest:
     hashes: list[int] = field(default_factory=list)  # full blocks of prompt + output
     num_computed: int = 0  # tokens whose KV is computed (after the step that scheduled them)
     num_cached_blocks: int = 0
-    cached_tokens: int | None = None  # the prefix hit when first scheduled
+    cached_tokens: int | None = None  # the prefix hit when first scheduled (loaded from the CPU tier too)
+    external_tokens: int = 0  # of those, the ones loaded from the CPU tier
+    load_ms: float = 0.0  # the CPU tier's load, paid in the step that admits it
     prefilling: bool = False  # admitted, and its computed tokens have not caught up with its tokens yet
     num_preemptions: int = 0
     arrived: float = field(default_factory=time.monotonic)
@@ -197,6 +200,7 @@ class StepPlan:
 class EngineStats:
     prompt_tokens: int = 0  # counted when the request's first token comes, as vLLM
     prompt_tokens_cached: int = 0  # of those, the prefix-cache hits when first scheduled
+    prompt_tokens_external: int = 0  # of those, loaded from the CPU tier
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -220,8 +224,12 @@ class SimEngine:
         vocab_size: int = 2048,
         on_step: Callable[[StepPlan], None] | None = None,
         faults: EngineFaults | None = None,
+        cpu_blocks: int = 0,
+        cpu_load_ms_per_1k_tokens: float = 4.0,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
+        # the CPU tier behind the GPU cache (sim_engine/offload.py), its events with the pool's
+        self.cpu = CpuTier(cpu_blocks, block_size, cpu_load_ms_per_1k_tokens, self.pool.emit) if cpu_blocks else None
         self.faults = faults or EngineFaults()
         self.timing = timing
         self.publisher = publisher
@@ -260,14 +268,21 @@ class SimEngine:
         return request
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.cpu is not None:
+            self.cpu.clear()
+        return True
 
     def cached_prefix_tokens(self, prompt: list[int], keys: CacheKeys | None = None) -> int:
         """The prefix-cache hit ``prompt`` would get if it were scheduled now, in tokens (what an
         oracle router asks: ``POST /debug/match``)."""
         size = self.pool.block_size
         hashes = chain_hashes(prompt, size, keys or CacheKeys())
-        return len(self.pool.longest_hit(hashes, len(prompt))) * size
+        hit = len(self.pool.longest_hit(hashes, len(prompt)))
+        if self.cpu is not None:
+            hit += self.cpu.hit(hashes, hit, (len(prompt) - 1) // size - hit, touch=False)
+        return hit * size
 
     async def _loop(self) -> None:
         while True:
@@ -334,7 +349,8 @@ class SimEngine:
         plan.scheduled.append((request, count))
         if request.prefilling:
             plan.prefill_tokens += count
-            chunk = self.timing.chunk_ms(count, request.num_computed)
+            chunk = self.timing.chunk_ms(count, request.num_computed) + request.load_ms
+            request.load_ms = 0.0
             plan.prefill_ms = max(plan.prefill_ms, chunk) if self.timing.parallel_prefill else plan.prefill_ms + chunk
         else:
             plan.decodes += 1
@@ -359,7 +375,13 @@ class SimEngine:
         hit = self.pool.longest_hit(request.hashes, len(tokens))
         if _cdiv(len(tokens), size) - len(hit) + self.pool.evictable(hit) > self.pool.num_free:
             return None
-        computed = len(hit) * size
+        loaded = 0
+        if self.cpu is not None:  # past the GPU's hit, what the CPU holds is loaded (as much as vLLM counts)
+            loaded = self.cpu.hit(request.hashes, len(hit), (len(tokens) - 1) // size - len(hit))
+            request.load_ms = self.cpu.load_ms(loaded)
+            if request.cached_tokens is None:
+                request.external_tokens = loaded * size
+        computed = (len(hit) + loaded) * size
         count = min(len(tokens) - computed, budget)
         self.pool.touch(hit)
         request.blocks = hit + self.pool.allocate(_cdiv(computed + count, size) - len(hit))
@@ -368,7 +390,7 @@ class SimEngine:
         if request.cached_tokens is None:
             request.cached_tokens = computed
         self.stats.prefix_queries += len(tokens)
-        self.stats.prefix_hits += computed
+        self.stats.prefix_hits += len(hit) * size
         self._cache(request, computed + count)
         return count
 
@@ -385,6 +407,10 @@ class SimEngine:
                 parent=parent,
             )
         self.pool.cache(request.blocks, request.hashes[:full], tokens, request.num_cached_blocks, request.keys)
+        if self.cpu is not None:  # write through: the CPU tier copies what the GPU caches
+            self.cpu.store(
+                request.hashes[: min(full, len(request.blocks))], tokens, request.num_cached_blocks, request.keys
+            )
         request.num_cached_blocks = max(request.num_cached_blocks, min(full, len(request.blocks)))
 
     def _preempt(self, request: SimRequest) -> None:
@@ -416,6 +442,7 @@ class SimEngine:
                 request.first_token_at = now
                 self.stats.prompt_tokens += len(request.prompt)
                 self.stats.prompt_tokens_cached += request.cached_tokens or 0
+                self.stats.prompt_tokens_external += request.external_tokens
             request.tokens.put_nowait(token)
             if len(request.output) >= request.max_tokens:
                 self._finish(request)

@@ -87,7 +87,8 @@ class EngineCollector(Collector):
             "Number of prompt tokens by source.",
             labels=[*self._labels, "source"],
         )
-        values = (stats.prompt_tokens - stats.prompt_tokens_cached, stats.prompt_tokens_cached, 0)
+        local = stats.prompt_tokens_cached - stats.prompt_tokens_external
+        values = (stats.prompt_tokens - stats.prompt_tokens_cached, local, stats.prompt_tokens_external)
         for source, value in zip(PROMPT_TOKEN_SOURCES, values, strict=True):
             family.add_metric([*self._labels.values(), source], value)
         return family

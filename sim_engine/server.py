@@ -386,6 +386,8 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
             settings.max_model_len,
             prompts.vocab_size,
             faults=EngineFaults(drop_events_every=settings.drop_events_every),
+            cpu_blocks=settings.cpu_blocks,
+            cpu_load_ms_per_1k_tokens=settings.cpu_load_ms_per_1k_tokens,
         )
         stack.push_async_callback(engine.stop)
         engine.start()

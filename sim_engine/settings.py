@@ -58,6 +58,10 @@ class SimEngineSettings:
     # unloaded at run time (vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora: bool = False
+    # A CPU tier behind the GPU cache (vLLM's native CPU offloading): its size in blocks (0: none)
+    # and its load time (sim_engine/offload.py).
+    cpu_blocks: int = 0
+    cpu_load_ms_per_1k_tokens: float = 4.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -82,6 +86,8 @@ class SimEngineSettings:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557, got {endpoint!r}")
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ValueError("--replay-endpoint needs KV events: drop --events-endpoint none")
+        if self.cpu_blocks < 0 or self.cpu_load_ms_per_1k_tokens < 0:
+            raise ValueError("--cpu-blocks and --cpu-load-ms-per-1k-tokens must be >= 0")
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) < len(names) or self.model in names:
             raise ValueError("--lora-modules names must differ from each other and from --model")
@@ -195,6 +201,18 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
         help="LoRA adapters served from the start, as vLLM's flag (requests name them as the model)",
     )
     parser.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=SimEngineSettings.cpu_blocks,
+        help="a CPU tier of this many blocks behind the GPU cache, as vLLM's CPU offloading (default 0: none)",
+    )
+    parser.add_argument(
+        "--cpu-load-ms-per-1k-tokens",
+        type=float,
+        default=SimEngineSettings.cpu_load_ms_per_1k_tokens,
+        help="the CPU tier's load time per 1k tokens (default 4: an 8B model's KV over PCIe Gen5)",
+    )
+    parser.add_argument(
         "--enable-lora",
         action="store_true",
         help="also load and unload adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)",
@@ -232,4 +250,6 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         metrics=args.metrics,
         lora_modules=tuple(parse_module(text) for text in args.lora_modules),
         enable_lora=args.enable_lora or bool(args.lora_modules),
+        cpu_blocks=args.cpu_blocks,
+        cpu_load_ms_per_1k_tokens=args.cpu_load_ms_per_1k_tokens,
     )

@@ -209,6 +209,7 @@ class SimFleet:
     agent_args: list[str] = field(default_factory=list)  # more flags for every agent
     engine_metrics: str = "full"  # the engines' --metrics: full, or minimal (three gauges)
     adapters: Sequence[Sequence[str]] = ()  # engine i serves the LoRA adapters adapters[i]
+    cpu_blocks: int = 0  # a CPU tier behind each engine's GPU cache (sim_engine/offload.py)
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -232,6 +233,7 @@ class SimFleet:
                 metrics=self.engine_metrics,
                 lora_modules=tuple((name, f"/adapters/{name}") for name in served),
                 enable_lora=True,
+                cpu_blocks=self.cpu_blocks,
             )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())

@@ -1,0 +1,62 @@
+"""Cache tiers through a router: simulated engines with a small GPU cache and a CPU tier behind it
+(vLLM's CPU offloading), their agents indexing both tiers, a router. A prefix evicted from a
+worker's GPU but held in its CPU tier still draws its prompts there, and the router predicts the
+cached tokens the engine reports (loaded ones included)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from kvindex.hashing import sequence_hashes
+from kvindex.tiers import tier_holder
+from router.main import RunningRouter
+from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.router import PREFIX, complete, start_router
+
+BS = 16
+
+
+@pytest.fixture
+async def tier_fleet(redis_server) -> AsyncIterator[SimFleet]:
+    fleet = await SimFleet(redis_server.url, count=2, num_blocks=24, cpu_blocks=400).start()
+    yield fleet
+    await fleet.stop()
+
+
+@pytest.fixture
+async def router(tier_fleet: SimFleet, redis_server) -> AsyncIterator[RunningRouter]:
+    context, running = await start_router(redis_server.url)
+    await wait_for_workers(running, tier_fleet.count)
+    yield running
+    await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+async def serve_directly(url: str, prompt: list[int]) -> dict:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        async with session.post(url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+            return await response.json()
+
+
+async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicted(router, tier_fleet):
+    owner = tier_fleet.engines[0]
+    worker = tier_fleet.worker_id(0)
+    prefix = PREFIX[: 10 * BS]
+    await serve_directly(owner.url, [*prefix, 1])
+    for n in range(3):  # other prompts fill the owner's 23-block GPU cache: the prefix leaves it
+        await serve_directly(owner.url, [(i * 13 + n) % 1900 + 5 for i in range(10 * BS)] + [2])
+    chain = sequence_hashes(prefix, BS)
+
+    async def only_the_cpu_holds_it() -> bool:
+        matched = await router.state.index.match("tiny", chain)
+        return matched.get(worker, 0) < len(chain) and matched.get(tier_holder(worker, "CPU"), 0) == len(chain)
+
+    await wait_until(only_the_cpu_holds_it, 15)
+    status, headers, body = await complete(router.url, [*prefix, 3])
+    assert status == 200 and headers["x-kvroute-worker"] == worker
+    reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
