@@ -32,8 +32,17 @@ from typing import Any
 from kvindex.settings import RedisSettings
 from kvroute.bench.common import percentile, write_json
 from kvroute.bench.regimes_report import across_seeds, relative_to_best, render, summarize_policies
-from kvroute.bench.regimes_workload import CACHE, TINY_PROMPTS, Cell, Workload, grid, workload
-from kvroute.bench.replay import GREEDY_ORACLE, fleet_capacity, prompts_for, replay_on_stack
+from kvroute.bench.regimes_workload import (
+    CACHE,
+    CPU_LOAD_SHARE,
+    TIERED_CACHE,
+    TINY_PROMPTS,
+    Cell,
+    Workload,
+    grid,
+    workload,
+)
+from kvroute.bench.replay import GREEDY_ORACLE, ROUTER_VARIANTS, fleet_capacity, prompts_for, replay_on_stack
 from kvroute.bench.replay_workload import reference_hit_rates
 from kvroute.devstack.embedded_redis import RedisServer
 from kvroute.devstack.stack import Stack
@@ -56,7 +65,7 @@ REPLICA_FREE = (GREEDY_ORACLE,)
 
 
 def policies_from(flag: str) -> list[str]:
-    known = [p.value for p in Policy] + [GREEDY_ORACLE, SGLANG]
+    known = [p.value for p in Policy] + [*ROUTER_VARIANTS, GREEDY_ORACLE, SGLANG]
     policies = list(dict.fromkeys(p.strip() for p in flag.split(",") if p.strip()))
     for policy in policies:
         if policy not in known:
@@ -208,12 +217,20 @@ async def run_grid(cells: list[Cell], policies: list[str], args: argparse.Namesp
                 args.prefill_ms_per_1k,
                 args.block_size,
             )
-            fraction = cache_fraction(cache, load, args.engines)
-            sizes = fraction, args.engines, args.block_size, args.max_output, load.block_tokens
-            capacity, per_engine_blocks, max_model_len = fleet_capacity(load.requests, *sizes)
+            tiered = first.tiers == "cpu"
+            fraction = TIERED_CACHE["gpu"] if tiered else cache_fraction(cache, load, args.engines)
+            sizes = args.engines, args.block_size, args.max_output, load.block_tokens
+            capacity, per_engine_blocks, max_model_len = fleet_capacity(load.requests, fraction, *sizes)
             time_scale = args.wall_rate / load.rate
             redis = RedisSettings(url=server.url, prefix=f"regimes{number}")
-            engine = {"num_blocks": per_engine_blocks, "block_size": args.block_size, "max_model_len": max_model_len}
+            engine: dict[str, Any] = {
+                "num_blocks": per_engine_blocks,
+                "block_size": args.block_size,
+                "max_model_len": max_model_len,
+            }
+            if tiered:
+                engine["cpu_blocks"] = fleet_capacity(load.requests, TIERED_CACHE["cpu"], *sizes)[1]
+                engine["cpu_load_ms_per_1k_tokens"] = CPU_LOAD_SHARE * args.prefill_ms_per_1k
             setting = "/".join(first.engine_setting)
             print(f"engines for {setting}: time scale {time_scale:.2f}", file=sys.stderr)
             timing = _timing(args, time_scale, first)

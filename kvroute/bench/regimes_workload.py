@@ -46,6 +46,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "replicas": ("1", "2", "4"),
     "engine": ("full", "minimal"),
     "prefill": ("serial", "parallel"),
+    "tiers": ("gpu", "cpu"),
 }
 # Open loop, arrivals at these shares of the fleet's prefill capacity; "closed": as many clients as
 # engines, each sending its next request when its last is answered (the engines' clock runs as
@@ -54,10 +55,23 @@ LOAD = {"light": 0.3, "heavy": 0.8, "overload": 1.2, "closed": 0.3}
 CACHE = {"tight": 0.25, "loose": 1.0}  # fleet KV capacity / distinct blocks of the cell's requests
 TINY_PROMPTS = 1.3  # cache=tiny: each engine holds this many mean prompts (grown to fit the largest)
 # Axes whose default values a cell's name leaves out (names from before these axes stay the same).
-QUIET = {"engine": "full", "prefill": "serial"}
+QUIET = {"engine": "full", "prefill": "serial", "tiers": "gpu"}
+# tiers=cpu: each engine's GPU cache and the CPU tier behind it (vLLM's CPU offloading) hold these
+# shares of the cell's distinct blocks (the cache axis does not apply), and a CPU load takes this
+# share of computing the same tokens (4 ms against ~30 ms per 1k tokens for an 8B model on an H200)
+TIERED_CACHE = {"gpu": 0.10, "cpu": 0.50}
+CPU_LOAD_SHARE = 0.13
 
 # --axis and --full pick from tenants x load at these values of the other axes.
-BASE = {"cache": "tight", "client": "stream", "prompts": "ids", "replicas": "1", "engine": "full", "prefill": "serial"}
+BASE = {
+    "cache": "tight",
+    "client": "stream",
+    "prompts": "ids",
+    "replicas": "1",
+    "engine": "full",
+    "prefill": "serial",
+    "tiers": "gpu",
+}
 # The default grid: these cells, each at every replica count (DEFAULT_REPLICAS). The first five
 # are the grid of issue 12 (token ids, engines reporting vLLM's whole metric set); the others have
 # engines that export only three gauges, non-streaming clients and, where "tiny", caches that hold
@@ -96,6 +110,7 @@ class Cell:
     replicas: str
     engine: str = "full"
     prefill: str = "serial"
+    tiers: str = "gpu"
 
     @property
     def name(self) -> str:
@@ -106,10 +121,10 @@ class Cell:
         return {axis: getattr(self, axis) for axis in AXES}
 
     @property
-    def engine_setting(self) -> tuple[str, str, str, str, str]:
+    def engine_setting(self) -> tuple[str, ...]:
         """What the engines of a cell depend on: cells that differ only in client, prompts or
         replicas share one stack."""
-        return self.tenants, self.load, self.cache, self.engine, self.prefill
+        return self.tenants, self.load, self.cache, self.engine, self.prefill, self.tiers
 
 
 def cell_named(name: str, replicas: str) -> Cell:
@@ -150,7 +165,8 @@ def grid(axis_flags: list[str], full: bool) -> tuple[dict[str, tuple[str, ...]],
             name, values = parse_axis(flag)
             axes[name] = values
         cells = [Cell(**dict(zip(AXES, values, strict=True))) for values in itertools.product(*axes.values())]
-    cells.sort(key=lambda c: [AXES[a].index(getattr(c, a)) for a in ("tenants", "load", "cache", "engine", "prefill")])
+    setting = ("tenants", "load", "cache", "engine", "prefill", "tiers")
+    cells.sort(key=lambda c: [AXES[a].index(getattr(c, a)) for a in setting])
     used = {name: tuple(dict.fromkeys(getattr(c, name) for c in cells)) for name in AXES}
     return {name: tuple(v for v in AXES[name] if v in used[name]) for name in AXES}, cells
 

@@ -57,6 +57,12 @@ from sim_engine.settings import TINY_MODEL_DIR
 TIME_WINDOWS = 20  # points of the hit-rate-over-time curve
 GREEDY_ORACLE = "greedy_oracle"  # the reference router that asks the engines (kvroute.devstack.oracle)
 PEERS = ("sglang", GREEDY_ORACLE)  # routers that are not kvroute's, which count no lost tokens
+# kvroute's router with other settings, for comparison: lower cache tiers ignored (only the GPU's
+# blocks count, the router before tiers), and fixed weights per tier (Dynamo's 1.0 / 0.75 / 0.25)
+ROUTER_VARIANTS = {
+    "kv_no_tiers": (Policy.KV, ("--tier-cost", "ignore")),
+    "kv_tier_weights": (Policy.KV, ("--tier-cost", "weights")),
+}
 
 
 @dataclass
@@ -209,8 +215,9 @@ async def _router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterato
         async with GreedyOracle(stack.engine_urls, replicas) as oracle:
             yield oracle.urls
         return
+    policy, flags = ROUTER_VARIANTS[router] if router in ROUTER_VARIANTS else (Policy(router), ())
     try:
-        yield await stack.start_routers(Policy(router), replicas)
+        yield await stack.start_routers(policy, replicas, flags)
     finally:
         await stack.stop_routers()
 

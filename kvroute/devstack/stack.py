@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -24,6 +24,7 @@ import aiohttp
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
+from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
 from kvroute.devstack.embedded_redis import free_port
 from kvroute.devstack.processes import (
@@ -157,8 +158,12 @@ class Stack:
         timing: TimingModel | None = None,
         max_model_len: int = 4096,
         engine_metrics: str = "full",
+        cpu_blocks: int = 0,
+        cpu_load_ms_per_1k_tokens: float = 4.0,
     ) -> None:
         self.redis = redis
+        # a CPU tier behind each engine's GPU cache (sim_engine/offload.py); 0: none
+        self._cpu = (cpu_blocks, cpu_load_ms_per_1k_tokens)
         self._engine_metrics = engine_metrics  # the engines' --metrics: full, or minimal (three gauges)
         self.engines = engines
         self._num_blocks = num_blocks
@@ -210,6 +215,8 @@ class Stack:
             command += ["--prefill-context-ns", str(t.prefill_context_ns)]
         if t.parallel_prefill:
             command += ["--parallel-prefill"]
+        if self._cpu[0]:
+            command += ["--cpu-blocks", str(self._cpu[0]), "--cpu-load-ms-per-1k-tokens", str(self._cpu[1])]
         child = self._start(f"simulated engine {number}", command)
         return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
 
@@ -250,27 +257,33 @@ class Stack:
 
     async def _wait_registered(self) -> None:
         await self._index_workers(
-            lambda workers: len(workers) >= self.engines,
+            lambda workers: sum(w.tier == GPU for w in workers) >= self.engines,
             f"the {self.engines} agents did not register",
         )
 
-    async def start_routers(self, policy: Policy, replicas: int = 2) -> list[str]:
+    async def start_routers(self, policy: Policy, replicas: int = 2, flags: Sequence[str] = ()) -> list[str]:
         """``replicas`` router processes (each its own interpreter, as deployed), ready and seeing
-        every engine; their URLs."""
-        started = [self._start_router(policy, n) for n in range(replicas)]
+        every engine; their URLs. ``flags``: more router flags (--tier-cost ...)."""
+        started = [self._start_router(policy, n, flags) for n in range(replicas)]
         self._routers += [child for child, _ in started]
         async with aiohttp.ClientSession() as session:
             for child, url in started:
                 await self._wait_router(session, child, url)
         return [url for _, url in started]
 
-    def _start_router(self, policy: Policy, number: int) -> tuple[Child, str]:
+    def _start_router(self, policy: Policy, number: int, flags: Sequence[str] = ()) -> tuple[Child, str]:
         port = self._port()
         command = [sys.executable, "-m", "router", "--redis-url", self.redis.url, "--prefix", self.redis.prefix]
         command += ["--port", str(port), "--policy", policy.value, "--replica-id", f"stack-{number}-{port}"]
         command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING"]
-        command += ["--enable-debug"]  # _wait_router reads /debug/route
+        command += ["--enable-debug", *self._tier_flags(), *flags]  # _wait_router reads /debug/route
         return self._start(f"router replica {number}", command), f"http://127.0.0.1:{port}"
+
+    def _tier_flags(self) -> list[str]:
+        """The engines' CPU tier's load time, as an operator sets it for the hardware (in the
+        routers' wall clock: the engines run ``speedup`` times faster than real time)."""
+        blocks, load_ms = self._cpu
+        return ["--tier-load-ms", f"CPU={load_ms / self._timing.speedup:.6g}"] if blocks else []
 
     async def _wait_router(self, session: aiohttp.ClientSession, router: Child, url: str) -> None:
         """Until the router's /debug/route lists every engine (it sees the whole fleet)."""
@@ -302,7 +315,10 @@ class Stack:
                     response.raise_for_status()
         tiny_blocks = (len(TINY_PROMPT) + 1) // self._block_size  # its prompt and output token
         await self._index_workers(
-            lambda workers: len(workers) == self.engines and all(w.blocks <= tiny_blocks for w in workers),
+            # the workers, and their lower tiers' holders (kvindex/tiers.py) emptied too
+            lambda workers: (
+                sum(w.tier == GPU for w in workers) == self.engines and all(w.blocks <= tiny_blocks for w in workers)
+            ),
             "the agents did not apply the cache resets",
         )
         await self._forget_routing_state()
