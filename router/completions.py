@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvindex.tiers import LOWER_TIERS
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
 from router.prompts.body import TOO_DEEP, BodyError, decode_body
@@ -128,6 +129,10 @@ def _account(state: RouterState, decision: Decision, found: Split | None) -> Non
         state.metrics.regret_tokens.labels(decision.model).inc(found.regret)
     if (prefix := decision.shared_prefix()) is not None:
         state.prefixes.note(decision.model, *prefix, now=now)
+    loaded = decision.scored(decision.choice.chosen).loaded  # from the CPU, disk, remote tiers
+    for tier, blocks in zip(LOWER_TIERS, loaded, strict=False):
+        if blocks:
+            state.metrics.loaded_tokens.labels(decision.model, tier).inc(blocks * decision.block_size)
 
 
 def _record_usage(state: RouterState, decision: Decision, candidate: Candidate, usage: dict | None) -> None:

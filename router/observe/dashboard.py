@@ -99,6 +99,7 @@ async def fleet_view(state: RouterState, totals: SharedTotals) -> dict[str, Any]
                     "inflight_uncached_tokens": inflight.uncached_tokens,
                     "heartbeat_age_ms": w.heartbeat_age_ms,
                     "adapters": list(w.adapters),  # the LoRA adapters its engine serves
+                    "tier_blocks": fleet.tier_blocks(model, w.worker_id),  # its CPU, disk, remote tiers' blocks
                 }
             )
         models.append({"model": model, "retained": model in retained, "inflight_scope": scope, "workers": workers})

@@ -31,6 +31,7 @@ class RouterMetrics:
     upstream_errors: Counter
     prompt_tokens: Counter
     cached_tokens: Counter
+    loaded_tokens: Counter
     predicted_cached_tokens: Counter
     predictions: Counter
     prediction_error_tokens: Histogram
@@ -71,6 +72,12 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
         retries=Counter(PREFIX + "upstream_retries", "Requests retried on the next best worker", registry=r),
         upstream_errors=Counter(PREFIX + "upstream_errors", "Failures before the first byte", ["worker"], registry=r),
         prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens the engines reported", ["model"], registry=r),
+        loaded_tokens=Counter(
+            PREFIX + "loaded_prefix_tokens",
+            "Prompt tokens the chosen workers were predicted to load from a lower cache tier, by tier",
+            ["model", "tier"],
+            registry=r,
+        ),
         cached_tokens=Counter(
             PREFIX + "cached_tokens",
             "Cached prompt tokens the engines reported (hit rate = cached_tokens / prompt_tokens)",

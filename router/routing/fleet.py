@@ -52,6 +52,8 @@ class Fleet:
         self._refresh_s = refresh_s
         self._retain_s = retain_s
         self._alive: dict[str, list[WorkerRecord]] = {}
+        # (model, worker id) -> {tier: blocks} its lower tiers' holders list (kvindex/tiers.py)
+        self._tier_blocks: dict[tuple[str, str], dict[str, int]] = {}
         self._known_models: set[str] = set()
         # model -> monotonic time since when Redis has listed no alive worker for a model whose
         # last known workers are still offered (retained).
@@ -73,11 +75,16 @@ class Fleet:
     async def refresh(self) -> None:
         models = await self._index.models()
         listed: dict[str, list[WorkerRecord]] = {}
+        tier_blocks: dict[tuple[str, str], dict[str, int]] = {}
         for model in models:
             workers = await self._index.workers(model)
+            for holder in workers:
+                if holder.alive and holder.tier != GPU and holder.tier_of is not None:
+                    tier_blocks.setdefault((model, holder.tier_of), {})[holder.tier] = holder.blocks
             # a worker's lower cache tiers are registrations of their own (kvindex/tiers.py), not workers
             listed[model] = [w for w in workers if w.alive and w.tier == GPU and self._allow.admits(w.worker_id, w.url)]
         self.apply_listing(listed, time.monotonic())
+        self._tier_blocks = tier_blocks
         self.last_error = None
 
     def apply_listing(self, listed: dict[str, list[WorkerRecord]], now: float) -> None:
@@ -157,6 +164,10 @@ class Fleet:
             if any(name in w.adapters for w in workers):
                 return Served(model, name)
         return None
+
+    def tier_blocks(self, model: str, worker_id: str) -> dict[str, int]:
+        """The blocks each lower tier of a worker holds, as the last listing said ({} for none)."""
+        return dict(self._tier_blocks.get((model, worker_id), {}))
 
     def adapters(self, model: str) -> list[str]:
         """The adapters of ``model`` that an alive worker serves."""

@@ -107,9 +107,13 @@ class Scored:
     prefill_tokens: float = 0.0  # the prefill it would wait for there (ahead + own): what TTFT is fitted on
     ttft_s: float = 0.0  # the predicted time to first token there
     hit_blocks: int = 0  # blocks the engine will not compute: its GPU's that survive, and those loaded
-    loaded_blocks: int = 0  # of them, those loaded from a lower tier (CPU, disk, remote)
+    loaded: tuple[int, ...] = ()  # of them, those each lower tier loads (kvindex.tiers.LOWER_TIERS order)
     attention: float = 0.0  # the attention work of that prefill (ahead + own; router.routing.ttft_fit.attention_work)
     own_attention: float = 0.0  # of it, its own prefill's (booked there with it)
+
+    @property
+    def loaded_blocks(self) -> int:
+        return sum(self.loaded)
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,7 @@ def score(
         prefill_tokens=t.own + t.ahead,
         ttft_s=ttft,
         hit_blocks=t.hit_blocks + sum(t.loaded),
-        loaded_blocks=sum(t.loaded),
+        loaded=t.loaded,
         attention=waited_attention,
         own_attention=own_attention,
     )

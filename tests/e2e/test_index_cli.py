@@ -46,6 +46,33 @@ def test_hash_prints_the_public_json_shape():
     assert salted["hashes"] == sequence_hashes([1, 2, 3, 4], 4, cache_salt="s")
 
 
+async def populate_tiers(url: str, model: str) -> None:
+    """A worker holding one block on its GPU and the whole chain in its CPU tier's holder."""
+    client = Redis.from_url(url)
+    index = RedisIndex(client)
+    chain = sequence_hashes(TOKENS, 32)
+    gpu = await index.register(WorkerInfo("w", model, "http://127.0.0.1:9001", 32), 600_000)
+    cpu = await index.register(
+        WorkerInfo("w#cpu", model, "http://127.0.0.1:9001", 32, tier="CPU", tier_of="w"), 600_000
+    )
+    await gpu.store([StoredRun(None, tuple(chain[:1]))])
+    await cpu.store([StoredRun(None, tuple(chain))])
+    await client.aclose()
+
+
+def test_a_workers_tiers_are_listed_and_looked_up(redis_server, unique_name):
+    asyncio.run(populate_tiers(redis_server.url, unique_name))
+    common = ["--redis-url", redis_server.url, "--model", unique_name]
+    workers = json.loads(kvroute("index", "workers", *common, "--json").stdout)
+    tiers = {w["id"]: (w["tier"], w["tier_of"], w["blocks"]) for w in workers}
+    assert tiers == {"w": ("GPU", None, 1), "w#cpu": ("CPU", "w", 4)}
+    table = kvroute("index", "workers", *common).stdout
+    assert "tier" in table.splitlines()[0] and "CPU" in table
+    tokens = ",".join(map(str, TOKENS))
+    found = json.loads(kvroute("index", "lookup", *common, "--tokens", tokens, "--json").stdout)
+    assert {w["id"]: w["matched_blocks"] for w in found["workers"]} == {"w": 1, "w#cpu": 4}
+
+
 def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     asyncio.run(populate(redis_server.url, unique_name))
     tokens = ",".join(map(str, TOKENS))

@@ -12,6 +12,7 @@ import pytest
 
 from kvindex.hashing import sequence_hashes
 from kvindex.tiers import tier_holder
+from kvservice.metrics_page import read_metrics
 from router.main import RunningRouter
 from tests.support import SimFleet, wait_for_workers, wait_until
 from tests.support.router import PREFIX, complete, start_router
@@ -60,3 +61,11 @@ async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicte
     assert status == 200 and headers["x-kvroute-worker"] == worker
     reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
+    await router.state.fleet.refresh()  # the dashboard shows the last listing
+    async with aiohttp.ClientSession() as session:
+        metrics = await read_metrics(session, router.url + "/metrics")
+        async with session.get(router.url + "/dashboard/api/fleet") as response:
+            (model,) = (await response.json())["models"]
+    assert metrics.value("kvroute_router_loaded_prefix_tokens_total", tier="CPU") == len(prefix)
+    by_worker = {w["id"]: w["tier_blocks"] for w in model["workers"]}
+    assert by_worker[worker]["CPU"] >= len(chain) and set(by_worker) == {worker, tier_fleet.worker_id(1)}
