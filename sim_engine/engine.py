@@ -161,7 +161,7 @@ class SimRequest:
     num_cached_blocks: int = 0
     cached_tokens: int | None = None  # the prefix hit when first scheduled (loaded from the CPU tier too)
     external_tokens: int = 0  # of those, the ones loaded from the CPU tier
-    load_ms: float = 0.0  # the CPU tier's load, paid in the step that admits it
+    ready_at: float = 0.0  # monotonic time its load from the CPU tier ends: computed from then on
     prefilling: bool = False  # admitted, and its computed tokens have not caught up with its tokens yet
     num_preemptions: int = 0
     arrived: float = field(default_factory=time.monotonic)
@@ -311,8 +311,12 @@ class SimEngine:
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         index = 0
+        now = time.monotonic()
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.ready_at > now:  # its KV is still loading from the CPU tier
+                index += 1
+                continue
             count = min(len(request.all_tokens) - request.num_computed, budget)
             end = request.num_computed + count
             needed = max(_cdiv(end, self.pool.block_size) - len(request.blocks), 0)
@@ -349,8 +353,7 @@ class SimEngine:
         plan.scheduled.append((request, count))
         if request.prefilling:
             plan.prefill_tokens += count
-            chunk = self.timing.chunk_ms(count, request.num_computed) + request.load_ms
-            request.load_ms = 0.0
+            chunk = self.timing.chunk_ms(count, request.num_computed)
             plan.prefill_ms = max(plan.prefill_ms, chunk) if self.timing.parallel_prefill else plan.prefill_ms + chunk
         else:
             plan.decodes += 1
@@ -378,11 +381,17 @@ class SimEngine:
         loaded = 0
         if self.cpu is not None:  # past the GPU's hit, what the CPU holds is loaded (as much as vLLM counts)
             loaded = self.cpu.hit(request.hashes, len(hit), (len(tokens) - 1) // size - len(hit))
-            request.load_ms = self.cpu.load_ms(loaded)
             if request.cached_tokens is None:
                 request.external_tokens = loaded * size
         computed = (len(hit) + loaded) * size
         count = min(len(tokens) - computed, budget)
+        if loaded:
+            # Loaded asynchronously, as vLLM's connectors load: the request holds its blocks and
+            # waits (vLLM's WAITING_FOR_REMOTE_KVS) while the others compute; its prefill starts
+            # in the first step after the load.
+            assert self.cpu is not None
+            request.ready_at = time.monotonic() + self.cpu.load_ms(loaded) / 1000 / self.timing.speedup
+            count = 0
         self.pool.touch(hit)
         request.blocks = hit + self.pool.allocate(_cdiv(computed + count, size) - len(hit))
         request.num_computed = computed

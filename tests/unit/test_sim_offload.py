@@ -4,14 +4,17 @@ there, the events tagged CPU."""
 
 from __future__ import annotations
 
+import time
+
 from kvevents.vllm import BlockRemoved, BlockStored
 from sim_engine.engine import SimEngine, SimRequest, TimingModel
 
 BS = 4
 
 
-def engine(gpu_blocks: int, cpu_blocks: int) -> SimEngine:
-    return SimEngine(gpu_blocks, BS, TimingModel(speedup=1000.0), cpu_blocks=cpu_blocks, cpu_load_ms_per_1k_tokens=8.0)
+def engine(gpu_blocks: int, cpu_blocks: int, load_ms_per_1k: float = 8.0) -> SimEngine:
+    timing = TimingModel(speedup=1000.0)
+    return SimEngine(gpu_blocks, BS, timing, cpu_blocks=cpu_blocks, cpu_load_ms_per_1k_tokens=load_ms_per_1k)
 
 
 def run(sim: SimEngine, prompt: list[int]) -> tuple[SimRequest, list]:
@@ -50,10 +53,17 @@ def test_the_cpu_tier_evicts_least_recently_used_first_and_says_so():
     assert len(sim.cpu or ()) == 6
 
 
-def test_a_load_costs_its_time_in_the_step_that_admits_it():
-    sim = engine(gpu_blocks=6, cpu_blocks=64)
+def test_a_load_takes_its_time_before_the_request_computes_and_holds_up_no_other():
+    sim = engine(gpu_blocks=12, cpu_blocks=64, load_ms_per_1k=1e9)  # a load that lasts (minutes, at 1000x)
     run(sim, prompt(10, 4))
     run(sim, prompt(500, 4))
-    request = sim.submit(SimRequest("again", prompt(10, 4), max_tokens=1))
+    run(sim, prompt(900, 4))  # the first prompt is out of the 11-block GPU cache, in the CPU tier
+    loading = sim.submit(SimRequest("again", prompt(10, 4), max_tokens=1))
+    sim.submit(SimRequest("other", prompt(1300, 1), max_tokens=1))
     plan = sim.schedule()
-    assert plan.prefill_ms >= 4 * BS * 8.0 / 1000 and request.load_ms == 0.0  # paid once, in this step
+    assert loading.ready_at > time.monotonic() and loading.num_computed == 4 * BS  # admitted, loading
+    assert [r.request_id for r, count in plan.scheduled if count] == ["other"]  # the other computes now
+    sim.complete(plan)
+    loading.ready_at = 0.0  # its load is over
+    plan = sim.schedule()
+    assert [(r.request_id, count) for r, count in plan.scheduled if count] == [("again", 1)]
