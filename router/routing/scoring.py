@@ -207,7 +207,7 @@ def terms(
     if capacity and candidate.cached_blocks is not None:
         filling = candidate.inflight.uncached_tokens // block_size  # being computed: cached soon
         free = max(capacity - candidate.cached_blocks - filling, 0)
-        evicted_blocks = max(own_blocks - free, 0)
+        evicted_blocks = max(own_blocks + sum(loaded) - free, 0)  # a loaded block takes GPU room too
     own = (own_blocks + sum(loaded) - credited) * block_size
     uncached_ahead = candidate.inflight.uncached_tokens
     # the booked attention, less the share of the shared prefix's prefill (as the tokens ahead)

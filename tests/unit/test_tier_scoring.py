@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.routing.scoring import Candidate, ScoringWeights, choose, score
+from kvindex.types import WorkerLoad
+from router.routing.scoring import Candidate, ScoringWeights, choose, score, terms
 from router.routing.tiers import TierCosts, TierMode, loadable, parse_tier_values
 from router.routing.ttft import CostModel, TtftParams
 
@@ -63,3 +64,10 @@ def test_tier_flags_are_checked():
             parse_tier_values(bad, "--tier-load-ms")
     with pytest.raises(ValueError, match="at most 1"):
         TierCosts(weights={"CPU": 1.5})
+
+
+def test_blocks_loaded_into_a_full_gpu_cache_evict_as_computed_ones_do():
+    full = WorkerLoad(running=0, waiting=0, kv_usage=1.0, capacity_blocks=200)
+    loading = Candidate("w", "u", engine=full, cached_blocks=200, tier_depths=(BLOCKS, 0, 0))
+    t = terms(loading, BLOCKS, BS, MODEL, TierCosts())
+    assert t.own == 0 and t.evicted == BLOCKS * BS  # nothing computed, yet the loads take room
