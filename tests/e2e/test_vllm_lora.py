@@ -13,14 +13,11 @@ import aiohttp
 import pytest
 
 from kvindex.hashing import sequence_hashes
-from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_redis import RedisServer
-from router.main import RunningRouter, running_router
-from router.settings import RouterSettings
-from sim_engine.settings import TINY_MODEL_DIR
+from router.main import RunningRouter
 from tests.conftest import server_kinds
-from tests.support import AgentProcess, wait_until
-from tests.support.vllm import BS, MODEL, VllmServer, make_lora_adapters, vllm_server
+from tests.support import wait_until
+from tests.support.vllm import BS, MODEL, VllmServer, agent_and_router, make_lora_adapters, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -40,24 +37,11 @@ def vllm() -> Iterator[VllmServer]:
 
 @pytest.fixture
 async def router(vllm: VllmServer, redis_servers: dict[str, RedisServer]) -> AsyncIterator[RunningRouter]:
-    redis = redis_servers[server_kinds()[0]]
-    events, replay = f"tcp://127.0.0.1:{vllm.events_port}", f"tcp://127.0.0.1:{vllm.replay_port}"
-    args = ["--engine-url", f"{vllm.url}/v1", "--events", events, "--replay", replay, "--topic", "kv"]
-    agent = AgentProcess([*args, "--redis-url", redis.url, "--prefix", "vllmlora"]).start()
-    settings = RouterSettings(
-        redis=RedisSettings(url=redis.url, prefix="vllmlora"), port=0, tokenizers=((MODEL, TINY_MODEL_DIR),)
-    )
-    try:
-        async with running_router(settings) as running:
+    async def adapters_seen(running: RunningRouter) -> bool:
+        return running.state.fleet.adapters(MODEL) == sorted(ADAPTERS)
 
-            async def ready() -> bool:
-                await running.state.fleet.refresh()
-                return running.state.fleet.adapters(MODEL) == sorted(ADAPTERS)
-
-            await wait_until(ready, 60)
-            yield running
-    finally:
-        agent.kill()
+    async with agent_and_router(vllm, redis_servers[server_kinds()[0]].url, "vllmlora", adapters_seen) as running:
+        yield running
 
 
 async def wait_indexed(router: RunningRouter, prompt: list[int], adapter: str | None) -> None:

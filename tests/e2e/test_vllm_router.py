@@ -14,14 +14,11 @@ import aiohttp
 import pytest
 
 from kvindex.hashing import sequence_hashes
-from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_redis import RedisServer
-from router.main import RunningRouter, running_router
-from router.settings import RouterSettings
-from sim_engine.settings import TINY_MODEL_DIR
+from router.main import RunningRouter
 from tests.conftest import server_kinds
-from tests.support import AgentProcess, wait_until
-from tests.support.vllm import BS, MODEL, VllmServer, vllm_server
+from tests.support import wait_until
+from tests.support.vllm import BS, MODEL, VllmServer, agent_and_router, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -36,24 +33,11 @@ def vllm() -> Iterator[VllmServer]:
 
 @pytest.fixture
 async def router(vllm: VllmServer, redis_servers: dict[str, RedisServer]) -> AsyncIterator[RunningRouter]:
-    redis = redis_servers[server_kinds()[0]]
-    events, replay = f"tcp://127.0.0.1:{vllm.events_port}", f"tcp://127.0.0.1:{vllm.replay_port}"
-    args = ["--engine-url", f"{vllm.url}/v1", "--events", events, "--replay", replay, "--topic", "kv"]
-    agent = AgentProcess([*args, "--redis-url", redis.url, "--prefix", "vllmrouter"]).start()
-    settings = RouterSettings(
-        redis=RedisSettings(url=redis.url, prefix="vllmrouter"), port=0, tokenizers=((MODEL, TINY_MODEL_DIR),)
-    )
-    try:
-        async with running_router(settings) as running:
+    async def sees_the_worker(running: RunningRouter) -> bool:
+        return bool(running.state.fleet.alive(MODEL))
 
-            async def ready() -> bool:
-                await running.state.fleet.refresh()
-                return bool(running.state.fleet.alive(MODEL))
-
-            await wait_until(ready, 30)
-            yield running
-    finally:
-        agent.kill()
+    async with agent_and_router(vllm, redis_servers[server_kinds()[0]].url, "vllmrouter", sees_the_worker) as running:
+        yield running
 
 
 def requests() -> list[tuple[str, dict]]:

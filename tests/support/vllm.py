@@ -17,16 +17,20 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_redis import free_port
+from router.main import RunningRouter, running_router
+from router.settings import RouterSettings
 from sim_engine.settings import TINY_MODEL_DIR
 from tests.conftest import FIXTURES
+from tests.support import AgentProcess, wait_until
 
 MODEL = "tiny"
 BS = 32
@@ -177,3 +181,27 @@ def _wait_healthy(server: VllmServer, within: float = 300.0) -> None:
             pass
         time.sleep(1)  # polling a process that takes ~25 s to start: not synchronization
     pytest.fail(f"vLLM was not healthy within {within} s")
+
+
+@asynccontextmanager
+async def agent_and_router(
+    vllm: VllmServer, redis_url: str, prefix: str, ready: Callable[[RunningRouter], Awaitable[bool]]
+) -> AsyncIterator[RunningRouter]:
+    """An agent following ``vllm`` and a router (in this process) tokenizing with the tiny model,
+    on the index under ``prefix``; yielded once ``ready(router)`` (after a refresh of its fleet)."""
+    events, replay = f"tcp://127.0.0.1:{vllm.events_port}", f"tcp://127.0.0.1:{vllm.replay_port}"
+    args = ["--engine-url", f"{vllm.url}/v1", "--events", events, "--replay", replay, "--topic", "kv"]
+    agent = AgentProcess([*args, "--redis-url", redis_url, "--prefix", prefix]).start()
+    redis = RedisSettings(url=redis_url, prefix=prefix)
+    settings = RouterSettings(redis=redis, port=0, tokenizers=((MODEL, TINY_MODEL_DIR),))
+    try:
+        async with running_router(settings) as running:
+
+            async def refreshed_and_ready() -> bool:
+                await running.state.fleet.refresh()
+                return await ready(running)
+
+            await wait_until(refreshed_and_ready, 60)
+            yield running
+    finally:
+        agent.kill()
