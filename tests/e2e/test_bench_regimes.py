@@ -101,6 +101,7 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
         "replicas": ["1"],
         "engine": ["full"],
         "prefill": ["serial"],
+        "tiers": ["gpu"],
     }
     assert [c["metric"] for c in report["cells"]] == ["ttft", "latency"]
     for cell in report["cells"]:

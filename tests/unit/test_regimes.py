@@ -300,3 +300,15 @@ def test_the_table_of_several_seeds_names_each_runs_seed_and_the_means():
     across = text[text.index("across seeds") :]
     kv_line = next(line for line in across.splitlines() if " kv " in f" {line} ")
     assert "1.22" in kv_line and "200.0" in kv_line  # sqrt(1 x 1.5); mean of 100 and 300 ms
+
+
+def test_a_cpu_tier_cell_is_named_and_parsed_and_runs_on_its_own_engines():
+    from kvroute.bench.regimes_workload import cell_named
+
+    axes, cells = grid(["tiers=cpu", "tenants=zipf", "load=heavy"], full=False)
+    assert axes["tiers"] == ("cpu",) and [c.name for c in cells] == ["zipf/heavy/tight/stream/ids/r1/cpu"]
+    assert cell_named("zipf/heavy/tight/stream/ids/cpu", "2") == cells[0].__class__(
+        "zipf", "heavy", "tight", "stream", "ids", "2", tiers="cpu"
+    )
+    gpu = cell_named("zipf/heavy/tight/stream/ids", "1")
+    assert gpu.tiers == "gpu" and gpu.engine_setting != cells[0].engine_setting
