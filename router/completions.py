@@ -112,9 +112,9 @@ def _log_fields(found: Split | None) -> dict:
     return found.log_fields()
 
 
-def _account(state: RouterState, decision: Decision, found: Split | None) -> None:
-    """A proxied request's decision quality (``found``: its split, once computed for the log too):
-    the metrics, the dashboard's window and prefixes."""
+def _account(state: RouterState, decision: Decision, candidate: Candidate, found: Split | None) -> None:
+    """A proxied request's decision quality on the worker that served it (``found``: its split,
+    once computed for the log too): the metrics, the dashboard's window and prefixes."""
     if found is None:  # degraded: no match was read; counted by degraded_decisions_total
         return
     now = time.monotonic()
@@ -129,7 +129,7 @@ def _account(state: RouterState, decision: Decision, found: Split | None) -> Non
         state.metrics.regret_tokens.labels(decision.model).inc(found.regret)
     if (prefix := decision.shared_prefix()) is not None:
         state.prefixes.note(decision.model, *prefix, now=now)
-    loaded = decision.scored(decision.choice.chosen).loaded  # from the CPU, disk, remote tiers
+    loaded = decision.scored(candidate).loaded  # from the CPU, disk, remote tiers
     for tier, blocks in zip(LOWER_TIERS, loaded, strict=False):
         if blocks:
             state.metrics.loaded_tokens.labels(decision.model, tier).inc(blocks * decision.block_size)
@@ -196,7 +196,7 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
     _record_usage(state, decision, forwarded.candidate, forwarded.usage)
     reported = _reported_cached(forwarded.usage)
     found = decision.split(forwarded.candidate, reported)
-    _account(state, decision, found)
+    _account(state, decision, forwarded.candidate, found)
     incoming.log_fields = {
         "model": decision.model,
         "worker": forwarded.candidate.worker_id,

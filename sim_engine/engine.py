@@ -383,15 +383,13 @@ class SimEngine:
             loaded = self.cpu.hit(request.hashes, len(hit), (len(tokens) - 1) // size - len(hit))
             if request.cached_tokens is None:
                 request.external_tokens = loaded * size
+            if loaded:
+                # Loaded asynchronously, as vLLM's connectors load: the request holds its blocks
+                # and waits (vLLM's WAITING_FOR_REMOTE_KVS) while the others compute; its
+                # prefill starts in the first step after the load.
+                request.ready_at = time.monotonic() + self.cpu.load_ms(loaded) / 1000 / self.timing.speedup
         computed = (len(hit) + loaded) * size
-        count = min(len(tokens) - computed, budget)
-        if loaded:
-            # Loaded asynchronously, as vLLM's connectors load: the request holds its blocks and
-            # waits (vLLM's WAITING_FOR_REMOTE_KVS) while the others compute; its prefill starts
-            # in the first step after the load.
-            assert self.cpu is not None
-            request.ready_at = time.monotonic() + self.cpu.load_ms(loaded) / 1000 / self.timing.speedup
-            count = 0
+        count = 0 if loaded else min(len(tokens) - computed, budget)
         self.pool.touch(hit)
         request.blocks = hit + self.pool.allocate(_cdiv(computed + count, size) - len(hit))
         request.num_computed = computed

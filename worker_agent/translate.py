@@ -100,7 +100,7 @@ class Translator:
         self.tiers = tiers
         self.counters = TranslateCounters()
         self._ours: dict[EngineHash, int] = {}
-        self._refs: dict[EngineHash, int] = {}  # copies in every tier: the mapping goes with the last
+        # copies per tier: an engine hash's mapping goes when no tier holds a copy any more
         self._tier_refs: dict[tuple[str, EngineHash], int] = {}
 
     def __len__(self) -> int:
@@ -112,7 +112,6 @@ class Translator:
     def reset(self) -> None:
         """The engine's cache is empty (restart, clear, or a resync)."""
         self._ours.clear()
-        self._refs.clear()
         self._tier_refs.clear()
 
     def translate(self, events: Iterable[Event]) -> TranslatedBatch:
@@ -175,7 +174,6 @@ class Translator:
                 self.counters.hash_conflicts += 1
                 ours = ours[:position]
                 break
-            self._refs[engine_hash] = self._refs.get(engine_hash, 0) + 1
             self._tier_refs[tier, engine_hash] = self._tier_refs.get((tier, engine_hash), 0) + 1
         self.counters.blocks_stored += len(ours)
         return StoredRun(parent, tuple(ours)) if ours else None
@@ -192,11 +190,8 @@ class Translator:
                 self._tier_refs[tier, engine_hash] = copies - 1
             else:
                 del self._tier_refs[tier, engine_hash]
-            refs = self._refs[engine_hash] - 1
-            if refs:
-                self._refs[engine_hash] = refs
-            else:
-                del self._refs[engine_hash], self._ours[engine_hash]
+                if not any((other, engine_hash) in self._tier_refs for other in TIERS):
+                    del self._ours[engine_hash]
             removed.append(our_hash)
         self.counters.blocks_removed += len(removed)
         return removed

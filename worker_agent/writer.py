@@ -118,8 +118,10 @@ class WorkerWriter:
             return
         for tier in (*LOWER_TIERS, GPU):
             batches = tiers.get(tier)
-            handle = await self._tier(tier) if batches else None
-            if handle is None or not batches:
+            if not batches:
+                continue
+            handle = await self._tier(tier)
+            if handle is None:
                 continue
             try:
                 await handle.apply_batches(batches)

@@ -339,6 +339,7 @@ class Decider:
         for own_worker, load in self._replica_load.inflight(model).items():
             totals[own_worker] = totals.get(own_worker, InflightLoad()) + load
         matches = view.matches
+        tiered = self._fleet.tiered(model)  # most fleets have none: no tier holder's id to look up
         candidates = [
             Candidate(
                 w.worker_id,
@@ -348,7 +349,7 @@ class Decider:
                 w.load,
                 cached_blocks=w.blocks,
                 # its lower tiers' depths: their holders match beside it (kvindex/tiers.py)
-                tier_depths=tuple(matches.get(tier_holder(w.worker_id, t), 0) for t in LOWER_TIERS),
+                tier_depths=tuple(matches.get(tier_holder(w.worker_id, t), 0) for t in LOWER_TIERS) if tiered else (),
             )
             for w in workers
         ]

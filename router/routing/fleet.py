@@ -54,6 +54,7 @@ class Fleet:
         self._alive: dict[str, list[WorkerRecord]] = {}
         # (model, worker id) -> {tier: blocks} its lower tiers' holders list (kvindex/tiers.py)
         self._tier_blocks: dict[tuple[str, str], dict[str, int]] = {}
+        self._tiered_models: set[str] = set()
         self._known_models: set[str] = set()
         # model -> monotonic time since when Redis has listed no alive worker for a model whose
         # last known workers are still offered (retained).
@@ -85,6 +86,7 @@ class Fleet:
             listed[model] = [w for w in workers if w.alive and w.tier == GPU and self._allow.admits(w.worker_id, w.url)]
         self.apply_listing(listed, time.monotonic())
         self._tier_blocks = tier_blocks
+        self._tiered_models = {model for model, _ in tier_blocks}
         self.last_error = None
 
     def apply_listing(self, listed: dict[str, list[WorkerRecord]], now: float) -> None:
@@ -164,6 +166,11 @@ class Fleet:
             if any(name in w.adapters for w in workers):
                 return Served(model, name)
         return None
+
+    def tiered(self, model: str) -> bool:
+        """Whether a worker of ``model`` has a lower cache tier (a tier holder), as last listed: a
+        decision reads the tiers' depths only then."""
+        return model in self._tiered_models
 
     def tier_blocks(self, model: str, worker_id: str) -> dict[str, int]:
         """The blocks each lower tier of a worker holds, as the last listing said ({} for none)."""

@@ -57,6 +57,7 @@ async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicte
         return matched.get(worker, 0) < len(chain) and matched.get(tier_holder(worker, "CPU"), 0) == len(chain)
 
     await wait_until(only_the_cpu_holds_it, 15)
+    await router.state.fleet.refresh()  # the router knows of the worker's CPU tier (within a second)
     status, headers, body = await complete(router.url, [*prefix, 3])
     assert status == 200 and headers["x-kvroute-worker"] == worker
     reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
