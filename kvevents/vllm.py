@@ -33,6 +33,8 @@ REPLAY_END_SEQ: Final = 0xFFFFFFFFFFFFFFFF  # the seq of the replay socket's end
 _U64: Final = (1 << 64) - 1
 
 BlockHashes = Annotated[tuple[EngineHash, ...], Meta(min_length=1)]
+# a sliding-window group's store may name no block (all of its span slid out of the window)
+StoredHashes = tuple[EngineHash, ...]
 TokenIds = tuple[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)], ...]
 
 
@@ -56,7 +58,7 @@ class BlockStored(_Event, frozen=True):
     positional encoding depends on it); those after ``kv_cache_spec_kind`` came later and are sent
     only when set, so the simulated engine's events are key for key those of vLLM 0.32."""
 
-    block_hashes: BlockHashes
+    block_hashes: StoredHashes
     parent_block_hash: EngineHash | None
     token_ids: TokenIds
     block_size: Annotated[int, Meta(gt=0)]
@@ -73,8 +75,14 @@ class BlockStored(_Event, frozen=True):
     lookahead_token_ids: Any = UNSET
 
     def __post_init__(self) -> None:
-        if len(self.token_ids) != self.block_size * len(self.block_hashes):
-            blocks, size = len(self.block_hashes), self.block_size
+        # A full-attention group's run has its blocks' tokens; a sliding-window or Mamba group's
+        # the tokens of the whole span it cached, of which it stores some blocks (the others slid
+        # out of the window: worker_agent/windows.py).
+        tokens, blocks, size = len(self.token_ids), len(self.block_hashes), self.block_size
+        spans = self.kv_cache_spec_kind not in (None, "full_attention") and tokens % size == 0
+        if not blocks and not spans:
+            raise ValueError("BlockStored names no block")
+        if tokens != size * blocks and not (spans and tokens >= size * blocks):
             raise ValueError(f"BlockStored has {len(self.token_ids)} token ids for {blocks} blocks of {size}")
         msgspec.structs.force_setattr(self, "block_hashes", _unsigned(self.block_hashes))
         parent = self.parent_block_hash

@@ -111,7 +111,7 @@ REGISTER = _spec(
     "worker_id url model block_size dp_rank ttl_ms gid adapters? tier? tier_of?",
     _status_and_ints,
 )
-ADAPTERS = _spec("adapters", "record", "gid adapters", _status)
+ADAPTERS = _spec("adapters", "record", "gid adapters kv_groups?", _status)
 HEARTBEAT = _spec("heartbeat", "record alive alive_version", "gid ttl_ms", _status)
 LOAD = _spec("load", "record", "gid running waiting kv_usage capacity_blocks?", _status)
 CLEAR = _spec(
@@ -179,8 +179,12 @@ def register(
     )
 
 
-def adapters(keys: ModelKeys, worker_id: str, gid: int, names: Sequence[str]) -> ScriptCall[str]:
-    return ADAPTERS.call([keys.worker(worker_id)], [gid, adapter_lines(names)])
+def adapters(
+    keys: ModelKeys, worker_id: str, gid: int, names: Sequence[str], kv_groups: str | None = None
+) -> ScriptCall[str]:
+    """adapters.lua; ``kv_groups`` (kvindex.groups.format_groups) recorded too when given."""
+    rest = [] if kv_groups is None else [kv_groups]
+    return ADAPTERS.call([keys.worker(worker_id)], [gid, adapter_lines(names), *rest])
 
 
 def adapter_lines(names: Sequence[str]) -> str:

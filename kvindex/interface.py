@@ -74,6 +74,10 @@ class WorkerHandle(Protocol):
         """The LoRA adapters the worker's engine serves now (they load and unload at run time)."""
         ...
 
+    async def set_kv_groups(self, kv_groups: str) -> HeartbeatStatus:
+        """The engine's KV-cache groups (kvindex.groups.format_groups), once its events name them."""
+        ...
+
     async def deregister(self) -> None: ...
 
 
@@ -86,6 +90,11 @@ class KVIndex(Protocol):
         ...
 
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]: ...
+
+    async def group_holders(self, model: str, names: Sequence[int]) -> list[set[str]]:
+        """Per name, the alive workers that hold it: a hybrid model's window-group blocks, kept as
+        one-block chains (kvindex/groups.py)."""
+        ...
 
     async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:
         """Alive workers that hold ``block`` and its ancestors, each with 1. ``chain``, the block's

@@ -22,7 +22,7 @@ from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
-from kvindex.keys import KeySchema, ModelKeys
+from kvindex.keys import KeySchema, ModelKeys, block_hex
 from kvindex.pages import Page, combine_listed, pages_of, segments
 from kvindex.redis_worker import MAX_PAGES_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import decode, raise_script_error, worker_record
@@ -201,6 +201,24 @@ class RedisIndex:
         while alive is None:
             alive = self._alive.alive(model, await self._scripts.run(self._alive.whole_call(self.keys(model))))
         return alive
+
+    async def group_holders(self, model: str, names: Sequence[int]) -> list[set[str]]:
+        """Per name, the alive workers that hold it as a one-block chain (a hybrid model's window
+        groups, kvindex/groups.py): its page's ``e:`` field, the gids whose holding ends there
+        (page_apply.lua), one pipelined HGET each."""
+        keys = self.keys(model)
+        named = await self._named(model, await self._alive_gids(model))
+        if not names:
+            return []
+        async with self._client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(keys.segment(name), "e:" + block_hex(name))
+            replies = await pipe.execute()
+        out = []
+        for reply in replies:
+            gids = decode(reply).strip(",").split(",") if reply else []
+            out.append({named.listed[g.encode()] for g in gids if g.encode() in named.listed})
+        return out
 
     async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:
         """Alive workers that hold ``block`` and its ancestors, each with 1 (the index records who

@@ -301,6 +301,12 @@ class RedisWorker:
         self.info = dataclasses.replace(self.info, adapters=names)
         return status
 
+    async def set_kv_groups(self, kv_groups: str) -> HeartbeatStatus:
+        """The engine's KV-cache groups, recorded beside its adapters (adapters.lua)."""
+        self._check_open()
+        call = lua.adapters(self.keys, self.worker_id, self.gid, self.info.adapters, kv_groups)
+        return HeartbeatStatus(await self._scripts.run(call))
+
     async def deregister(self) -> None:
         """Leave the index (the worker's entries stop counting at once); closes the handle."""
         self._check_open()

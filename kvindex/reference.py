@@ -43,6 +43,7 @@ class _Worker:
     load_ms: int = 0
     closed: bool = False  # deregistered, or registered again: its handle no longer writes
     adapters: tuple[str, ...] = ()
+    kv_groups: str = ""
 
     def deadline_ms(self) -> int:
         return self.heartbeat_ms + self.ttl_ms
@@ -197,6 +198,9 @@ class ReferenceIndex:
         self._writer(model, worker_id).closed = True
         del self._models[model].workers[worker_id]
 
+    async def group_holders(self, model: str, names: Sequence[int]) -> list[set[str]]:
+        return [{w for w, depth in (await self.match(model, [name])).items() if depth} for name in names]
+
     async def match(self, model: str, chain: Sequence[int]) -> dict[str, int]:
         out = {}
         for worker_id, worker in self._models.get(model, _Model()).workers.items():
@@ -237,6 +241,7 @@ class ReferenceIndex:
                 load=w.load,
                 load_age_ms=now - w.load_ms if w.load else None,
                 adapters=w.adapters,
+                kv_groups=w.kv_groups,
                 tier=w.info.tier,
                 tier_of=w.info.tier_of,
             )
@@ -339,6 +344,13 @@ class ReferenceWorker:
         names = adapter_names(adapters)
         self._ids()
         self._worker.adapters = names
+        return HeartbeatStatus.OK
+
+    async def set_kv_groups(self, kv_groups: str) -> HeartbeatStatus:
+        if not self._worker.closed and not self._index.holds(self._worker):
+            return HeartbeatStatus.MISSING
+        self._ids()
+        self._worker.kv_groups = kv_groups
         return HeartbeatStatus.OK
 
     async def deregister(self) -> None:

@@ -66,4 +66,5 @@ def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: i
         adapters=tuple(name for name in record.get("adapters", "").split("\n") if name),
         tier=record.get("tier") or "GPU",
         tier_of=record.get("tier_of") or None,
+        kv_groups=record.get("kv_groups", ""),
     )

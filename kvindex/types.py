@@ -94,6 +94,7 @@ class WorkerRecord:
     adapters: tuple[str, ...] = ()
     tier: str = "GPU"
     tier_of: str | None = None
+    kv_groups: str = ""  # a hybrid model's KV-cache groups (kvindex.groups.format_groups; '' for one group)
 
 
 @dataclass(frozen=True)

@@ -107,10 +107,12 @@ _TRANSLATE_HELP = {
     "orphan_blocks": "Blocks in stored runs skipped because their parent is unknown",
     "unknown_removals": "Removed engine hashes never seen stored",
     "other_tier_events": "Events on offload tiers (CPU, STORAGE), not indexed",
-    "other_group_events": "Events of KV-cache groups other than 0, not indexed",
+    "other_group_events": "Events of KV-cache groups not indexed (a second full-attention group, a kind not known)",
     "block_size_mismatches": "Stored runs whose block size differs from the worker's, skipped",
     "unsupported_extra_keys": "Stored runs with extra keys the router cannot reproduce, skipped",
     "hash_conflicts": "Engine hashes stored again with different content",
+    "window_blocks_stored": "Blocks of sliding-window and Mamba KV-cache groups indexed (hybrid models)",
+    "window_blocks_removed": "Blocks of sliding-window and Mamba KV-cache groups removed from the index",
 }
 
 

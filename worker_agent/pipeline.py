@@ -21,6 +21,7 @@ import xxhash
 from prometheus_client import Histogram
 
 from kvevents.vllm import BlockStored, EventBatch, WireError, decode_message
+from kvindex.groups import format_groups
 from kvindex.tiers import GPU, TIERS
 from kvindex.types import BlockChange
 from worker_agent.metrics import AgentCounters
@@ -205,6 +206,8 @@ class EventPipeline:
         self._counters.events_applied += len(batch.events)
 
     async def _flush(self, pending: _Pending) -> None:
+        # a hybrid model's groups, named by its first events
+        await self.writer.note_kv_groups(format_groups(self._translator.groups.values()))
         if pending.tiers:
             await self.writer.apply_tiers(pending.tiers)
         now = time.perf_counter()

@@ -14,7 +14,12 @@ Choices (see docs/agent.md):
   holders. One engine hash stands for one content in every tier (vLLM's offloading keeps the
   block's hash), so the map to our hashes is shared and the copies are counted per tier. Tiers
   left out of ``tiers`` (the agent's --tiers), and media not known, are counted and skipped.
-* Only KV-cache group 0 is indexed (hybrid models publish one stream per group).
+* Hybrid models publish one stream per KV-cache group (kvindex/groups.py). The first
+  full-attention group (or the only group, where the engine names no kind) is indexed as the
+  worker's chains; sliding-window and Mamba groups block by block as one-block chains
+  (worker_agent/windows.py), on the GPU tier only; other full-attention groups are counted and
+  skipped (vLLM stores and frees them with the first). A batch's full-attention events are taken
+  first: a window group's blocks are placed by the chain its full-attention group just stored.
 * A stored run whose parent the agent does not know is counted and skipped, never guessed.
 * Blocks with extra keys the router cannot reproduce (multimodal inputs) start an unknown chain:
   they are skipped like orphans, so a text prompt can never match an image's blocks.
@@ -29,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from kvindex.groups import GroupSpec
 from kvindex.hashing import extend_sequence_hashes
 from kvindex.tiers import GPU, TIERS, tier_of
 from kvindex.types import BlockChange, RemovedBlocks, StoredRun
+from worker_agent.windows import WindowBlocks, full_first, group_spec
 
 
 @dataclass
@@ -49,6 +56,8 @@ class TranslateCounters:
     block_size_mismatches: int = 0
     unsupported_extra_keys: int = 0
     hash_conflicts: int = 0  # an engine hash stored again with different content
+    window_blocks_stored: int = 0  # blocks of sliding-window and Mamba groups
+    window_blocks_removed: int = 0
 
 
 @dataclass
@@ -85,6 +94,15 @@ def _salt_of(first_block_keys: Any, lora_name: str | None) -> tuple[bool, str | 
     return False, None
 
 
+def _plain_keys(event: BlockStored) -> bool:
+    """Whether a window group's blocks carry only what the router reproduces (vLLM aligns
+    ``extra_keys`` with the stored blocks, not the span's)."""
+    if not event.extra_keys:
+        return True
+    representable, _ = _salt_of(event.extra_keys[0], event.lora_name)
+    return representable and _later_keys_ok(event.extra_keys, event.lora_name)
+
+
 def _later_keys_ok(extra_keys: Sequence[Any], lora_name: str | None) -> bool:
     """Blocks after the first may only carry the LoRA name (vLLM repeats it per block)."""
     return all(
@@ -102,6 +120,9 @@ class Translator:
         self._ours: dict[EngineHash, int] = {}
         # copies per tier: an engine hash's mapping goes when no tier holds a copy any more
         self._tier_refs: dict[tuple[str, EngineHash], int] = {}
+        self.groups: dict[int, GroupSpec] = {}  # the KV-cache groups seen, by index
+        self._main_group: int | None = None  # the full-attention group indexed as chains
+        self._windows = WindowBlocks()
 
     def __len__(self) -> int:
         return len(self._ours)
@@ -113,16 +134,22 @@ class Translator:
         """The engine's cache is empty (restart, clear, or a resync)."""
         self._ours.clear()
         self._tier_refs.clear()
+        self._windows.clear()
 
     def translate(self, events: Iterable[Event]) -> TranslatedBatch:
         out = TranslatedBatch()
-        for event in events:
+        for event in full_first(events, self.groups):
             if isinstance(event, AllBlocksCleared):
                 self.counters.clears += 1
                 self.reset()
                 out = TranslatedBatch(clear=True)
             elif (tier := self._indexed_tier(event)) is None:
                 continue
+            elif (spec := self._window_group(event)) is not None:
+                if tier == GPU:
+                    out.changes.extend(self._window_change(event, spec))
+                else:
+                    self.counters.other_tier_events += 1
             elif isinstance(event, BlockStored):
                 run = self._stored(event, tier)
                 if run is not None:
@@ -138,10 +165,51 @@ class Translator:
         if tier is None or tier not in self.tiers:
             self.counters.other_tier_events += 1
             return None
-        if event.group_idx not in (None, 0):
+        if isinstance(event, BlockStored) and event.group_idx is not None:
+            spec = group_spec(event)
+            if spec is not None:
+                self.groups.setdefault(spec.index, spec)
+        group = event.group_idx or 0
+        known = self.groups.get(group)
+        if known is None or known.full:
+            if self._main_group is None:
+                self._main_group = group
+            if group != self._main_group:
+                self.counters.other_group_events += 1
+                return None
+        elif not known.supported:
             self.counters.other_group_events += 1
             return None
         return tier
+
+    def _window_group(self, event: BlockStored | BlockRemoved) -> GroupSpec | None:
+        """The event's group when it is kept block by block (not the chains' group)."""
+        spec = self.groups.get(event.group_idx or 0)
+        return None if spec is None or spec.full else spec
+
+    def _window_change(self, event: BlockStored | BlockRemoved, spec: GroupSpec) -> list[BlockChange]:
+        if isinstance(event, BlockRemoved):
+            removed = self._windows.removed(event, spec, self.counters)
+            return [RemovedBlocks(tuple(removed))] if removed else []
+        if self.block_size is None and self._main_group is None:
+            self.block_size = event.block_size  # no full-attention group: the window's blocks are the index's
+        parent = None
+        if event.parent_block_hash is not None:
+            parent = self._ours.get(event.parent_block_hash) or self._windows.our_hash(event.parent_block_hash)
+            if parent is None:
+                self.counters.orphan_runs += 1
+                self.counters.orphan_blocks += len(event.block_hashes)
+                return []
+        if self.block_size is None or event.block_size % self.block_size or not _plain_keys(event):
+            self.counters.unsupported_extra_keys += not _plain_keys(event)
+            self.counters.block_size_mismatches += _plain_keys(event)
+            return []
+        _, salt = _salt_of(event.extra_keys[0] if event.extra_keys and parent is None else None, event.lora_name)
+        chain = extend_sequence_hashes(
+            parent, event.token_ids, self.block_size, lora_name=event.lora_name, cache_salt=salt
+        )
+        stored = self._windows.stored(event, spec, chain, self._ours, self.counters)
+        return [StoredRun(None, (block,)) for block in stored]
 
     def _stored(self, event: BlockStored, tier: str) -> StoredRun | None:
         if self.block_size is None:

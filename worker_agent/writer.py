@@ -47,6 +47,7 @@ class WorkerWriter:
         self._last_error_log = 0.0
         self._limits_of: RedisWorker | None = None
         self._limits_seen = (0, 0)
+        self._recorded_groups = ""  # the KV-cache groups the record holds (kvindex.groups)
 
     @property
     def registered(self) -> bool:
@@ -103,7 +104,22 @@ class WorkerWriter:
             return False
         fields = {"worker_id": info.worker_id, "model": info.model, "block_size": info.block_size}
         log.info("registered worker", extra={"fields": fields})
+        self._recorded_groups = ""  # a new record: the groups are said again at the next flush
         return True
+
+    async def note_kv_groups(self, kv_groups: str) -> None:
+        """The engine's KV-cache groups (kvindex.groups.format_groups) as its events name them:
+        recorded when they change or the worker registered again (logged when Redis did not
+        take them: the next flush tries again)."""
+        handle = self._live()
+        if handle is None or kv_groups == self._recorded_groups:
+            return
+        try:
+            await handle.set_kv_groups(kv_groups)
+        except REDIS_FAILURES as exc:
+            self._failed("KV-cache groups", exc)
+            return
+        self._recorded_groups = kv_groups
 
     async def apply(self, changes: list[BlockChange]) -> None:
         await self.apply_batches([changes])

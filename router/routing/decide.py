@@ -30,6 +30,7 @@ from router.prompts.hashing import PromptHasher
 from router.routing.accounting import Split, split
 from router.routing.activity import WorkerActivity
 from router.routing.fleet import Fleet
+from router.routing.hybrid import hybrid_matches
 from router.routing.lookups import BudgetExpired, Lookups
 from router.routing.scoring import (
     Candidate,
@@ -227,7 +228,7 @@ class Decider:
         block_size = workers[0].block_size
         chain = await self.hasher.chain(tokens, block_size, cache_salt, adapter)  # long prompts: in slices
         try:
-            view = await self.lookups.run(lambda: self._lookup(model, chain))
+            view = await self.lookups.run(lambda: self._lookup(model, chain, len(tokens), block_size))
         except REDIS_FAILURES as exc:
             if not dry_run:
                 self._enter_degraded(exc)
@@ -278,8 +279,17 @@ class Decider:
             return candidates
         return [_expecting(c, depth[c.worker_id]) for c in candidates]
 
-    async def _lookup(self, model: str, chain: list[int]) -> IndexView:
-        """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.routing.lookups`)."""
+    async def _lookup(self, model: str, chain: list[int], prompt_tokens: int, block_size: int) -> IndexView:
+        """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.routing.lookups`),
+        and for a hybrid model one more for its window groups' blocks (router.routing.hybrid)."""
+        view = await self._index_view(model, chain)
+        groups = self._fleet.kv_groups(model)
+        if groups:
+            hits = await hybrid_matches(self._index, model, groups, chain, prompt_tokens, block_size, view.matches)
+            view = IndexView(hits, view.totals, view.expected_depth)
+        return view
+
+    async def _index_view(self, model: str, chain: list[int]) -> IndexView:
         calls = self._index.match_calls(model, chain)
         if self._shared.alone(model):
             # No other replica books load or expects prefixes here (a replica that starts is

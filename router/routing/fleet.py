@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from kvindex.errors import REDIS_FAILURES
+from kvindex.groups import GroupSpec, is_hybrid, parse_groups
 from kvindex.redis_index import RedisIndex
 from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
@@ -55,6 +56,7 @@ class Fleet:
         # (model, worker id) -> {tier: blocks} its lower tiers' holders list (kvindex/tiers.py)
         self._tier_blocks: dict[tuple[str, str], dict[str, int]] = {}
         self._tiered_models: set[str] = set()
+        self._groups: dict[str, tuple[GroupSpec, ...]] = {}  # hybrid models' KV-cache groups
         self._known_models: set[str] = set()
         # model -> monotonic time since when Redis has listed no alive worker for a model whose
         # last known workers are still offered (retained).
@@ -85,6 +87,7 @@ class Fleet:
             # a worker's lower cache tiers are registrations of their own (kvindex/tiers.py), not workers
             listed[model] = [w for w in workers if w.alive and w.tier == GPU and self._allow.admits(w.worker_id, w.url)]
         self.apply_listing(listed, time.monotonic())
+        self._groups = {model: groups for model, workers in listed.items() if (groups := _hybrid_groups(workers))}
         self._tier_blocks = tier_blocks
         self._tiered_models = {model for model, _ in tier_blocks}
         self.last_error = None
@@ -176,6 +179,10 @@ class Fleet:
         """The blocks each lower tier of a worker holds, as the last listing said ({} for none)."""
         return dict(self._tier_blocks.get((model, worker_id), {}))
 
+    def kv_groups(self, model: str) -> tuple[GroupSpec, ...]:
+        """A hybrid model's KV-cache groups, as its workers' records say (() for other models)."""
+        return self._groups.get(model, ())
+
     def adapters(self, model: str) -> list[str]:
         """The adapters of ``model`` that an alive worker serves."""
         return sorted({a for w in self._alive.get(model, ()) for a in w.adapters})
@@ -187,3 +194,17 @@ class Fleet:
         """Stop offering a worker that just failed, until a refresh lists it alive again (a
         retained worker is not offered again: Redis does not list it)."""
         self._alive[model] = [w for w in self._alive.get(model, ()) if w.worker_id != worker_id]
+
+
+def _hybrid_groups(workers: list[WorkerRecord]) -> tuple[GroupSpec, ...]:
+    """The KV-cache groups the workers' records name, when the model is hybrid (a record the
+    router cannot read is logged and passed over)."""
+    for worker in workers:
+        if worker.kv_groups:
+            try:
+                groups = parse_groups(worker.kv_groups)
+            except ValueError as exc:
+                log.warning("worker %s: %s", worker.worker_id, exc)
+                continue
+            return groups if is_hybrid(groups) else ()
+    return ()
