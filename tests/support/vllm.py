@@ -17,10 +17,11 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,14 +51,23 @@ def vllm_python() -> Path:
     return python
 
 
-def assemble_model(directory: Path) -> Path:
-    """The tiny model as one directory (``directory``/tiny-model), as vLLM loads it."""
+def assemble_model(directory: Path, config: Mapping[str, Any] | None = None) -> Path:
+    """The tiny model as one directory (``directory``/tiny-model), as vLLM loads it; ``config``:
+    fields of its config.json to change (its layers' attention, say: the same weights serve)."""
     model = directory / "tiny-model"
     model.mkdir()
     for source, names in MODEL_FILES.items():
         for name in names:
             shutil.copyfile(source / name, model / name)
+    if config:
+        path = model / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     return model
+
+
+# The tiny model as a hybrid: its first layer a sliding window of 64 tokens (two blocks of 32 make
+# a hit), its second full attention; vLLM keeps a KV-cache group for each.
+SLIDING_WINDOW_CONFIG = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
 
 
 @dataclass
@@ -95,9 +105,15 @@ def _command(
 
 
 @contextmanager
-def vllm_server(num_blocks: int = 12, max_model_len: int = 256, extra_args: Sequence[str] = ()) -> Iterator[VllmServer]:
+def vllm_server(
+    num_blocks: int = 12,
+    max_model_len: int = 256,
+    extra_args: Sequence[str] = (),
+    config: Mapping[str, Any] | None = None,
+) -> Iterator[VllmServer]:
     """A fresh server with a ``num_blocks`` KV cache, KV events and replay on, until the block
-    exits; ``extra_args`` are more vLLM flags (scheduler limits, say)."""
+    exits; ``extra_args`` are more vLLM flags (scheduler limits, say); ``config`` changes the
+    model's config.json (:func:`assemble_model`)."""
     workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
     port, events_port, replay_port = distinct_free_ports(3)
     env = dict(
@@ -110,7 +126,9 @@ def vllm_server(num_blocks: int = 12, max_model_len: int = 256, extra_args: Sequ
         TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor",
     )
     try:
-        command = _command(assemble_model(Path(workdir)), port, events_port, replay_port, num_blocks, max_model_len)
+        command = _command(
+            assemble_model(Path(workdir), config), port, events_port, replay_port, num_blocks, max_model_len
+        )
         command += list(extra_args)
         with open(f"{workdir}/server.log", "wb") as log:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
