@@ -151,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument(
         "--tier-cost",
         choices=[m.value for m in TierMode],
-        help="time: a loaded block costs its load time (default); weights: it counts as cached by its tier's "
+        help="time: a loaded block costs its load time, from --tier-load-ms at first, then as learned from "
+        "TTFTs (default); fixed_time: --tier-load-ms as given; weights: it counts as cached by its tier's "
         "weight (--tier-weights); ignore: only GPU blocks count (env KVROUTE_TIER_COST)",
     )
     tiers.add_argument(

@@ -86,7 +86,9 @@ class Booking:
             waited, attention = scored.prefill_tokens, scored.attention
             seconds = time.perf_counter() - sent_at
             if self._streamed:
-                self._learner.observe(candidate.worker_id, waited, seconds, attention=attention)
+                load = scored.single_tier_load
+                loaded = (load[0], load[1] * self._decision.block_size) if load else None
+                self._learner.observe(candidate.worker_id, waited, seconds, attention=attention, loaded=loaded)
             else:
                 self._whole[candidate.worker_id] = (waited, attention, seconds)
         self._release_prefill(candidate.worker_id)

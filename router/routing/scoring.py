@@ -110,6 +110,14 @@ class Scored:
     loaded: tuple[int, ...] = ()  # of them, those each lower tier loads (kvindex.tiers.LOWER_TIERS order)
     attention: float = 0.0  # the attention work of that prefill (ahead + own; router.routing.ttft_fit.attention_work)
     own_attention: float = 0.0  # of it, its own prefill's (booked there with it)
+    priced_load: bool = False  # its loads were priced in time: its TTFT can teach their time
+
+    @property
+    def single_tier_load(self) -> tuple[str, int] | None:
+        """(tier, blocks) when it loads from one lower tier and its loads were priced in time:
+        what its TTFT teaches (router.routing.tier_load)."""
+        loads = [(tier, n) for tier, n in zip(LOWER_TIERS, self.loaded, strict=False) if n]
+        return loads[0] if self.priced_load and len(loads) == 1 else None
 
     @property
     def loaded_blocks(self) -> int:
@@ -193,7 +201,10 @@ def terms(
         loaded = loadable(candidate.tier_depths, hit_blocks, prompt_blocks)
     own_blocks = max(prompt_blocks - hit_blocks - sum(loaded), 0)
     load_s, credited = 0.0, float(sum(loaded))
-    if tiers.mode is TierMode.TIME:
+    if tiers.mode is TierMode.TIME:  # the flags' values, as far as TTFTs taught otherwise
+        per_token = [model.tier_load_s_per_token(t, tiers.load_s_per_token(t)) for t in LOWER_TIERS]
+        load_s = sum(n * block_size * s for s, n in zip(per_token, loaded, strict=False))
+    elif tiers.mode is TierMode.FIXED_TIME:
         load_s = sum(n * block_size * tiers.load_s_per_token(t) for t, n in zip(LOWER_TIERS, loaded, strict=False))
     elif tiers.mode is TierMode.WEIGHTS:  # a loaded block counts as cached by its weight, the rest computed
         credited = sum(n * tiers.weight(t) for t, n in zip(LOWER_TIERS, loaded, strict=False))
@@ -294,6 +305,7 @@ def score(
         loaded=t.loaded,
         attention=waited_attention,
         own_attention=own_attention,
+        priced_load=weights.tiers.mode in (TierMode.TIME, TierMode.FIXED_TIME),
     )
 
 

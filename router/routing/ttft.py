@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.routing.tier_load import TierLoadSums, learned_load_s_per_token
 from router.routing.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
 
 __all__ = ["PRIOR_PER_TOKEN_S", "SUM_FIELDS", "CostModel", "GroupChange", "GroupKey", "TtftLearner", "TtftParams"]
@@ -103,7 +104,9 @@ class _Average:
         (self.value,) = values
 
 
-GroupKey = tuple[str, str]  # (kind, name): ("a", average), ("S"|"W", "") fleet, ("s"|"w", worker id)
+# (kind, name): ("a", average), ("S"|"W", "") fleet, ("s"|"w", worker id), ("t", tier) a tier's load
+GroupKey = tuple[str, str]
+_Group = Sums | _Average | TierLoadSums
 
 
 @dataclass(frozen=True)
@@ -129,9 +132,15 @@ class CostModel:
     typical_uncached_tokens: float = 512.0
     reuse: float = 0.5
     utilization: float = PRIOR_UTILIZATION
+    # per lower tier, the sums its load time is learned from (router.routing.tier_load)
+    tier_loads: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def params(self, worker_id: str) -> TtftParams:
         return self.rates.get(worker_id, self.fleet)
+
+    def tier_load_s_per_token(self, tier: str, prior_s_per_token: float) -> float:
+        """What loading a token from ``tier`` takes, as learned (the prior while nothing was)."""
+        return learned_load_s_per_token(self.tier_loads.get(tier), prior_s_per_token)
 
 
 class TtftLearner:
@@ -145,6 +154,7 @@ class TtftLearner:
         self._typical = _Average(512.0)
         self._reuse = _Average(0.5)
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
+        self._tier_loads: dict[str, TierLoadSums] = {}  # per lower tier (router.routing.tier_load)
         self._model = CostModel()
         # What changed since the model was last built: it is built again when read (once per
         # decision), not at each change. Rates stale: fitted at the next read (a worker forgotten,
@@ -166,18 +176,35 @@ class TtftLearner:
         whole_reply: bool = False,
         completion_tokens: int = 0,
         attention: float = 0.0,
+        loaded: tuple[str, float] | None = None,
     ) -> None:
         """A request to ``worker_id`` waited ``seconds`` for its first byte, having been predicted
         to wait for ``prefill_tokens`` of prefill there, of ``attention`` work
         (:func:`router.routing.ttft_fit.attention_work`); ``whole_reply``: it was not streamed, so its
-        first byte came with its last, after decoding its ``completion_tokens``."""
+        first byte came with its last, after decoding its ``completion_tokens``. ``loaded``: (tier,
+        tokens) it was predicted to load from one lower tier: the residual teaches that tier's load
+        time (router.routing.tier_load), and the prefill fit sees the TTFT less that load."""
         if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0 or attention < 0:
             return
+        if loaded is not None and loaded[1] > 0:
+            seconds = self._observe_load(worker_id, prefill_tokens, seconds, attention, *loaded)
         workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
         output = completion_tokens if whole_reply else 0
         workers.setdefault(worker_id, Sums()).add(prefill_tokens, seconds, self._decay, output, attention)
         fleet.add(prefill_tokens, seconds, self._decay, output, attention)
         self._unfitted += 1
+
+    def _observe_load(
+        self, worker_id: str, prefill_tokens: float, seconds: float, attention: float, tier: str, tokens: float
+    ) -> float:
+        """Learn ``tier``'s load time from a request that loaded ``tokens`` from it; the seconds
+        left for its prefill (what the prefill fit learns from)."""
+        sums = self._tier_loads.setdefault(tier, TierLoadSums(self._decay))
+        residual = seconds - self._model.params(worker_id).seconds(prefill_tokens, attention)
+        sums.add(tokens, residual)
+        self._averages_stale = True
+        learned = learned_load_s_per_token(sums.vector(), 0.0)
+        return max(seconds - learned * tokens, 0.0)
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
@@ -194,7 +221,8 @@ class TtftLearner:
         self._averages_stale = True
 
     def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
-        return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value)
+        tier_loads = {tier: sums.vector() for tier, sums in self._tier_loads.items()}
+        return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value, tier_loads)
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -244,7 +272,7 @@ class TtftLearner:
 
     # --- one model for every replica (router.routing.model_sync shares it through Redis) ------------
 
-    def _fixed_groups(self) -> dict[GroupKey, Sums | _Average]:
+    def _fixed_groups(self) -> dict[GroupKey, _Group]:
         return {
             ("a", "typical"): self._typical,
             ("a", "reuse"): self._reuse,
@@ -253,20 +281,23 @@ class TtftLearner:
             ("W", ""): self._whole_fleet,
         }
 
-    def _groups(self) -> dict[GroupKey, Sums | _Average]:
+    def _groups(self) -> dict[GroupKey, _Group]:
         groups = self._fixed_groups()
         groups.update({("s", worker): sums for worker, sums in self._workers.items()})
         groups.update({("w", worker): sums for worker, sums in self._whole_workers.items()})
+        groups.update({("t", tier): sums for tier, sums in self._tier_loads.items()})
         return groups
 
-    def _group(self, key: GroupKey, fixed: dict[GroupKey, Sums | _Average]) -> Sums | _Average | None:
+    def _group(self, key: GroupKey, fixed: dict[GroupKey, _Group]) -> _Group | None:
         kind, name = key
         if kind in ("s", "w") and name:
             return (self._workers if kind == "s" else self._whole_workers).setdefault(name, Sums())
+        if kind == "t" and name:
+            return self._tier_loads.setdefault(name, TierLoadSums(self._decay))
         return fixed.get(key)
 
-    def _decay_of(self, group: Sums | _Average) -> float:
-        return group.decay if isinstance(group, _Average) else self._decay
+    def _decay_of(self, group: _Group) -> float:
+        return group.decay if isinstance(group, _Average | TierLoadSums) else self._decay
 
     def changes(self) -> list[GroupChange]:
         """What was learned since the model was last shared (:meth:`adopt`), per group; and the
@@ -338,6 +369,15 @@ class TtftLearner:
             "typical_uncached_tokens": round(model.typical_uncached_tokens, 1),
             "reuse": round(model.reuse, 4),
             "utilization": round(model.utilization, 4),
+            # each lower tier's load time as measured from TTFTs (before the flag's value is
+            # blended in: router.routing.tier_load), and the requests it is measured from
+            "tier_load_ms_per_1k": {
+                tier: {
+                    "measured": round(sums.ry / sums.ll * 1e6, 3) if sums.ll > 0 else None,
+                    "observations": round(sums.n, 1),
+                }
+                for tier, sums in sorted(self._tier_loads.items())
+            },
             "workers": workers,
         }
 
