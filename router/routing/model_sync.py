@@ -30,6 +30,7 @@ from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.replies import decode
+from router.routing import tier_load
 from router.routing.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
 from router.shared.shared_load import SharedLoad
 
@@ -42,12 +43,17 @@ FORGET_WORKER_S = 600.0  # a worker gone this long loses its learned rate (a res
 
 def field_names(key: GroupKey) -> list[str]:
     """The hash fields of one group: ``a:<average>``, ``S:<sum>`` / ``W:<sum>`` (the fleet's
-    streamed / whole-reply sums), ``s:<sum>:<worker id>`` / ``w:<sum>:<worker id>``."""
+    streamed / whole-reply sums), ``s:<sum>:<worker id>`` / ``w:<sum>:<worker id>``, ``t:<sum>:<tier>``
+    (a lower tier's load time, router.routing.tier_load)."""
     kind, name = key
     if kind == "a":
         return [f"a:{name}"]
     suffix = f":{name}" if name else ""
-    return [f"{kind}:{sum_field}{suffix}" for sum_field in SUM_FIELDS]
+    return [f"{kind}:{sum_field}{suffix}" for sum_field in _fields_of(kind)]
+
+
+def _fields_of(kind: str) -> tuple[str, ...]:
+    return tier_load.FIELDS if kind == "t" else SUM_FIELDS
 
 
 def batch_args(changes: Sequence[GroupChange], deleted_fields: Sequence[str]) -> list[str]:
@@ -76,13 +82,13 @@ def parse_model(reply: Sequence[Any]) -> tuple[bool, dict[GroupKey, tuple[float,
             values[("a", rest)]["value"] = value
         elif kind in ("S", "W") and rest:
             values[(kind, "")][rest] = value
-        elif kind in ("s", "w"):
+        elif kind in ("s", "w", "t"):
             sum_field, _, worker = rest.partition(":")
             if worker:
                 values[(kind, worker)][sum_field] = value
     groups: dict[GroupKey, tuple[float, ...]] = {}
     for key, fields in values.items():
-        order = ("value",) if key[0] == "a" else SUM_FIELDS
+        order = ("value",) if key[0] == "a" else _fields_of(key[0])
         if all(name in fields for name in order):
             groups[key] = tuple(fields[name] for name in order)
     return bool(int(applied)), groups

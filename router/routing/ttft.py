@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.routing.tier_load import TierLoadSums, learned_load_s_per_token
@@ -133,7 +133,7 @@ class CostModel:
     reuse: float = 0.5
     utilization: float = PRIOR_UTILIZATION
     # per lower tier, the sums its load time is learned from (router.routing.tier_load)
-    tier_loads: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    tier_loads: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def params(self, worker_id: str) -> TtftParams:
         return self.rates.get(worker_id, self.fleet)
@@ -182,29 +182,28 @@ class TtftLearner:
         to wait for ``prefill_tokens`` of prefill there, of ``attention`` work
         (:func:`router.routing.ttft_fit.attention_work`); ``whole_reply``: it was not streamed, so its
         first byte came with its last, after decoding its ``completion_tokens``. ``loaded``: (tier,
-        tokens) it was predicted to load from one lower tier: the residual teaches that tier's load
-        time (router.routing.tier_load), and the prefill fit sees the TTFT less that load."""
+        tokens) it was predicted to load from one lower tier: what teaches that tier's load time
+        (router.routing.tier_load)."""
         if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0 or attention < 0:
             return
-        if loaded is not None and loaded[1] > 0:
-            seconds = self._observe_load(worker_id, prefill_tokens, seconds, attention, *loaded)
+        if not whole_reply:
+            self._observe_loads(prefill_tokens, seconds, attention, loaded)
         workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
         output = completion_tokens if whole_reply else 0
         workers.setdefault(worker_id, Sums()).add(prefill_tokens, seconds, self._decay, output, attention)
         fleet.add(prefill_tokens, seconds, self._decay, output, attention)
         self._unfitted += 1
 
-    def _observe_load(
-        self, worker_id: str, prefill_tokens: float, seconds: float, attention: float, tier: str, tokens: float
-    ) -> float:
-        """Learn ``tier``'s load time from a request that loaded ``tokens`` from it; the seconds
-        left for its prefill (what the prefill fit learns from)."""
-        sums = self._tier_loads.setdefault(tier, TierLoadSums(self._decay))
-        residual = seconds - self._model.params(worker_id).seconds(prefill_tokens, attention)
-        sums.add(tokens, residual)
-        self._averages_stale = True
-        learned = learned_load_s_per_token(sums.vector(), 0.0)
-        return max(seconds - learned * tokens, 0.0)
+    def _observe_loads(
+        self, prefill_tokens: float, seconds: float, attention: float, loaded: tuple[str, float] | None
+    ) -> None:
+        """Every tier's sums take the observation (in step with the fleet's), with its loaded
+        tokens where it loaded them and 0 elsewhere."""
+        if loaded is not None and loaded[1] > 0 and loaded[0] not in self._tier_loads:
+            self._tier_loads[loaded[0]] = TierLoadSums(self._decay)
+        for tier, sums in self._tier_loads.items():
+            tokens = loaded[1] if loaded is not None and loaded[0] == tier else 0.0
+            sums.add(max(tokens, 0.0), seconds, prefill_tokens, attention)
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
@@ -221,7 +220,13 @@ class TtftLearner:
         self._averages_stale = True
 
     def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
-        tier_loads = {tier: sums.vector() for tier, sums in self._tier_loads.items()}
+        # against the fleet's coefficients as just fitted (streamed first bytes only: a whole reply
+        # holds its decode too)
+        tier_loads = {}
+        if self._rate_source() == "streamed":
+            for tier, sums in self._tier_loads.items():
+                if (residual := sums.residual_sums(self._fleet, fleet)) is not None:
+                    tier_loads[tier] = residual
         return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value, tier_loads)
 
     def forget(self, worker_id: str) -> None:
@@ -254,12 +259,23 @@ class TtftLearner:
 
     def _refit_from(self, workers: dict[str, Sums], sums: Sums) -> None:
         fleet = _blend(sums.fit(self._prior).params, sums.n, self._prior)
+        if sums is self._fleet:
+            fleet = self._without_loads(fleet)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet) for w, own in workers.items()}
         rates = {w: _distinct_rates(rate, _typical(own_rates, fleet)) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
+
+    def _without_loads(self, fleet: TtftParams) -> TtftParams:
+        """The fleet's fit with the lower tiers' mean load time taken out of its base (which held it)."""
+        load_s = 0.0
+        for sums in self._tier_loads.values():
+            residual = sums.residual_sums(self._fleet, fleet)
+            if residual is not None:
+                load_s += learned_load_s_per_token(residual, 0.0) * sums.mean(self._fleet)
+        return replace(fleet, base_s=max(fleet.base_s - load_s, 0.0)) if load_s else fleet
 
     @property
     def model(self) -> CostModel:
@@ -373,10 +389,11 @@ class TtftLearner:
             # blended in: router.routing.tier_load), and the requests it is measured from
             "tier_load_ms_per_1k": {
                 tier: {
-                    "measured": round(sums.ry / sums.ll * 1e6, 3) if sums.ll > 0 else None,
+                    "measured": round(ry / ll * 1e6, 3) if ll > 0 else None,
                     "observations": round(sums.n, 1),
                 }
                 for tier, sums in sorted(self._tier_loads.items())
+                for ry, ll in [sums.residual_sums(self._fleet, model.fleet) or (0.0, 0.0)]
             },
             "workers": workers,
         }

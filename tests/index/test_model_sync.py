@@ -155,3 +155,19 @@ async def test_a_hash_too_large_is_not_read_back(redis_index, unique_name):
         raw_call("learn", [keys.learned, keys.learned_at], ["r", "b", 1000, 60_000, 0])
     )
     assert reply == [1]
+
+
+async def test_a_tiers_load_time_learned_by_one_replica_prices_loads_on_another(redis_index, unique_name):
+    first, second = _replica(redis_index, "r1"), _replica(redis_index, "r2")
+    teacher = first._learner_for(unique_name)
+    rng = random.Random(7)
+    for _ in range(300):
+        tokens, loaded = rng.uniform(100, 3000), rng.uniform(256, 4096)
+        teacher.observe("fast", tokens, 0.01 + 5e-5 * tokens + 2e-5 * loaded, loaded=("CPU", loaded))
+        teacher.observe("fast", tokens, 0.01 + 5e-5 * tokens)
+    await first.sync(unique_name)
+    await second.sync(unique_name)
+    learned = teacher.model.tier_load_s_per_token("CPU", 4e-6)
+    assert learned == pytest.approx(2e-5, rel=0.2)
+    assert second._learner_for(unique_name).model.tier_load_s_per_token("CPU", 4e-6) == pytest.approx(learned)
+    assert "t:ly:CPU" in field_names(("t", "CPU"))
