@@ -184,6 +184,8 @@ def _record_json(record: WorkerRecord) -> dict[str, Any]:
         "adapters": list(record.adapters),  # the LoRA adapters its engine serves
         "tier": record.tier,  # GPU: the worker; CPU, DISK, REMOTE: a tier holder of tier_of (kvindex/tiers.py)
         "tier_of": record.tier_of,
+        # a hybrid model's KV-cache groups (kvindex/groups.py), '' for one group
+        "kv_groups": record.kv_groups,
     }
 
 

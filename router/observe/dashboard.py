@@ -102,7 +102,16 @@ async def fleet_view(state: RouterState, totals: SharedTotals) -> dict[str, Any]
                     "tier_blocks": fleet.tier_blocks(model, w.worker_id),  # its CPU, disk, remote tiers' blocks
                 }
             )
-        models.append({"model": model, "retained": model in retained, "inflight_scope": scope, "workers": workers})
+        groups = [g.text() for g in fleet.kv_groups(model)]  # a hybrid model's KV-cache groups
+        models.append(
+            {
+                "model": model,
+                "retained": model in retained,
+                "inflight_scope": scope,
+                "kv_groups": groups,
+                "workers": workers,
+            }
+        )
     recent, seconds = state.window.total(time.monotonic(), RATE_WINDOW_S)
     age = fleet.view_age_s
     return {

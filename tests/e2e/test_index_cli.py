@@ -18,6 +18,9 @@ from kvindex.types import StoredRun, WorkerInfo
 TOKENS = list(range(1, 129))  # 4 blocks of 32
 
 
+GROUPS = "0:sliding_window:32:64,1:full_attention:32:"  # a hybrid model's KV-cache groups (kvindex/groups.py)
+
+
 def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvroute", *args], capture_output=True, text=True, timeout=60)
 
@@ -30,6 +33,7 @@ async def populate(url: str, model: str) -> None:
     await index.register(WorkerInfo("w-short", model, "http://127.0.0.1:9002", 32, 1, ("sql-lora",)), 600_000)
     await index.register(WorkerInfo("w-dead", model, "http://127.0.0.1:9003", 32), 600_000)
     await index.handle(model, "w-long").store([StoredRun(None, tuple(chain))])
+    await index.handle(model, "w-long").set_kv_groups(GROUPS)
     await index.handle(model, "w-short").store([StoredRun(None, tuple(chain[:1]))])
     await index.handle(model, "w-dead").store([StoredRun(None, tuple(chain))])
     await index.handle(model, "w-dead").heartbeat(0)
@@ -96,6 +100,7 @@ def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     assert by_id["w-dead"]["alive"] is False and by_id["w-long"]["blocks"] == 4
     assert by_id["w-short"]["dp_rank"] == 1 and by_id["w-short"]["url"] == "http://127.0.0.1:9002"
     assert by_id["w-short"]["adapters"] == ["sql-lora"] and by_id["w-long"]["adapters"] == []
+    assert by_id["w-long"]["kv_groups"] == GROUPS and by_id["w-short"]["kv_groups"] == ""
     listed = kvroute("index", "workers", *common, "--model", unique_name).stdout
     assert "adapters" in listed.splitlines()[0] and "sql-lora" in listed
 
