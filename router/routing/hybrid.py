@@ -33,18 +33,50 @@ async def hybrid_matches(
     matches: dict[str, int],
 ) -> dict[str, int]:
     """``matches`` (the full-attention prefix per worker, in the index's blocks of ``block_size``
-    tokens: the prompt's ``chain``) -> each worker's hit in blocks."""
+    tokens: the prompt's ``chain``) -> each worker's hit in blocks.
+
+    Two reads at most: first each window group's blocks just below each worker's limit (a
+    window's run there accepts the limit itself, the common case: a shared prefix whose window
+    the worker keeps); only for workers that one does not settle, every block up to their limit."""
     limits = hit_limits(groups, matches, prompt_tokens, block_size)
-    deepest = max(limits.values(), default=0)
-    names: list[int] = []
-    places: list[tuple[int, int]] = []  # (group, group-block index) of each name
-    for group in window_groups(groups, block_size):
-        per_block = group.block_size // block_size
-        for i in range(deepest // group.block_size):
-            names.append(group_block_hash(chain[(i + 1) * per_block - 1], group.index))
-            places.append((group.index, i))
+    windows = window_groups(groups, block_size)
     held: dict[str, dict[int, set[int]]] = {worker: {} for worker in limits}
-    for (group_index, i), holders in zip(places, await index.group_holders(model, names), strict=True):
+    near = {(g, i) for g in windows for limit in set(limits.values()) for i in _window_below(g, limit)}
+    await _read(index, model, chain, block_size, windows, near, held)
+    settled = {
+        worker: limit
+        for worker, limit in limits.items()
+        if all(set(_window_below(g, limit)) <= held[worker].get(g.index, set()) for g in windows)
+    }
+    rest = {worker: limit for worker, limit in limits.items() if worker not in settled}
+    deepest = max(rest.values(), default=0)
+    every = {(g, i) for g in windows for i in range(deepest // g.block_size)} - near
+    if every:
+        await _read(index, model, chain, block_size, windows, every, held)
+    hits = {worker: hybrid_hit(groups, held[worker], limit) for worker, limit in rest.items()}
+    return {worker: tokens // block_size for worker, tokens in (settled | hits).items()}
+
+
+def _window_below(group: GroupSpec, limit_tokens: int) -> range:
+    """The group-block indices of the run that would end a hit at ``limit_tokens``."""
+    end = limit_tokens // group.block_size
+    return range(max(end - group.run_needed(), 0), end)
+
+
+async def _read(
+    index: KVIndex,
+    model: str,
+    chain: Sequence[int],
+    block_size: int,
+    windows: Sequence[GroupSpec],
+    places: set[tuple[GroupSpec, int]],
+    held: dict[str, dict[int, set[int]]],
+) -> None:
+    """Who holds each (group, group-block index) of ``places``, into ``held`` per worker."""
+    ordered = sorted(places, key=lambda place: (place[0].index, place[1]))
+    names = [
+        group_block_hash(chain[(i + 1) * (group.block_size // block_size) - 1], group.index) for group, i in ordered
+    ]
+    for (group, i), holders in zip(ordered, await index.group_holders(model, names), strict=True):
         for worker in holders & held.keys():
-            held[worker].setdefault(group_index, set()).add(i)
-    return {worker: hybrid_hit(groups, held[worker], limit) // block_size for worker, limit in limits.items()}
+            held[worker].setdefault(group.index, set()).add(i)
