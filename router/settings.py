@@ -151,9 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument(
         "--tier-cost",
         choices=[m.value for m in TierMode],
-        help="time: a loaded block costs its load time, from --tier-load-ms at first, then as learned from "
-        "TTFTs (default); fixed_time: --tier-load-ms as given; weights: it counts as cached by its tier's "
-        "weight (--tier-weights); ignore: only GPU blocks count (env KVROUTE_TIER_COST)",
+        help="time: a loaded block costs its load time, --tier-load-ms (default); learned: a load costs what "
+        "TTFTs taught, a wait per load and a time per token, starting from --tier-load-ms; weights: it counts "
+        "as cached by its tier's weight (--tier-weights); ignore: only GPU blocks count (env KVROUTE_TIER_COST)",
     )
     tiers.add_argument(
         "--tier-load-ms",

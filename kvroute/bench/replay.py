@@ -59,11 +59,11 @@ GREEDY_ORACLE = "greedy_oracle"  # the reference router that asks the engines (k
 PEERS = ("sglang", GREEDY_ORACLE)  # routers that are not kvroute's, which count no lost tokens
 # kvroute's router with other settings, for comparison: lower cache tiers ignored (only the GPU's
 # blocks count, the router before tiers), fixed weights per tier (Dynamo's 1.0 / 0.75 / 0.25), and the
-# tiers' load times as flagged (not learned from TTFTs)
+# tiers' load costs learned from TTFTs
 ROUTER_VARIANTS = {
     "kv_no_tiers": (Policy.KV, ("--tier-cost", "ignore")),
     "kv_tier_weights": (Policy.KV, ("--tier-cost", "weights")),
-    "kv_tier_fixed": (Policy.KV, ("--tier-cost", "fixed_time")),  # the load times as flagged, not learned
+    "kv_tier_learned": (Policy.KV, ("--tier-cost", "learned")),  # the load costs learned from TTFTs
 }
 
 

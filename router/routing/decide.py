@@ -199,7 +199,8 @@ class Decider:
         """What this replica learned of ``model``'s engines (a new one starts from the priors)."""
         learner = self.learners.get(model)
         if learner is None:
-            learner = self.learners[model] = TtftLearner()
+            priors = {tier: self._weights.tiers.load_s_per_token(tier) for tier in LOWER_TIERS}
+            learner = self.learners[model] = TtftLearner(tier_priors=priors)
         return learner
 
     async def decide(

@@ -201,11 +201,12 @@ def terms(
         loaded = loadable(candidate.tier_depths, hit_blocks, prompt_blocks)
     own_blocks = max(prompt_blocks - hit_blocks - sum(loaded), 0)
     load_s, credited = 0.0, float(sum(loaded))
-    if tiers.mode is TierMode.TIME:  # the flags' values, as far as TTFTs taught otherwise
-        per_token = [model.tier_load_s_per_token(t, tiers.load_s_per_token(t)) for t in LOWER_TIERS]
-        load_s = sum(n * block_size * s for s, n in zip(per_token, loaded, strict=False))
-    elif tiers.mode is TierMode.FIXED_TIME:
+    if tiers.mode is TierMode.TIME:
         load_s = sum(n * block_size * tiers.load_s_per_token(t) for t, n in zip(LOWER_TIERS, loaded, strict=False))
+    elif tiers.mode is TierMode.LEARNED:  # as TTFTs taught (the flags' values for a tier not loaded from yet)
+        load_s = sum(
+            _learned_load_s(model, tiers, t, n * block_size) for t, n in zip(LOWER_TIERS, loaded, strict=False)
+        )
     elif tiers.mode is TierMode.WEIGHTS:  # a loaded block counts as cached by its weight, the rest computed
         credited = sum(n * tiers.weight(t) for t, n in zip(LOWER_TIERS, loaded, strict=False))
     # Prefill queued there delays this prompt, except the part that computes this prompt's own
@@ -227,6 +228,11 @@ def terms(
     ahead = max(booked_ahead, engine_ahead)
     evicted = evicted_blocks * block_size
     return Terms(own, ahead, evicted, hit_blocks, own_attention, ahead_attention, loaded, load_s)
+
+
+def _learned_load_s(model: CostModel, tiers: TierCosts, tier: str, tokens: int) -> float:
+    learned = model.tier_load(tier)
+    return learned.seconds(tokens) if learned is not None else tokens * tiers.load_s_per_token(tier)
 
 
 def queued_requests(ahead_tokens: float, model: CostModel) -> float:
@@ -305,7 +311,7 @@ def score(
         loaded=t.loaded,
         attention=waited_attention,
         own_attention=own_attention,
-        priced_load=weights.tiers.mode in (TierMode.TIME, TierMode.FIXED_TIME),
+        priced_load=weights.tiers.mode in (TierMode.TIME, TierMode.LEARNED),
     )
 
 

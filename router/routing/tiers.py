@@ -27,8 +27,8 @@ DYNAMO_WEIGHTS: Final = MappingProxyType({"CPU": 0.75, "DISK": 0.25, "REMOTE": 0
 
 
 class TierMode(StrEnum):
-    TIME = "time"  # a loaded block costs its load time, learned from TTFTs (router.routing.tier_load)
-    FIXED_TIME = "fixed_time"  # ... the --tier-load-ms values as they are, not learned
+    TIME = "time"  # a loaded block costs its load time (--tier-load-ms)
+    LEARNED = "learned"  # a load costs what TTFTs taught: a wait per load and a time per token
     WEIGHTS = "weights"  # a loaded block counts as cached by its tier's weight, at no time
     IGNORE = "ignore"  # only the GPU's blocks count: the router as it was before tiers
 

@@ -36,7 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router.routing.tier_load import TierLoadSums, learned_load_s_per_token
+from router.routing.tier_load import TierLoad, TierLoadSums, learned_load
+from router.routing.tiers import DEFAULT_LOAD_MS_PER_1K
 from router.routing.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
 
 __all__ = ["PRIOR_PER_TOKEN_S", "SUM_FIELDS", "CostModel", "GroupChange", "GroupKey", "TtftLearner", "TtftParams"]
@@ -132,20 +133,26 @@ class CostModel:
     typical_uncached_tokens: float = 512.0
     reuse: float = 0.5
     utilization: float = PRIOR_UTILIZATION
-    # per lower tier, the sums its load time is learned from (router.routing.tier_load)
-    tier_loads: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # per lower tier, its load cost as learned (router.routing.tier_load; none while not loaded from)
+    tier_loads: Mapping[str, TierLoad] = field(default_factory=dict)
 
     def params(self, worker_id: str) -> TtftParams:
         return self.rates.get(worker_id, self.fleet)
 
-    def tier_load_s_per_token(self, tier: str, prior_s_per_token: float) -> float:
-        """What loading a token from ``tier`` takes, as learned (the prior while nothing was)."""
-        return learned_load_s_per_token(self.tier_loads.get(tier), prior_s_per_token)
+    def tier_load(self, tier: str) -> TierLoad | None:
+        """What loading from ``tier`` costs, as learned (None: nothing loaded from it yet)."""
+        return self.tier_loads.get(tier)
 
 
 class TtftLearner:
-    def __init__(self, prior: TtftParams | None = None) -> None:
+    def __init__(self, prior: TtftParams | None = None, tier_priors: Mapping[str, float] | None = None) -> None:
         self._prior = prior or TtftParams()
+        # per lower tier, the load time per token that learning starts from (--tier-load-ms)
+        self._tier_priors = (
+            dict(tier_priors)
+            if tier_priors is not None
+            else {tier: ms / 1e6 for tier, ms in DEFAULT_LOAD_MS_PER_1K.items()}
+        )
         self._decay = 1 - 1 / HALF_LIFE
         self._workers: dict[str, Sums] = {}
         self._fleet = Sums()
@@ -222,11 +229,7 @@ class TtftLearner:
     def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
         # against the fleet's coefficients as just fitted (streamed first bytes only: a whole reply
         # holds its decode too)
-        tier_loads = {}
-        if self._rate_source() == "streamed":
-            for tier, sums in self._tier_loads.items():
-                if (residual := sums.residual_sums(self._fleet, fleet)) is not None:
-                    tier_loads[tier] = residual
+        tier_loads = self._learned_loads(fleet) if self._rate_source() == "streamed" else {}
         return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value, tier_loads)
 
     def forget(self, worker_id: str) -> None:
@@ -268,13 +271,23 @@ class TtftLearner:
         rates = {w: _distinct_rates(rate, _typical(own_rates, fleet)) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
+    def _learned_loads(self, fleet: TtftParams) -> dict[str, TierLoad]:
+        """Each lower tier's load cost against the fleet's coefficients ``fleet`` (just fitted)."""
+        out = {}
+        for tier, sums in self._tier_loads.items():
+            moments = sums.moments(self._fleet, fleet)
+            if moments is not None:
+                prior = self._tier_priors.get(tier, DEFAULT_LOAD_MS_PER_1K.get(tier, 0.0) / 1e6)
+                out[tier] = learned_load(moments, self._fleet.n, prior)
+        return out
+
     def _without_loads(self, fleet: TtftParams) -> TtftParams:
         """The fleet's fit with the lower tiers' mean load time taken out of its base (which held it)."""
         load_s = 0.0
-        for sums in self._tier_loads.values():
-            residual = sums.residual_sums(self._fleet, fleet)
-            if residual is not None:
-                load_s += learned_load_s_per_token(residual, 0.0) * sums.mean(self._fleet)
+        for tier, load in self._learned_loads(fleet).items():
+            sums = self._tier_loads[tier]
+            count = self._fleet.n
+            load_s += (load.wait_s * sums.n + load.per_token_s * sums.l) / count if count > 0 else 0.0
         return replace(fleet, base_s=max(fleet.base_s - load_s, 0.0)) if load_s else fleet
 
     @property
@@ -385,15 +398,15 @@ class TtftLearner:
             "typical_uncached_tokens": round(model.typical_uncached_tokens, 1),
             "reuse": round(model.reuse, 4),
             "utilization": round(model.utilization, 4),
-            # each lower tier's load time as measured from TTFTs (before the flag's value is
-            # blended in: router.routing.tier_load), and the requests it is measured from
-            "tier_load_ms_per_1k": {
+            # each lower tier's load cost as learned from TTFTs (router.routing.tier_load): a
+            # wait per load and a time per 1k tokens, and the loads it is learned from
+            "tier_loads": {
                 tier: {
-                    "measured": round(ry / ll * 1e6, 3) if ll > 0 else None,
-                    "observations": round(sums.n, 1),
+                    "wait_ms": round(load.wait_s * 1000, 3),
+                    "ms_per_1k_tokens": round(load.per_token_s * 1e6, 3),
+                    "loads": round(self._tier_loads[tier].n, 1),
                 }
-                for tier, sums in sorted(self._tier_loads.items())
-                for ry, ll in [sums.residual_sums(self._fleet, model.fleet) or (0.0, 0.0)]
+                for tier, load in sorted(model.tier_loads.items())
             },
             "workers": workers,
         }

@@ -157,7 +157,7 @@ async def test_a_hash_too_large_is_not_read_back(redis_index, unique_name):
     assert reply == [1]
 
 
-async def test_a_tiers_load_time_learned_by_one_replica_prices_loads_on_another(redis_index, unique_name):
+async def test_a_tiers_load_cost_learned_by_one_replica_prices_loads_on_another(redis_index, unique_name):
     first, second = _replica(redis_index, "r1"), _replica(redis_index, "r2")
     teacher = first._learner_for(unique_name)
     rng = random.Random(7)
@@ -167,7 +167,9 @@ async def test_a_tiers_load_time_learned_by_one_replica_prices_loads_on_another(
         teacher.observe("fast", tokens, 0.01 + 5e-5 * tokens)
     await first.sync(unique_name)
     await second.sync(unique_name)
-    learned = teacher.model.tier_load_s_per_token("CPU", 4e-6)
-    assert learned == pytest.approx(2e-5, rel=0.2)
-    assert second._learner_for(unique_name).model.tier_load_s_per_token("CPU", 4e-6) == pytest.approx(learned)
+    learned = teacher.model.tier_load("CPU")
+    assert learned is not None and learned.per_token_s == pytest.approx(2e-5, rel=0.2)
+    adopted = second._learner_for(unique_name).model.tier_load("CPU")
+    assert adopted is not None and adopted.per_token_s == pytest.approx(learned.per_token_s)
+    assert adopted.wait_s == pytest.approx(learned.wait_s, abs=1e-9)
     assert "t:ly:CPU" in field_names(("t", "CPU"))
