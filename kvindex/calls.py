@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvindex.keys import BucketKeys, ModelKeys
+from kvindex.keys import BucketKeys, ModelKeys, block_hex
 from kvindex.pages import Page, PageChange, match_args, page_change_args, segments
 from kvindex.replies import decode
 from kvindex.types import adapter_names
@@ -127,6 +127,9 @@ ALIVE = _spec("alive", "zset", "mode? limit? grace_ms?", _raw, read_only=True)
 ALIVE_SINCE = _spec("alive_since", "alive alive_version", "version refresh_before_ms tag?", _raw, read_only=True)
 # A reader's copy of the alive gids confirmed by their version alone (kvindex.alive_cache).
 ALIVE_VERSION = ScriptSpec("alive_version", ("alive_version",), (), True, _raw, command="GET")
+# Who holds a one-block chain (a hybrid model's window-group block, kvindex/groups.py): its page's
+# e: field, the gids whose holding ends there.
+GROUP_HOLDERS = ScriptSpec("group_holders", ("segment",), ("field",), True, _raw, command="HGET")
 GC_RETIRE = _spec("gc_retire", "workers gids alive retired record...", "grace_ms gid...", _integer)
 GC_FINISH = _spec("gc_finish", "gids retired gid_buckets", "gid", _integer)
 
@@ -325,6 +328,10 @@ def inflight_add(keys: ModelKeys, replica_id: str, expire_ms: int, pairs: Sequen
 
 def inflight(keys: ModelKeys, replicas: Sequence[str]) -> ScriptCall[Any]:
     return INFLIGHT.call([keys.replicas, *(keys.inflight(r) for r in replicas)], list(replicas))
+
+
+def group_holders(keys: ModelKeys, name: int) -> ScriptCall[Any]:
+    return GROUP_HOLDERS.call([keys.segment(name)], ["e:" + block_hex(name)])
 
 
 def expect(keys: ModelKeys, worker_id: str, ttl_ms: int, hexes: Sequence[str], settle: bool = False) -> ScriptCall[int]:

@@ -22,7 +22,7 @@ from kvindex.collector import collect
 from kvindex.errors import NotRegisteredError
 from kvindex.generations import register_worker, retire
 from kvindex.interface import DEFAULT_GC_BUDGET, DEFAULT_GC_GRACE_MS, DEFAULT_TTL_MS
-from kvindex.keys import KeySchema, ModelKeys, block_hex
+from kvindex.keys import KeySchema, ModelKeys
 from kvindex.pages import Page, combine_listed, pages_of, segments
 from kvindex.redis_worker import MAX_PAGES_PER_CALL, RELOG_SLACK, RedisWorker
 from kvindex.replies import decode, raise_script_error, worker_record
@@ -205,19 +205,17 @@ class RedisIndex:
     async def group_holders(self, model: str, names: Sequence[int]) -> list[set[str]]:
         """Per name, the alive workers that hold it as a one-block chain (a hybrid model's window
         groups, kvindex/groups.py): its page's ``e:`` field, the gids whose holding ends there
-        (page_apply.lua), one pipelined HGET each."""
+        (page_apply.lua), one HGET each, sent with the liveness read in one batch."""
         keys = self.keys(model)
-        named = await self._named(model, await self._alive_gids(model))
-        if not names:
-            return []
-        async with self._client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.hget(keys.segment(name), "e:" + block_hex(name))
-            replies = await pipe.execute()
-        out = []
+        replies = await self._scripts.call_many([self._alive.call(keys), *(lua.group_holders(keys, n) for n in names)])
         for reply in replies:
-            gids = decode(reply).strip(",").split(",") if reply else []
-            out.append({named.listed[g.encode()] for g in gids if g.encode() in named.listed})
+            if isinstance(reply, Exception):
+                raise reply
+        named = await self._named(model, await self._alive_from(model, replies[0]))
+        out = []
+        for reply in replies[1:]:
+            gids = reply.split(b",") if reply else []
+            out.append({named.listed[g] for g in gids if g in named.listed})
         return out
 
     async def owners(self, model: str, block: int, chain: Sequence[int] | None = None) -> dict[str, int]:

@@ -38,6 +38,15 @@ def add_parser(commands: Any) -> None:
     _replay_flags(benchmark("replay", "routing quality on a Mooncake-format trace, policies side by side"))
     _regimes_flags(benchmark("regimes", "every policy on a grid of regimes, each against the best in its cell"))
     _soak_flags(benchmark("soak", "the whole stack under a steady chat load for N minutes, memory sampled"))
+    _hybrid_flags(benchmark("hybrid", "what a hybrid model's decision reads beside the match (its window blocks)"))
+
+
+def _hybrid_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", help="use this Redis server (default: start a private one)")
+    p.add_argument("--workers", type=positive_int, default=8, help="workers holding the prompt (8)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=2048, help="the prompt's length (2048)")
+    p.add_argument("--window", type=positive_int, default=1024, help="the sliding window in tokens (1024)")
+    p.add_argument("--queries", type=positive_int, default=500, help="decisions timed each way (500)")
 
 
 def _index_flags(p: argparse.ArgumentParser) -> None:
