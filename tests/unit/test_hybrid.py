@@ -7,6 +7,7 @@ computes for each request is the cached tokens the engine reported, on every req
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -76,12 +77,13 @@ def test_the_capture_has_both_groups_and_the_window_caches_only_tails():
     assert any(isinstance(e, BlockRemoved) and e.group_idx == 0 for b in batches for e in b.events)
 
 
-async def test_predicted_equals_reported_on_every_request_of_a_real_sliding_window_model():
+async def replayed() -> AsyncIterator[tuple[dict, ReferenceIndex, Translator]]:
+    """Each captured request, with the index as the agent left it from the engine's events that
+    came before it."""
     batches, requests = _captured()
     index, translator = ReferenceIndex(), Translator()
     handle = await index.register(WorkerInfo("w", "tiny", "http://w", BS))
     at = 0
-    nonzero = 0
     for request in requests:
         while at < len(batches) and batches[at].seq <= request["after_seq"]:
             translated = translator.translate(batches[at].events)
@@ -89,6 +91,12 @@ async def test_predicted_equals_reported_on_every_request_of_a_real_sliding_wind
                 await handle.clear()
             await handle.apply(translated.changes)
             at += 1
+        yield request, index, translator
+
+
+async def test_predicted_equals_reported_on_every_request_of_a_real_sliding_window_model():
+    nonzero = 0
+    async for request, index, translator in replayed():
         groups = tuple(translator.groups.values())
         prompt = request["prompt"]
         chain = sequence_hashes(prompt, BS)
@@ -96,23 +104,13 @@ async def test_predicted_equals_reported_on_every_request_of_a_real_sliding_wind
         hits = await hybrid_matches(index, "tiny", groups, chain, len(prompt), BS, matches)
         assert hits["w"] * BS == request["cached_tokens"], (len(prompt), matches, hits)
         nonzero += request["cached_tokens"] > 0
-        # the full-attention prefix alone would be wrong on some: what this is for
     assert nonzero >= 10
     assert translator.counters.orphan_runs == 0 and translator.counters.window_blocks_stored > 0
 
 
 async def test_the_full_attention_prefix_alone_overstates_the_captures_hits():
-    batches, requests = _captured()
-    index, translator = ReferenceIndex(), Translator()
-    handle = await index.register(WorkerInfo("w", "tiny", "http://w", BS))
-    at, overstated = 0, 0
-    for request in requests:
-        while at < len(batches) and batches[at].seq <= request["after_seq"]:
-            translated = translator.translate(batches[at].events)
-            if translated.clear:
-                await handle.clear()
-            await handle.apply(translated.changes)
-            at += 1
+    overstated = 0
+    async for request, index, _ in replayed():
         prompt = request["prompt"]
         full = min((await index.match("tiny", sequence_hashes(prompt, BS)))["w"] * BS, (len(prompt) - 1) // BS * BS)
         overstated += full > request["cached_tokens"]
