@@ -23,7 +23,8 @@ groups ``("t", tier)``), so replicas agree on what a tier costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from router.routing.ttft_fit import Sums, TtftParams
 
@@ -134,3 +135,42 @@ def learned_load(moments: LoadMoments | None, count: float, prior_per_token_s: f
     if wait < 0:  # no wait: all in the time per token
         wait, per_token = 0.0, max(b_l / s_ll, 0.0)
     return TierLoad(max(wait, 0.0), per_token)
+
+
+@dataclass
+class TierLoads:
+    """Every lower tier's sums, and what learning starts from (``priors``: load time per token)."""
+
+    decay: float
+    priors: Mapping[str, float]
+    sums: dict[str, TierLoadSums] = field(default_factory=dict)
+
+    def observe(
+        self, prefill_tokens: float, seconds: float, attention: float, loaded: tuple[str, float] | None
+    ) -> None:
+        """Every tier's sums take a streamed observation (in step with the fit's), with its loaded
+        tokens where it loaded them and 0 elsewhere."""
+        if loaded is not None and loaded[1] > 0 and loaded[0] not in self.sums:
+            self.sums[loaded[0]] = TierLoadSums(self.decay)
+        for tier, sums in self.sums.items():
+            tokens = loaded[1] if loaded is not None and loaded[0] == tier else 0.0
+            sums.add(max(tokens, 0.0), seconds, prefill_tokens, attention)
+
+    def learned(self, fleet: Sums, params: TtftParams) -> dict[str, TierLoad]:
+        """Each tier's load cost against ``params``, the fit of ``fleet`` (just made)."""
+        out = {}
+        for tier, sums in self.sums.items():
+            moments = sums.moments(fleet, params)
+            if moments is not None:
+                out[tier] = learned_load(moments, fleet.n, self.priors.get(tier, 0.0))
+        return out
+
+    def without_loads(self, fleet: Sums, params: TtftParams) -> TtftParams:
+        """``params`` with the tiers' mean load cost taken out of its base (which held it)."""
+        if fleet.n <= 0:
+            return params
+        load_s = sum(
+            (load.wait_s * self.sums[tier].n + load.per_token_s * self.sums[tier].l) / fleet.n
+            for tier, load in self.learned(fleet, params).items()
+        )
+        return replace(params, base_s=max(params.base_s - load_s, 0.0)) if load_s else params

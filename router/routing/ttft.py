@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from router.routing.tier_load import TierLoad, TierLoadSums, learned_load
+from router.routing.tier_load import TierLoad, TierLoads, TierLoadSums
 from router.routing.tiers import DEFAULT_LOAD_MS_PER_1K
 from router.routing.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
 
@@ -147,12 +147,6 @@ class CostModel:
 class TtftLearner:
     def __init__(self, prior: TtftParams | None = None, tier_priors: Mapping[str, float] | None = None) -> None:
         self._prior = prior or TtftParams()
-        # per lower tier, the load time per token that learning starts from (--tier-load-ms)
-        self._tier_priors = (
-            dict(tier_priors)
-            if tier_priors is not None
-            else {tier: ms / 1e6 for tier, ms in DEFAULT_LOAD_MS_PER_1K.items()}
-        )
         self._decay = 1 - 1 / HALF_LIFE
         self._workers: dict[str, Sums] = {}
         self._fleet = Sums()
@@ -161,7 +155,9 @@ class TtftLearner:
         self._typical = _Average(512.0)
         self._reuse = _Average(0.5)
         self._utilization = _Average(PRIOR_UTILIZATION, 1 - 1 / UTILIZATION_HALF_LIFE)
-        self._tier_loads: dict[str, TierLoadSums] = {}  # per lower tier (router.routing.tier_load)
+        # the lower tiers' load costs (router.routing.tier_load), learned from --tier-load-ms on
+        priors = tier_priors if tier_priors is not None else {t: ms / 1e6 for t, ms in DEFAULT_LOAD_MS_PER_1K.items()}
+        self._tier_loads = TierLoads(self._decay, dict(priors))
         self._model = CostModel()
         # What changed since the model was last built: it is built again when read (once per
         # decision), not at each change. Rates stale: fitted at the next read (a worker forgotten,
@@ -194,23 +190,12 @@ class TtftLearner:
         if seconds < 0 or prefill_tokens < 0 or completion_tokens < 0 or attention < 0:
             return
         if not whole_reply:
-            self._observe_loads(prefill_tokens, seconds, attention, loaded)
+            self._tier_loads.observe(prefill_tokens, seconds, attention, loaded)
         workers, fleet = (self._whole_workers, self._whole_fleet) if whole_reply else (self._workers, self._fleet)
         output = completion_tokens if whole_reply else 0
         workers.setdefault(worker_id, Sums()).add(prefill_tokens, seconds, self._decay, output, attention)
         fleet.add(prefill_tokens, seconds, self._decay, output, attention)
         self._unfitted += 1
-
-    def _observe_loads(
-        self, prefill_tokens: float, seconds: float, attention: float, loaded: tuple[str, float] | None
-    ) -> None:
-        """Every tier's sums take the observation (in step with the fleet's), with its loaded
-        tokens where it loaded them and 0 elsewhere."""
-        if loaded is not None and loaded[1] > 0 and loaded[0] not in self._tier_loads:
-            self._tier_loads[loaded[0]] = TierLoadSums(self._decay)
-        for tier, sums in self._tier_loads.items():
-            tokens = loaded[1] if loaded is not None and loaded[0] == tier else 0.0
-            sums.add(max(tokens, 0.0), seconds, prefill_tokens, attention)
 
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
@@ -229,7 +214,7 @@ class TtftLearner:
     def _with_averages(self, rates: dict[str, TtftParams], fleet: TtftParams) -> CostModel:
         # against the fleet's coefficients as just fitted (streamed first bytes only: a whole reply
         # holds its decode too)
-        tier_loads = self._learned_loads(fleet) if self._rate_source() == "streamed" else {}
+        tier_loads = self._tier_loads.learned(self._fleet, fleet) if self._rate_source() == "streamed" else {}
         return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value, tier_loads)
 
     def forget(self, worker_id: str) -> None:
@@ -263,32 +248,13 @@ class TtftLearner:
     def _refit_from(self, workers: dict[str, Sums], sums: Sums) -> None:
         fleet = _blend(sums.fit(self._prior).params, sums.n, self._prior)
         if sums is self._fleet:
-            fleet = self._without_loads(fleet)
+            fleet = self._tier_loads.without_loads(self._fleet, fleet)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet) for w, own in workers.items()}
         rates = {w: _distinct_rates(rate, _typical(own_rates, fleet)) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
-
-    def _learned_loads(self, fleet: TtftParams) -> dict[str, TierLoad]:
-        """Each lower tier's load cost against the fleet's coefficients ``fleet`` (just fitted)."""
-        out = {}
-        for tier, sums in self._tier_loads.items():
-            moments = sums.moments(self._fleet, fleet)
-            if moments is not None:
-                prior = self._tier_priors.get(tier, DEFAULT_LOAD_MS_PER_1K.get(tier, 0.0) / 1e6)
-                out[tier] = learned_load(moments, self._fleet.n, prior)
-        return out
-
-    def _without_loads(self, fleet: TtftParams) -> TtftParams:
-        """The fleet's fit with the lower tiers' mean load time taken out of its base (which held it)."""
-        load_s = 0.0
-        for tier, load in self._learned_loads(fleet).items():
-            sums = self._tier_loads[tier]
-            count = self._fleet.n
-            load_s += (load.wait_s * sums.n + load.per_token_s * sums.l) / count if count > 0 else 0.0
-        return replace(fleet, base_s=max(fleet.base_s - load_s, 0.0)) if load_s else fleet
 
     @property
     def model(self) -> CostModel:
@@ -314,7 +280,7 @@ class TtftLearner:
         groups = self._fixed_groups()
         groups.update({("s", worker): sums for worker, sums in self._workers.items()})
         groups.update({("w", worker): sums for worker, sums in self._whole_workers.items()})
-        groups.update({("t", tier): sums for tier, sums in self._tier_loads.items()})
+        groups.update({("t", tier): sums for tier, sums in self._tier_loads.sums.items()})
         return groups
 
     def _group(self, key: GroupKey, fixed: dict[GroupKey, _Group]) -> _Group | None:
@@ -322,7 +288,7 @@ class TtftLearner:
         if kind in ("s", "w") and name:
             return (self._workers if kind == "s" else self._whole_workers).setdefault(name, Sums())
         if kind == "t" and name:
-            return self._tier_loads.setdefault(name, TierLoadSums(self._decay))
+            return self._tier_loads.sums.setdefault(name, TierLoadSums(self._decay))
         return fixed.get(key)
 
     def _decay_of(self, group: _Group) -> float:
@@ -404,7 +370,7 @@ class TtftLearner:
                 tier: {
                     "wait_ms": round(load.wait_s * 1000, 3),
                     "ms_per_1k_tokens": round(load.per_token_s * 1e6, 3),
-                    "loads": round(self._tier_loads[tier].n, 1),
+                    "loads": round(self._tier_loads.sums[tier].n, 1),
                 }
                 for tier, load in sorted(model.tier_loads.items())
             },
