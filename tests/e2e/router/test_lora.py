@@ -11,6 +11,7 @@ import pytest
 
 from router.main import RunningRouter
 from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.cluster import index_credits
 from tests.support.router import PREFIX, complete, start_router
 
 ADAPTERS = [["sql-lora"], ["sql-lora", "chat-lora"], []]
@@ -37,12 +38,15 @@ async def router(lora_fleet: SimFleet, redis_server) -> AsyncIterator[RunningRou
     await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
 
-async def wait_predicted_hit(router: RunningRouter, model: str) -> None:
-    """Until the router predicts the whole shared prefix cached for ``model`` (its agent indexed it)."""
+async def wait_predicted_hit(router: RunningRouter, model: str, owner: str) -> None:
+    """Until the index credits ``owner`` with the whole shared prefix for ``model`` (its agent
+    indexed it). Asked with /debug/route, which routes nothing: a probe sent as a completion could
+    land on another worker before the index knows the owner, and plant the prefix there too."""
 
     async def indexed() -> bool:
-        _, headers, _ = await complete(router.url, [*PREFIX, 2], model=model)
-        return int(headers["x-kvroute-cached-tokens"]) == 160
+        async with aiohttp.ClientSession() as session:
+            credits = await index_credits(session, router.url, model, [*PREFIX, 2])
+        return credits.get(owner) == len(PREFIX) // 16
 
     await wait_until(indexed, 10)
 
@@ -54,7 +58,7 @@ async def test_an_adapters_requests_go_to_its_workers_and_their_cache_is_predict
         assert status == 200 and headers["x-kvroute-worker"] in workers, (adapter, headers)
         assert body["model"] == adapter
         owner = headers["x-kvroute-worker"]
-        await wait_predicted_hit(router, adapter)
+        await wait_predicted_hit(router, adapter, owner)
         for tail in range(3, 6):
             status, headers, body = await complete(router.url, [*PREFIX, tail], model=adapter)
             assert status == 200 and headers["x-kvroute-worker"] == owner
@@ -65,7 +69,7 @@ async def test_an_adapters_requests_go_to_its_workers_and_their_cache_is_predict
 async def test_the_base_model_and_each_adapter_are_separate_caches(router, lora_fleet):
     status, headers, _ = await complete(router.url, [*PREFIX, 1], model="sql-lora")
     owner = headers["x-kvroute-worker"]
-    await wait_predicted_hit(router, "sql-lora")
+    await wait_predicted_hit(router, "sql-lora", owner)
     # The same tokens as the base model or as another adapter share nothing with the owner's blocks.
     for model in ("tiny", "chat-lora"):
         status, headers, body = await complete(router.url, [*PREFIX, 9], model=model)
