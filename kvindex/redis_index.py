@@ -152,11 +152,7 @@ class RedisIndex:
 
     async def match_result(self, model: str, chain: Sequence[int], replies: Sequence[Any]) -> dict[str, int]:
         """The replies of :meth:`match_calls` for ``chain`` -> {alive worker id: matched blocks}."""
-        for reply in replies:
-            if isinstance(reply, ResponseError):
-                raise_script_error(reply)
-            if isinstance(reply, Exception):
-                raise reply
+        _raise_failures(replies)
         named = await self._named(model, await self._alive_from(model, replies[0]))
         depths = dict(named.zeros)
         pages = [page for reply in replies[1:] for page in reply]
@@ -208,9 +204,7 @@ class RedisIndex:
         (page_apply.lua), one HGET each, sent with the liveness read in one batch."""
         keys = self.keys(model)
         replies = await self._scripts.call_many([self._alive.call(keys), *(lua.group_holders(keys, n) for n in names)])
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        _raise_failures(replies)
         named = await self._named(model, await self._alive_from(model, replies[0]))
         out = []
         for reply in replies[1:]:
@@ -282,3 +276,12 @@ class RedisIndex:
             gids_pending_gc=await self._client.zcard(keys.retired),
             pages=int(meta.get("pages", 0)),
         )
+
+
+def _raise_failures(replies: Sequence[Any]) -> None:
+    """A batch's first failed reply, raised (a script's ``kvroute:`` error as kvindex.errors says)."""
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise_script_error(reply)
+        if isinstance(reply, Exception):
+            raise reply

@@ -165,10 +165,10 @@ class Translator:
         if tier is None or tier not in self.tiers:
             self.counters.other_tier_events += 1
             return None
-        if isinstance(event, BlockStored) and event.group_idx is not None:
+        if isinstance(event, BlockStored) and event.group_idx is not None and event.group_idx not in self.groups:
             spec = group_spec(event)
             if spec is not None:
-                self.groups.setdefault(spec.index, spec)
+                self.groups[spec.index] = spec
         group = event.group_idx or 0
         known = self.groups.get(group)
         if known is None or known.full:
@@ -200,9 +200,11 @@ class Translator:
                 self.counters.orphan_runs += 1
                 self.counters.orphan_blocks += len(event.block_hashes)
                 return []
-        if self.block_size is None or event.block_size % self.block_size or not _plain_keys(event):
-            self.counters.unsupported_extra_keys += not _plain_keys(event)
-            self.counters.block_size_mismatches += _plain_keys(event)
+        if not _plain_keys(event):
+            self.counters.unsupported_extra_keys += 1
+            return []
+        if self.block_size is None or event.block_size % self.block_size:
+            self.counters.block_size_mismatches += 1
             return []
         _, salt = _salt_of(event.extra_keys[0] if event.extra_keys and parent is None else None, event.lora_name)
         chain = extend_sequence_hashes(

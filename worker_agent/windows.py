@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
-from kvindex.groups import GroupSpec, group_block_hash
+from kvindex.groups import FULL_KINDS, GroupSpec, group_block_hash
 
 
 class _Counters(Protocol):
@@ -44,10 +44,10 @@ def full_first(events: Iterable[Event], groups: Mapping[int, GroupSpec]) -> list
     group's own order kept): their chains place the other groups' blocks."""
 
     def is_window(event: Event) -> bool:
-        if isinstance(event, BlockStored):
-            spec = group_spec(event) or groups.get(event.group_idx or 0)
-        else:
-            spec = groups.get(getattr(event, "group_idx", None) or 0)
+        kind = event.kv_cache_spec_kind if isinstance(event, BlockStored) else None
+        if kind:
+            return kind not in FULL_KINDS
+        spec = groups.get(getattr(event, "group_idx", None) or 0)
         return spec is not None and not spec.full
 
     out: list[Event] = []

@@ -1,7 +1,7 @@
 """A hybrid model's hit per worker: the index's chains (its full-attention group) cut by what its
 sliding-window and Mamba groups hold (kvindex/groups.py, as vLLM's hybrid cache manager finds a
-hit). One more read of the index, only for such models: each window group's blocks along the
-prompt, as far as the deepest worker's full-attention prefix goes."""
+hit). Only for such models, one or two more reads of the index: who holds each window group's
+blocks along the prompt (:func:`hybrid_matches`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,15 @@ from kvroute.devstack.embedded_redis import RedisServer
 from router.main import RunningRouter
 from tests.conftest import server_kinds
 from tests.support import wait_until
-from tests.support.vllm import BS, MODEL, SLIDING_WINDOW_CONFIG, VllmServer, agent_and_router, vllm_server
+from tests.support.vllm import (
+    BS,
+    MODEL,
+    SLIDING_WINDOW_CONFIG,
+    VllmServer,
+    agent_and_router,
+    sees_the_worker,
+    vllm_server,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -32,10 +40,7 @@ def vllm() -> Iterator[VllmServer]:
 
 @pytest.fixture
 async def router(vllm: VllmServer, redis_servers: dict[str, RedisServer]) -> AsyncIterator[RunningRouter]:
-    async def worker_seen(running: RunningRouter) -> bool:
-        return bool(running.state.fleet.alive(MODEL))
-
-    async with agent_and_router(vllm, redis_servers[server_kinds()[0]].url, "vllmhybrid", worker_seen) as running:
+    async with agent_and_router(vllm, redis_servers[server_kinds()[0]].url, "vllmhybrid", sees_the_worker) as running:
         yield running
 
 

@@ -201,6 +201,11 @@ def _wait_healthy(server: VllmServer, within: float = 300.0) -> None:
     pytest.fail(f"vLLM was not healthy within {within} s")
 
 
+async def sees_the_worker(running: RunningRouter) -> bool:
+    """Whether the router lists the tiny model's worker alive (agent_and_router's usual readiness)."""
+    return bool(running.state.fleet.alive(MODEL))
+
+
 @asynccontextmanager
 async def agent_and_router(
     vllm: VllmServer, redis_url: str, prefix: str, ready: Callable[[RunningRouter], Awaitable[bool]]
