@@ -80,7 +80,7 @@ class BlockStored(_Event, frozen=True):
         # out of the window: worker_agent/windows.py).
         tokens, blocks, size = len(self.token_ids), len(self.block_hashes), self.block_size
         spans = self.kv_cache_spec_kind not in (None, "full_attention") and tokens % size == 0
-        if not blocks and not spans:
+        if not blocks and not (spans and tokens):
             raise ValueError("BlockStored names no block")
         if tokens != size * blocks and not (spans and tokens >= size * blocks):
             raise ValueError(f"BlockStored has {len(self.token_ids)} token ids for {blocks} blocks of {size}")

@@ -214,6 +214,11 @@ class Translator:
         return [StoredRun(None, (block,)) for block in stored]
 
     def _stored(self, event: BlockStored, tier: str) -> StoredRun | None:
+        if len(event.token_ids) != event.block_size * len(event.block_hashes):
+            # a window group's span (its kind says so) with no group index to keep it apart by:
+            # not a chain of the full-attention group
+            self.counters.other_group_events += 1
+            return None
         if self.block_size is None:
             self.block_size = event.block_size
         elif event.block_size != self.block_size:

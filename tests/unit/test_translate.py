@@ -66,13 +66,15 @@ def test_unknown_parents_other_tiers_groups_and_block_sizes_are_counted_and_skip
             BlockStored((3,), None, tokens, BS, group_idx=1),
             BlockStored((4,), None, tuple(range(2 * BS)), 2 * BS),
             BlockStored((5,), None, tokens, BS, extra_keys=(["mm-hash", "salt"],)),
+            # a window's span (found by test_wire_fuzz.py) with no group index: not the chains' group
+            BlockStored((), None, tokens, BS, kv_cache_spec_kind="sliding_window"),
             BlockRemoved((77,)),
             BlockRemoved((2,), medium="TAPE"),
         ]
     )
     assert batch.changes == []
     c = translator.counters
-    assert (c.orphan_runs, c.orphan_blocks, c.other_tier_events, c.other_group_events) == (1, 1, 2, 1)
+    assert (c.orphan_runs, c.orphan_blocks, c.other_tier_events, c.other_group_events) == (1, 1, 2, 2)
     assert (c.block_size_mismatches, c.unsupported_extra_keys, c.unknown_removals) == (1, 1, 1)
 
 

@@ -124,6 +124,9 @@ def test_unknown_types_and_keys_are_counted_and_skipped():
         (frames_for([removed_with(group_idx="0")]), r"Expected `int \| null`, got `str` - at `\$.group_idx`"),
         (frames_for([stored_with(lora_name=["a"])]), r"at `\$.lora_name`"),
         (frames_for([stored_with(extra_keys="salt")]), r"Expected `array \| null`, got `str` - at `\$.extra_keys`"),
+        # a window group's store may name no block of its span, but it has a span
+        (frames_for([stored_with(block_hashes=[], token_ids=[], kv_cache_spec_kind="sliding_window")]), "no block"),
+        (frames_for([stored_with(block_hashes=[], token_ids=[5])]), "no block"),
     ],
 )
 def test_malformed_messages_raise_a_clear_wire_error(frames, message):

@@ -73,12 +73,19 @@ def assert_well_typed(batch: EventBatch) -> None:
     for event in batch.events:
         if isinstance(event, AllBlocksCleared):
             continue
-        assert event.block_hashes and all(is_engine_hash(h) for h in event.block_hashes)
+        assert all(is_engine_hash(h) for h in event.block_hashes)
         assert event.medium is None or isinstance(event.medium, str)
         assert event.group_idx is None or type(event.group_idx) is int
+        if isinstance(event, BlockRemoved):
+            assert event.block_hashes
         if isinstance(event, BlockStored):
             assert type(event.block_size) is int and event.block_size > 0
-            assert len(event.token_ids) == event.block_size * len(event.block_hashes)
+            spanned = len(event.block_hashes) * event.block_size
+            if event.kv_cache_spec_kind in (None, "full_attention"):
+                assert event.block_hashes and len(event.token_ids) == spanned
+            else:  # a window group's store: its span's tokens, some (or none) of its blocks stored
+                assert event.token_ids and len(event.token_ids) % event.block_size == 0
+                assert len(event.token_ids) >= spanned
             assert all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in event.token_ids)
             assert event.parent_block_hash is None or is_engine_hash(event.parent_block_hash)
             assert event.lora_name is None or isinstance(event.lora_name, str)
