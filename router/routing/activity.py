@@ -4,7 +4,7 @@ A decision sees every worker's requests in flight (booked by every replica) and 
 running and waiting requests; a worker seen with none for a while has served nothing since, and
 the blocks it caches were used that long ago at the latest. Among workers that cost the same, a
 prompt that must evict something had better evict what was used longest ago
-(:func:`router.routing.scoring.choose`). Kept per replica from its own decisions: with a request a
+(:func:`router.routing.choice.choose`). Kept per replica from its own decisions: with a request a
 second or more, every replica sees the fleet often enough.
 """
 

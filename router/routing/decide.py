@@ -29,17 +29,16 @@ from kvindex.types import WorkerRecord
 from router.prompts.hashing import PromptHasher
 from router.routing.accounting import Split, split
 from router.routing.activity import WorkerActivity
+from router.routing.choice import Choice, choose
 from router.routing.fleet import Fleet
 from router.routing.hybrid import hybrid_matches
 from router.routing.lookups import BudgetExpired, Lookups
 from router.routing.scoring import (
     Candidate,
-    Choice,
     Policy,
     Scored,
     ScoringWeights,
     busy_share,
-    choose,
     predicted_cached_tokens,
 )
 from router.routing.ttft import TtftLearner

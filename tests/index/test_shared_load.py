@@ -299,8 +299,9 @@ async def test_an_expectation_lasts_as_long_as_its_request(redis_client, unique_
     Redis, the others."""
     from kvindex.scripts import Scripts
     from router.routing.booking import Booking
+    from router.routing.choice import choose
     from router.routing.decide import Decision, checkpoints
-    from router.routing.scoring import Candidate, ScoringWeights, choose
+    from router.routing.scoring import Candidate, ScoringWeights
     from router.shared.load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")

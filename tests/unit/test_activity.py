@@ -7,7 +7,8 @@ from collections import Counter
 
 from kvindex.types import WorkerLoad
 from router.routing.activity import WorkerActivity
-from router.routing.scoring import Candidate, ScoringWeights, choose
+from router.routing.choice import choose
+from router.routing.scoring import Candidate, ScoringWeights
 from router.shared.shared_load import InflightLoad
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from kvindex.types import WorkerLoad
+from router.routing.choice import choose
 from router.routing.scoring import (
     MAX_CONGESTION,
     NO_LOAD,
@@ -16,7 +17,6 @@ from router.routing.scoring import (
     Policy,
     ScoringWeights,
     busy_share,
-    choose,
     cost,
     predicted_cached_tokens,
     queued_requests,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvindex.types import WorkerLoad
-from router.routing.scoring import Candidate, ScoringWeights, choose, score, terms
+from router.routing.choice import choose
+from router.routing.scoring import Candidate, ScoringWeights, score, terms
 from router.routing.tiers import TierCosts, TierMode, loadable, parse_tier_values
 from router.routing.ttft import CostModel, TtftParams
 
