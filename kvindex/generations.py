@@ -52,6 +52,7 @@ async def register_worker(
                 worker.adapters,
                 "" if worker.tier == "GPU" else worker.tier,
                 worker.tier_of or "",
+                worker.role,
             )
         )
         if status == "ok":

@@ -244,6 +244,7 @@ class ReferenceIndex:
                 kv_groups=w.kv_groups,
                 tier=w.info.tier,
                 tier_of=w.info.tier_of,
+                role=w.info.role,
             )
             for w in sorted(self._models.get(model, _Model()).workers.values(), key=lambda w: w.info.worker_id)
         ]

@@ -7,6 +7,7 @@ from typing import NoReturn
 from redis.exceptions import ResponseError
 
 from kvindex.errors import BlockSizeMismatchError, ScriptArgumentError, StaleGenerationError
+from kvindex.roles import BOTH
 from kvindex.types import WorkerLoad, WorkerRecord
 
 
@@ -66,5 +67,6 @@ def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: i
         adapters=tuple(name for name in record.get("adapters", "").split("\n") if name),
         tier=record.get("tier") or "GPU",
         tier_of=record.get("tier_of") or None,
+        role=record.get("role") or BOTH,  # records written before roles: both
         kv_groups=record.get("kv_groups", ""),
     )

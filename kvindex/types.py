@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvindex.roles import ROLES
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -19,6 +21,11 @@ class WorkerInfo:
     adapters: tuple[str, ...] = ()  # the LoRA adapters its engine serves (requests name them as the model)
     tier: str = "GPU"  # a tier holder's tier (kvindex/tiers.py); GPU: the worker's own blocks
     tier_of: str | None = None  # a tier holder's worker
+    role: str = "both"  # its part in a prefill/decode split (kvindex/roles.py)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"a worker's role is one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class WorkerRecord:
     adapters: tuple[str, ...] = ()
     tier: str = "GPU"
     tier_of: str | None = None
+    role: str = "both"  # its part in a prefill/decode split (kvindex/roles.py)
     kv_groups: str = ""  # a hybrid model's KV-cache groups (kvindex.groups.format_groups; '' for one group)
 
 

@@ -20,6 +20,8 @@
 -- ARGV[9] optional: the cache tier this registration holds ('' or absent: the worker's GPU blocks;
 --         'CPU', 'DISK', 'REMOTE': a tier holder, kvindex/tiers.py)   ARGV[10] optional: a tier
 --         holder's worker id
+-- ARGV[11] optional: the worker's role in a prefill/decode split: 'both' (or '' / absent),
+--         'prefill' or 'decode' (kvindex/roles.py)
 -- Returns {'ok', gid, epoch} or {'taken', gid, 0}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
 -- differs from the one the model's other alive workers use.
 local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
@@ -29,6 +31,10 @@ local block_size, dp_rank, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumb
 local gid = ARGV[7]
 local adapters = ARGV[8] or ''
 local tier, tier_of = ARGV[9] or '', ARGV[10] or ''
+local role = ARGV[11] or ''
+if role == '' then
+  role = 'both'
+end
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 -- A new version of who is alive (alive_since.lua): the server's clock in microseconds, or one
@@ -64,6 +70,9 @@ end
 if (tier == '') ~= (tier_of == '') or #tier > 16 or #tier_of > 4096 then
   return redis.error_reply('ERR kvroute: a tier holder names its tier and its worker, got ' .. tier .. ', ' .. tier_of)
 end
+if role ~= 'both' and role ~= 'prefill' and role ~= 'decode' then
+  return redis.error_reply('ERR kvroute: role must be both, prefill or decode, got ' .. string.sub(role, 1, 64))
+end
 if redis.call('HEXISTS', gids_key, gid) == 1 or redis.call('ZSCORE', alive_key, gid)
     or redis.call('ZSCORE', retired_key, gid) then
   return {'taken', gid, 0}
@@ -93,7 +102,7 @@ end
 local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
 redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'block_size', block_size,
   'dp_rank', dp_rank, 'gid', gid, 'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms,
-  'blocks', 0, 'adapters', adapters, 'tier', tier, 'tier_of', tier_of)
+  'blocks', 0, 'adapters', adapters, 'tier', tier, 'tier_of', tier_of, 'role', role)
 redis.call('HDEL', record_key, 'pending')  -- a re-assert's stage is void
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)

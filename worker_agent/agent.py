@@ -171,7 +171,13 @@ class Agent:
             return
         settings = self.settings
         info = WorkerInfo(
-            settings.resolved_worker_id, self._model, settings.engine_root, block_size, settings.dp_rank, self._adapters
+            settings.resolved_worker_id,
+            self._model,
+            settings.engine_root,
+            block_size,
+            settings.dp_rank,
+            self._adapters,
+            role=settings.role,
         )
         while not await self.writer.register(info):
             if await self._sleep(settings.heartbeat_interval_s):

@@ -4,11 +4,13 @@ Logging (``--log-level``, ``--log-format``) is :mod:`kvservice.logs`'s, added to
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvindex.roles import BOTH, ROLES, role_of_kv_role
 from kvindex.settings import RedisSettings, add_redis_arguments, redis_security_overrides
 from kvindex.tiers import TIERS, parse_tiers
 from kvservice.logs import add_log_arguments
@@ -30,6 +32,8 @@ ENV_VARS = {
     "events_warn_after": "KVROUTE_EVENTS_WARN_AFTER",
     "events_bind": "KVROUTE_EVENTS_BIND",
     "tiers": "KVROUTE_TIERS",
+    "role": "KVROUTE_ROLE",
+    "kv_transfer_config": "KVROUTE_KV_TRANSFER_CONFIG",
 }
 _INTS = ("block_size", "dp_rank", "metrics_port")
 _FLOATS = ("events_warn_after",)
@@ -69,6 +73,9 @@ class AgentSettings:
     events_bind: bool = False
     # The cache tiers indexed (kvindex/tiers.py): every tier the engine reports, by default.
     tiers: frozenset[str] = frozenset(TIERS)
+    # Its part in a prefill/decode split (kvindex/roles.py): --role, else the kv_role of the
+    # engine's --kv-transfer-config, else both.
+    role: str = BOTH
 
     def __post_init__(self) -> None:
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
@@ -111,6 +118,8 @@ class AgentSettings:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.worker_id is not None and not self.worker_id:
             raise ValueError("--worker-id must not be empty")
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.events_warn_after_s >= 0:  # NaN too
             raise ValueError(f"--events-warn-after must be >= 0 (0: never warn), got {self.events_warn_after_s}")
 
@@ -135,6 +144,13 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),
     ("--metrics-host", str, "address for /health and /metrics (default 0.0.0.0)"),
     ("--tiers", str, "cache tiers to index, of GPU,CPU,DISK,REMOTE (default all the engine reports; GPU always)"),
+    ("--role", str, "the worker's part in a prefill/decode split: both, prefill or decode (default both)"),
+    (
+        "--kv-transfer-config",
+        str,
+        "the engine's --kv-transfer-config JSON: its kv_role gives the role when --role is not given "
+        "(kv_producer: prefill, kv_consumer: decode, kv_both: both)",
+    ),
     (
         "--events-warn-after",
         float,
@@ -197,6 +213,24 @@ def _tiers(where: str, text: str) -> frozenset[str]:
         raise ValueError(f"{where}: {exc}") from None
 
 
+def _resolve_role(values: dict[str, object]) -> None:
+    """``role`` from --role, else from --kv-transfer-config's kv_role (which is then dropped)."""
+    config = values.pop("kv_transfer_config", None)
+    if "role" in values or config is None:
+        return
+    try:
+        parsed = json.loads(str(config))
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config must be JSON, got {str(config)[:80]!r} ({exc})") from None
+    kv_role = parsed.get("kv_role") if isinstance(parsed, dict) else None
+    if kv_role is None:
+        return  # no kv_role: the engine is complete
+    try:
+        values["role"] = role_of_kv_role(str(kv_role))
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config: {exc}") from None
+
+
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentSettings:
     """Flags first, then KVROUTE_* variables, then defaults. Raises ValueError with a message
     naming the flag when something is missing or malformed."""
@@ -218,6 +252,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
             values[name] = getattr(args, name)
     if isinstance(values.get("tiers"), str):  # the flag's text
         values["tiers"] = _tiers("--tiers", values["tiers"])
+    _resolve_role(values)
     if "events_warn_after" in values:
         values["events_warn_after_s"] = values.pop("events_warn_after")
     values["redis"] = RedisSettings.from_env(

@@ -167,6 +167,7 @@ class WorkerWriter:
             gpu.dp_rank,
             tier=tier,
             tier_of=gpu.worker_id,
+            role=gpu.role,
         )
         try:
             holder = self._tiers[tier] = await self.index.register(info, self.ttl_ms)

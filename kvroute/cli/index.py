@@ -24,7 +24,7 @@ from kvroute.cli.argtypes import positive_int, token_ids
 from kvroute.devstack.embedded_redis import redis_unusable, usable_redis_url
 from kvservice.lifecycle import StartupError
 
-WORKER_COLUMNS = ["model", "id", "tier", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch"]
+WORKER_COLUMNS = ["model", "id", "tier", "role", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch"]
 WORKER_COLUMNS += ["heartbeat_age_ms"]
 WORKER_COLUMNS += ["running", "waiting", "kv_usage", "adapters"]
 STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "pages", "block_keys", "gids_pending_gc"]
@@ -184,6 +184,7 @@ def _record_json(record: WorkerRecord) -> dict[str, Any]:
         "adapters": list(record.adapters),  # the LoRA adapters its engine serves
         "tier": record.tier,  # GPU: the worker; CPU, DISK, REMOTE: a tier holder of tier_of (kvindex/tiers.py)
         "tier_of": record.tier_of,
+        "role": record.role,  # both, prefill or decode (kvindex/roles.py)
         # a hybrid model's KV-cache groups (kvindex/groups.py), '' for one group
         "kv_groups": record.kv_groups,
     }

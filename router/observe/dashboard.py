@@ -89,6 +89,7 @@ async def fleet_view(state: RouterState, totals: SharedTotals) -> dict[str, Any]
             workers.append(
                 {
                     "id": w.worker_id,
+                    "role": w.role,  # its part in a prefill/decode split (kvindex/roles.py)
                     "indexed_blocks": w.blocks,
                     "capacity_blocks": engine.capacity_blocks if engine else None,
                     "kv_usage": engine.kv_usage if engine else None,

@@ -31,7 +31,7 @@ async def populate(url: str, model: str) -> None:
     chain = sequence_hashes(TOKENS, 32)
     await index.register(WorkerInfo("w-long", model, "http://127.0.0.1:9001", 32), 600_000)
     await index.register(WorkerInfo("w-short", model, "http://127.0.0.1:9002", 32, 1, ("sql-lora",)), 600_000)
-    await index.register(WorkerInfo("w-dead", model, "http://127.0.0.1:9003", 32), 600_000)
+    await index.register(WorkerInfo("w-dead", model, "http://127.0.0.1:9003", 32, role="prefill"), 600_000)
     await index.handle(model, "w-long").store([StoredRun(None, tuple(chain))])
     await index.handle(model, "w-long").set_kv_groups(GROUPS)
     await index.handle(model, "w-short").store([StoredRun(None, tuple(chain[:1]))])
@@ -101,8 +101,10 @@ def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     assert by_id["w-short"]["dp_rank"] == 1 and by_id["w-short"]["url"] == "http://127.0.0.1:9002"
     assert by_id["w-short"]["adapters"] == ["sql-lora"] and by_id["w-long"]["adapters"] == []
     assert by_id["w-long"]["kv_groups"] == GROUPS and by_id["w-short"]["kv_groups"] == ""
+    assert (by_id["w-dead"]["role"], by_id["w-long"]["role"]) == ("prefill", "both")
     listed = kvroute("index", "workers", *common, "--model", unique_name).stdout
     assert "adapters" in listed.splitlines()[0] and "sql-lora" in listed
+    assert "role" in listed.splitlines()[0] and "prefill" in listed
 
     stats = json.loads(kvroute("index", "stats", *common, "--model", unique_name, "--json").stdout)
     (model_stats,) = stats["models"]

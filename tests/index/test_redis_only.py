@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, ResponseError
 
+from kvindex import calls as lua
 from kvindex.errors import ScriptArgumentError, StaleGenerationError
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import bucket_of
@@ -145,6 +146,9 @@ async def test_bad_register_arguments_get_clear_errors(redis_client, unique_name
         await index.register(WorkerInfo("a", unique_name, "http://a", 0), LONG_TTL)
     with pytest.raises(ScriptArgumentError, match="dp_rank"):
         await index.register(WorkerInfo("a", unique_name, "http://a", 16, dp_rank=-1), LONG_TTL)
+    keys = index.keys(unique_name)
+    with pytest.raises(ScriptArgumentError, match="role must be both, prefill or decode, got boss"):
+        await index.scripts.run(lua.register(keys, "a", "http://a", 16, 0, LONG_TTL, 1 << 40, role="boss"))
     assert await model_keys(redis_client, unique_name) == {}
 
 

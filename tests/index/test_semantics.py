@@ -263,3 +263,17 @@ async def test_an_adapter_name_must_be_one_non_empty_line(index, unique_name):
     for bad in (["two\nlines"], [""]):
         with pytest.raises(ValueError, match="adapter name"):
             await handle.set_adapters(bad)
+
+
+async def test_a_workers_role_is_registered_and_read_back(index, unique_name):
+    """A prefill/decode fleet's roles (kvindex/roles.py): what a worker registers is what every
+    reader sees; a worker that names none is a complete engine (both)."""
+    await index.register(WorkerInfo("p", unique_name, "http://p", 4, role="prefill"), LONG_TTL)
+    await index.register(WorkerInfo("d", unique_name, "http://d", 4, role="decode"), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    roles = {record.worker_id: record.role for record in await index.workers(unique_name)}
+    assert roles == {"p": "prefill", "d": "decode", "b": "both"}
+    await index.register(WorkerInfo("p", unique_name, "http://p", 4), LONG_TTL)  # re-registered unsplit
+    assert {r.worker_id: r.role for r in await index.workers(unique_name)}["p"] == "both"
+    with pytest.raises(ValueError, match="role is one of both, prefill, decode, got 'boss'"):
+        WorkerInfo("x", unique_name, "http://x", 4, role="boss")

@@ -51,6 +51,21 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
     assert settings_from_args(parse([]), env).events_bind is False
 
 
+def test_the_role_comes_from_the_flag_else_the_engines_kv_role():
+    base = ["--engine-url", "http://e:8000", "--events", "tcp://e:1"]
+    assert settings_from_args(parse(base), {}).role == "both"
+    assert settings_from_args(parse([*base, "--role", "decode"]), {}).role == "decode"
+    assert settings_from_args(parse(base), {"KVROUTE_ROLE": "prefill"}).role == "prefill"
+    producer = ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}']
+    assert settings_from_args(parse([*base, *producer]), {}).role == "prefill"
+    consumer = {"KVROUTE_KV_TRANSFER_CONFIG": '{"kv_role": "kv_consumer"}'}
+    assert settings_from_args(parse(base), consumer).role == "decode"
+    # NIXL fleets run every engine as kv_both and name the split to the proxy: --role says it
+    both = ["--kv-transfer-config", '{"kv_role": "kv_both"}']
+    assert settings_from_args(parse([*base, *both]), {}).role == "both"
+    assert settings_from_args(parse([*base, *both, "--role", "prefill"]), {}).role == "prefill"
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -80,6 +95,17 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
             ["--engine-url", "http://e:8000", "--events", "tcp://e:1"],
             {"KVROUTE_EVENTS_WARN_AFTER": "soon"},
             "KVROUTE_EVENTS_WARN_AFTER must be a number",
+        ),
+        (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--role", "boss"], {}, "--role must be one of"),
+        (
+            ["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--kv-transfer-config", "{kv_role"],
+            {},
+            "--kv-transfer-config must be JSON",
+        ),
+        (
+            ["--engine-url", "http://e:8000", "--events", "tcp://e:1"],
+            {"KVROUTE_KV_TRANSFER_CONFIG": '{"kv_role": "kv_boss"}'},
+            "--kv-transfer-config: kv_role must be one of kv_producer, kv_consumer, kv_both, got 'kv_boss'",
         ),
     ],
 )

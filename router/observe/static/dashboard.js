@@ -52,13 +52,13 @@ function renderFleet(fleet) {
     box.append(el("h3", title + " · in flight: " + scope, "muted"));
     const table = el("table");
     const head = el("tr");
-    for (const name of ["worker", "KV usage", "running", "queued", "in flight", "uncached in flight", "indexed blocks"]) {
+    for (const name of ["worker", "role", "KV usage", "running", "queued", "in flight", "uncached in flight", "indexed blocks"]) {
       head.append(el("th", name));
     }
     table.append(head);
     for (const w of model.workers) {
       const row = el("tr");
-      row.append(el("td", w.id, "worker"));
+      row.append(el("td", w.id, "worker"), el("td", w.role || "both", "role"));
       const usage = el("td");
       const bar = el("span", undefined, "bar" + (w.kv_usage >= 0.9 ? " high" : ""));
       const fill = el("span");

@@ -90,6 +90,7 @@ async def test_an_adapter_no_worker_serves_is_404_naming_what_is_served(router):
     async with aiohttp.ClientSession() as session, session.get(router.url + "/dashboard/api/fleet") as response:
         (model,) = (await response.json())["models"]
     assert sorted(tuple(w["adapters"]) for w in model["workers"]) == [(), ("chat-lora", "sql-lora"), ("sql-lora",)]
+    assert {w["role"] for w in model["workers"]} == {"both"}  # agents told no role: complete engines
 
 
 async def test_an_adapter_loaded_at_run_time_is_routed_to_once_its_agent_says_so(router, lora_fleet):
