@@ -12,12 +12,13 @@ from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.completions import decide, decoded, proxy_completion, split_fields
+from router.completions import decide, decoded, proxy_completion
 from router.http.edges import Admission, ApiError, EdgeSettings
 from router.http.routes import Routes
 from router.http.wire import HttpRequest, Reply
 from router.observe.dashboard import add_dashboard_routes
 from router.observe.openapi import document_bytes
+from router.outcomes import split_fields
 from router.routing.decide import Decision
 from router.routing.ttft import TtftLearner
 from router.state import RouterState

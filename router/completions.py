@@ -1,28 +1,32 @@
 """The completion endpoints' flow: the body decoded,
 the prompt tokenized, the decision, the request forwarded and its reply relayed, then what the
-reply taught (usage, the TTFT model, the accounting, the access log's fields)."""
+reply taught (usage, the TTFT model, the accounting, the access log's fields: router.outcomes). On
+a prefill/decode fleet a request may be split instead (router.split_completions)."""
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvindex.tiers import LOWER_TIERS
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
+from router.outcomes import account, log_fields, on_failure, record_usage, reported_cached
 from router.prompts.body import TOO_DEEP, BodyError, decode_body
 from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
-from router.routing.accounting import Split
 from router.routing.booking import Booking
 from router.routing.decide import Decision, NoWorkers
 from router.routing.fleet import Fleet
+from router.routing.pd import PdCosts, Plan, SplitMode, plan
 from router.routing.scoring import Candidate
+from router.split_completions import proxy_split
 from router.state import RouterState
 from router.upstream.proxy import Downstream, Outgoing, UpstreamFailed, forward
 
 log = logging.getLogger("router.app")
+_rng = random.Random()  # the decode worker among equals
 
 
 async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
@@ -96,68 +100,19 @@ def _with_adapters(fleet: Fleet, model: str) -> str:
     return f"{model} (LoRA adapters: {', '.join(adapters)})" if adapters else model
 
 
-def _reported_cached(usage: dict | None) -> int | None:
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
-
-
-def split_fields(decision: Decision, candidate: Candidate | None = None, reported: int | None = None) -> dict:
-    """The accounting's fields of the access log and /debug/route (None: unknown, for a degraded decision)."""
-    return _log_fields(decision.split(candidate, reported))
-
-
-def _log_fields(found: Split | None) -> dict:
-    if found is None:
-        return dict.fromkeys(("best_match_tokens", "lost_load_tokens", "lost_stale_tokens", "cold_tokens"))
-    return found.log_fields()
-
-
-def _account(state: RouterState, decision: Decision, candidate: Candidate, found: Split | None) -> None:
-    """A proxied request's decision quality on the worker that served it (``found``: its split,
-    once computed for the log too): the metrics, the dashboard's window and prefixes."""
-    if found is None:  # degraded: no match was read; counted by degraded_decisions_total
-        return
-    now = time.monotonic()
-    state.window.note_split(now, found)
-    for reason, tokens in found.lost().items():
-        if tokens:
-            state.metrics.lost_prefix_tokens.labels(reason).inc(tokens)
-    state.metrics.cacheable_tokens.labels(decision.model).inc(found.cacheable)
-    state.metrics.best_match_tokens.labels(decision.model).inc(found.best_match)
-    if found.regret:
-        state.metrics.regretted_requests.labels(decision.model).inc()
-        state.metrics.regret_tokens.labels(decision.model).inc(found.regret)
-    if (prefix := decision.shared_prefix()) is not None:
-        state.prefixes.note(decision.model, *prefix, now=now)
-    loaded = decision.scored(candidate).loaded  # from the CPU, disk, remote tiers
-    for tier, blocks in zip(LOWER_TIERS, loaded, strict=False):
-        if blocks:
-            state.metrics.loaded_tokens.labels(decision.model, tier).inc(blocks * decision.block_size)
-
-
-def _record_usage(state: RouterState, decision: Decision, candidate: Candidate, usage: dict | None) -> None:
-    if not usage:
-        return
-    details = usage.get("prompt_tokens_details") or {}
-    model = decision.model
-    state.metrics.prompt_tokens.labels(model).inc(int(usage.get("prompt_tokens") or 0))
-    cached = details.get("cached_tokens")
-    if cached is None:
-        return
-    predicted = decision.predicted_cached_tokens(candidate)
-    state.decider.learner_for(model).note_usage(int(usage.get("prompt_tokens") or 0), int(cached))
-    state.metrics.cached_tokens.labels(model).inc(int(cached))
-    state.metrics.predicted_cached_tokens.labels(model).inc(predicted)
-    outcome = "exact" if predicted == cached else ("over" if predicted > cached else "under")
-    state.metrics.predictions.labels(model, outcome).inc()
-    state.metrics.prediction_error_tokens.observe(abs(predicted - int(cached)))
-
-
 async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream: Downstream, chat: bool) -> None:
     """Route ``incoming`` and relay its reply to ``downstream``; ApiError for the client's
-    mistakes and for what the router cannot do (no worker, every try failed)."""
+    mistakes and for what the router cannot do (no worker, every try failed). On a prefill/decode
+    fleet the request may be split over two workers (:mod:`router.routing.pd`)."""
     body = await decoded(state, incoming.body)
     decision = await decide(state, body, chat)
+    plan = _plan(state, decision)
+    if plan.split:
+        await proxy_split(state, incoming, downstream, body, decision, plan)
+        return
+    candidates = [s.candidate for s in plan.whole]
+    if not candidates:
+        raise ApiError(503, f"no alive worker serves whole requests of model {decision.model!r}", "service_unavailable")
     policy = state.settings.policy.value if not decision.degraded else "degraded"
     request_id = incoming.request_id
 
@@ -170,22 +125,13 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
             "x-request-id": request_id,
         }
 
-    def failed(candidate: Candidate, why: BaseException | int) -> None:
-        state.metrics.upstream_errors.labels(candidate.worker_id).inc()
-        log.warning("request %s: worker %s failed: %r", request_id, candidate.worker_id, why)
-        if not isinstance(why, int):
-            # Unreachable: not offered until a refresh lists it again. A 5xx (or a redirect) is
-            # this request's failure, not the worker's: it stays a candidate.
-            state.fleet.drop(decision.model, candidate.worker_id)
-
     outgoing = Outgoing(incoming.path, incoming.headers, request_id, incoming.body)
     state.metrics.inflight.inc()
     try:
         streamed = body.get("stream") is True
         with Booking(decision, state.load, state.decider.learner_for(decision.model), streamed) as booking:
-            forwarded = await forward(
-                outgoing, downstream, state.upstream, decision.candidates, headers, booking, failed
-            )
+            failed = on_failure(state, decision, request_id)
+            forwarded = await forward(outgoing, downstream, state.upstream, candidates, headers, booking, failed)
     except UpstreamFailed as exc:
         raise ApiError(502, str(exc), "upstream_error") from None
     finally:
@@ -193,10 +139,10 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
     if forwarded.retried:
         state.metrics.retries.inc()
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
-    _record_usage(state, decision, forwarded.candidate, forwarded.usage)
-    reported = _reported_cached(forwarded.usage)
+    record_usage(state, decision, forwarded.candidate, forwarded.usage)
+    reported = reported_cached(forwarded.usage)
     found = decision.split(forwarded.candidate, reported)
-    _account(state, decision, forwarded.candidate, found)
+    account(state, decision, forwarded.candidate, found)
     incoming.log_fields = {
         "model": decision.model,
         "worker": forwarded.candidate.worker_id,
@@ -204,7 +150,17 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
         "degraded": decision.degraded,
         "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
         "cached_tokens": reported,
-        **_log_fields(found),
+        **log_fields(found),
         "decision_ms": round(decision.seconds * 1000, 3),
         "retried": forwarded.retried,
     }
+
+
+def _plan(state: RouterState, decision: Decision) -> Plan:
+    """Whole or split (a degraded decision, which read no match, is never split)."""
+    if not state.fleet.disaggregated(decision.model):
+        return Plan(False, list(decision.choice.ranked), [], [])  # the common case, at no cost
+    roles = state.fleet.roles(decision.model)
+    costs = state.settings.pd if not decision.degraded else PdCosts(SplitMode.NEVER)
+    model = state.decider.learner_for(decision.model).model
+    return plan(decision.choice.ranked, roles, decision.prompt_tokens, decision.block_size, model, costs, _rng)

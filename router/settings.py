@@ -13,7 +13,9 @@ from pathlib import Path
 from kvindex.settings import RedisSettings, add_redis_arguments, read_secret_lines, redis_security_overrides
 from kvservice.logs import add_log_arguments
 from kvservice.options import flag_or_env, parse_switch, typed
+from router.pd_settings import add_pd_arguments, pd_costs
 from router.routing.allow import WorkerAllowList
+from router.routing.pd import PdCosts
 from router.routing.scoring import Policy, ScoringWeights
 from router.routing.tiers import TierCosts, TierMode, parse_tier_values
 
@@ -41,6 +43,7 @@ class RouterSettings:
     policy: Policy = Policy.KV
     tokenizers: tuple[tuple[str, Path], ...] = ()  # (model, model directory)
     weights: ScoringWeights = field(default_factory=ScoringWeights)
+    pd: PdCosts = field(default_factory=PdCosts)  # prefill/decode fleets: whether and how to split
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     max_body_bytes: int = 32 * 1024 * 1024
     max_prompt_tokens: int = 1 << 20  # beyond any served context length; bounds hashing and caches
@@ -167,6 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --tier-cost weights: each lower tier's weight of a GPU hit (default CPU=0.75,DISK=0.25,"
         "REMOTE=0.25, Dynamo's; env KVROUTE_TIER_WEIGHTS)",
     )
+    add_pd_arguments(parser)
     parser.add_argument("--busy-kv-usage", type=float, default=w.busy_kv_usage, help=f"busy above ({w.busy_kv_usage})")
     parser.add_argument(
         "--busy-waiting", type=int, default=w.busy_waiting, help=f"busy at this queue ({w.busy_waiting})"
@@ -313,6 +317,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         policy=args.policy,
         tokenizers=tuple(args.tokenizer),
         weights=weights,
+        pd=pd_costs(args, env),
         api_keys=frozenset(keys),
         redis_timeout_s=args.redis_timeout_ms / 1000,
         workers=getattr(args, "workers", 1),

@@ -29,6 +29,7 @@ class RouterMetrics:
     degraded_causes: Counter
     retries: Counter
     upstream_errors: Counter
+    split_requests: Counter
     prompt_tokens: Counter
     cached_tokens: Counter
     loaded_tokens: Counter
@@ -71,6 +72,9 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
         ),
         retries=Counter(PREFIX + "upstream_retries", "Requests retried on the next best worker", registry=r),
         upstream_errors=Counter(PREFIX + "upstream_errors", "Failures before the first byte", ["worker"], registry=r),
+        split_requests=Counter(
+            PREFIX + "split_requests", "Requests split over a prefill and a decode worker", ["model"], registry=r
+        ),
         prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens the engines reported", ["model"], registry=r),
         loaded_tokens=Counter(
             PREFIX + "loaded_prefix_tokens",

@@ -61,9 +61,12 @@ class Booking:
         """What is booked now, per worker (a copy)."""
         return dict(self._held)
 
-    def attempt(self, candidate: Candidate) -> None:
+    def attempt(self, candidate: Candidate, uncached: int | None = None) -> None:
+        """``uncached``: the tokens it will compute, when not the prompt's tokens less its cached
+        ones (a split request's decode leg loads the prompt's KV and computes next to nothing)."""
         decision = self._decision
-        uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
+        if uncached is None:
+            uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
         attention = round(decision.scored(candidate).own_attention)
         load = InflightLoad(1, decision.prompt_tokens, uncached, attention)
         self._release(candidate.worker_id)  # a second try on the same worker books once

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvindex.errors import REDIS_FAILURES
 from kvindex.groups import GroupSpec, is_hybrid, parse_groups
 from kvindex.redis_index import RedisIndex
+from kvindex.roles import PREFILL
 from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
 from router.routing.allow import WorkerAllowList
@@ -182,6 +183,14 @@ class Fleet:
     def kv_groups(self, model: str) -> tuple[GroupSpec, ...]:
         """A hybrid model's KV-cache groups, as its workers' records say (() for other models)."""
         return self._groups.get(model, ())
+
+    def roles(self, model: str) -> dict[str, str]:
+        """Each alive worker's role in a prefill/decode split (kvindex/roles.py)."""
+        return {w.worker_id: w.role for w in self._alive.get(model, ())}
+
+    def disaggregated(self, model: str) -> bool:
+        """Whether an alive worker of ``model`` is a prefill worker: its requests may be split."""
+        return any(w.role == PREFILL for w in self._alive.get(model, ()))
 
     def adapters(self, model: str) -> list[str]:
         """The adapters of ``model`` that an alive worker serves."""

@@ -84,13 +84,13 @@ def end_to_end(
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
-def _request_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], request_id: str) -> CIMultiDict[str]:
+def request_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], request_id: str) -> CIMultiDict[str]:
     forwarded = end_to_end(headers, NOT_FORWARDED)
     forwarded["X-Request-Id"] = request_id
     return forwarded
 
 
-def _failure(why: BaseException | int) -> str:
+def failure_text(why: BaseException | int) -> str:
     """What went wrong, without the address (system errors name host and port)."""
     if isinstance(why, int):
         return f"it answered {why}" if why >= 400 else f"it answered with a redirect ({why}, not followed)"
@@ -126,7 +126,7 @@ async def forward(
     relay the reply to ``downstream``. ``booking`` books each try and releases a failed one's
     load and, at the reply's first byte (for a stream: the first token, so the prompt's prefill
     is done), its prefill; ``on_failure`` is told of each failed try."""
-    headers = _request_headers(outgoing.headers, outgoing.request_id)
+    headers = request_headers(outgoing.headers, outgoing.request_id)
     path, body = outgoing.path, outgoing.body
     last: BaseException | int | None = None
     for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
@@ -152,7 +152,7 @@ async def forward(
         finally:
             upstream.close()  # kept if read to its end; else closed: the engine aborts the request
         return Forwarded(candidate, usage, retried=attempt > 0)
-    why = "no worker was tried" if last is None else _failure(last)
+    why = "no worker was tried" if last is None else failure_text(last)
     raise UpstreamFailed(f"the worker failed before replying: {why}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.upstream.http1 import UpstreamBroken
-from router.upstream.proxy import _failure
+from router.upstream.proxy import failure_text
 
 
 @pytest.mark.parametrize(
@@ -27,5 +27,5 @@ from router.upstream.proxy import _failure
     ],
 )
 def test_a_failure_says_what_went_wrong_without_the_address(why: BaseException | int, said: str):
-    assert _failure(why) == said
-    assert "10.0.0.7" not in _failure(why)
+    assert failure_text(why) == said
+    assert "10.0.0.7" not in failure_text(why)

@@ -1,0 +1,155 @@
+"""Prefill/decode disaggregated fleets: whether to split a request, and over which two workers.
+
+Pure functions over a decision's scores (no I/O); the two legs' forwarding is
+:mod:`router.upstream.split`, the flow :mod:`router.split_flow` (docs/router.md, "Prefill/decode
+fleets").
+
+A split request is prefilled on a prefill worker, its KV handed to a decode worker by the engines'
+KV connector, and decoded there. Unsplit, the worker that decodes it prefills it too, and every
+sequence decoding there waits for that prefill: vLLM computes a prompt's chunk in the same step as
+the running decodes, so each step that carries it takes that much longer.
+
+* The prefill worker: the cheapest by the cost in time (:mod:`router.routing.scoring`: its cached
+  prefix, the prefill queued there), among the workers that take a prefill leg.
+* The decode worker: the least loaded by decode load (its running and queued sequences, or the
+  requests booked there, whichever is more), the busy ones (KV cache nearly full) last; among
+  equals, the one that holds more of the prompt (a connector such as NIXL loads only what the
+  decode side does not hold), then at random.
+* Split or not, per request, by predicted time:
+
+      split = TTFT on the prefill worker + the KV's transfer (the tokens the decode worker does not
+              hold, at --pd-transfer-ms per 1k) + the extra hop + the decode worker's first step
+      whole = TTFT on the best worker that serves whole requests
+              + its own prefill's time x the sequences decoding there (the delay it adds to each)
+
+  A short or mostly cached prompt is cheaper whole (little to prefill, little to delay); a long
+  uncached one on a busy decode worker is cheaper split. llm-d decides this by a fixed threshold
+  on the uncached tokens; this is that threshold, moving with the queues and the caches.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvindex.roles import BOTH, PREFILL, serves_decode_leg, serves_prefill_leg, serves_whole
+from router.routing.scoring import Scored, predicted_cached_tokens
+from router.routing.ttft import CostModel
+
+DEFAULT_TRANSFER_MS_PER_1K = 5.0  # 128 KiB of KV per token (8B, bf16) at ~25 GB/s (NIXL over RDMA)
+DEFAULT_HOP_MS = 1.0  # the prefill's reply and the decode's request: one more round trip
+
+
+class SplitMode(StrEnum):
+    AUTO = "auto"  # per request, by predicted time
+    ALWAYS = "always"  # every request that can be split (the proxies of vLLM's examples)
+    NEVER = "never"  # whole requests only (the decode and both workers)
+
+
+@dataclass(frozen=True)
+class PdCosts:
+    mode: SplitMode = SplitMode.AUTO
+    transfer_ms_per_1k: float = DEFAULT_TRANSFER_MS_PER_1K
+    hop_ms: float = DEFAULT_HOP_MS
+
+    def __post_init__(self) -> None:
+        if not (self.transfer_ms_per_1k >= 0 and self.hop_ms >= 0):  # NaN too
+            raise ValueError("--pd-transfer-ms and --pd-hop-ms must be >= 0")
+
+    def transfer_s(self, tokens: int) -> float:
+        return tokens * self.transfer_ms_per_1k / 1e6
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a request goes: whole (``split`` False: ``whole``, best first) or split (``prefill``
+    then ``decode``, each best first). The predicted costs are None where that way is impossible."""
+
+    split: bool
+    whole: list[Scored]
+    prefill: list[Scored]
+    decode: list[Scored]
+    split_s: float | None = None
+    whole_s: float | None = None
+
+
+def plan(
+    ranked: Sequence[Scored],
+    roles: Mapping[str, str],
+    prompt_tokens: int,
+    block_size: int,
+    model: CostModel,
+    costs: PdCosts,
+    rng: random.Random,
+) -> Plan:
+    """The plan for a prompt whose decision ranked ``ranked`` (every alive worker, best first)."""
+    role = {s.candidate.worker_id: roles.get(s.candidate.worker_id, BOTH) for s in ranked}
+    whole = [s for s in ranked if serves_whole(role[s.candidate.worker_id])]
+    prefill = [s for s in ranked if serves_prefill_leg(role[s.candidate.worker_id])]
+    whole_s = whole_cost(whole[0], prompt_tokens, block_size, model) if whole else None
+    dedicated = any(r == PREFILL for r in role.values())  # a fleet of complete engines never splits
+    if costs.mode is SplitMode.NEVER or not dedicated:
+        return Plan(False, whole, [], [], None, whole_s)
+    first = prefill[0].candidate.worker_id
+    decode = rank_decode(
+        [s for s in ranked if serves_decode_leg(role[s.candidate.worker_id]) and s.candidate.worker_id != first],
+        rng,
+    )
+    if not decode:
+        return Plan(False, whole, [], [], None, whole_s)
+    split_s = split_cost(prefill[0], decode[0], prompt_tokens, block_size, model, costs)
+    split = costs.mode is SplitMode.ALWAYS or whole_s is None or split_s < whole_s
+    return Plan(split, whole, prefill, decode, split_s, whole_s)
+
+
+def own_tokens(scored: Scored, prompt_tokens: int, block_size: int) -> int:
+    """The prompt's tokens that worker would compute (the rest it holds or loads)."""
+    return prompt_tokens - predicted_cached_tokens(scored.hit_blocks, prompt_tokens, block_size)
+
+
+def decodes_running(scored: Scored) -> int:
+    """The sequences decoding on that worker now: its engine's running ones, or the requests
+    booked there when the engine's report is missing or behind."""
+    engine = scored.candidate.engine
+    running = engine.running if engine is not None else 0
+    return max(running, scored.candidate.inflight.requests)
+
+
+def whole_cost(scored: Scored, prompt_tokens: int, block_size: int, model: CostModel) -> float:
+    """The request served whole there: its TTFT, and its prefill's delay to every decode there."""
+    prefill_s = model.params(scored.candidate.worker_id).per_token_s * own_tokens(scored, prompt_tokens, block_size)
+    return scored.cost + prefill_s * decodes_running(scored)
+
+
+def split_cost(
+    prefill: Scored, decode: Scored, prompt_tokens: int, block_size: int, model: CostModel, costs: PdCosts
+) -> float:
+    """The request split: the TTFT on the prefill worker, the KV's transfer of what the decode
+    worker does not hold, the extra hop and the decode worker's first step."""
+    transferred = own_tokens(decode, prompt_tokens, block_size)
+    first_step_s = model.params(decode.candidate.worker_id).base_s
+    return prefill.cost + costs.transfer_s(transferred) + costs.hop_ms / 1000 + first_step_s
+
+
+def rank_decode(candidates: Sequence[Scored], rng: random.Random) -> list[Scored]:
+    """Decode workers best first: not busy, least decode load, most of the prompt held, at random."""
+    some_free = not all(s.busy for s in candidates)
+    tiebreak = {s.candidate.worker_id: rng.random() for s in candidates}
+    return sorted(
+        candidates,
+        key=lambda s: (
+            s.busy and some_free,
+            decode_load(s),
+            -s.hit_blocks,
+            tiebreak[s.candidate.worker_id],
+        ),
+    )
+
+
+def decode_load(scored: Scored) -> int:
+    """Sequences there now and queued: what a new one shares each decode step with."""
+    engine = scored.candidate.engine
+    reported = engine.running + engine.waiting if engine is not None else 0
+    return max(reported, scored.candidate.inflight.requests)

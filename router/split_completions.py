@@ -1,0 +1,116 @@
+"""A completion split over a prefill worker and a decode worker (:mod:`router.routing.pd` chose
+to split it and the two workers; :mod:`router.upstream.split` sends the legs).
+
+Each leg has its own :class:`~router.routing.booking.Booking`: the prefill leg books the prompt's
+uncached tokens on the prefill worker and teaches the TTFT model there (a whole reply of one
+token); the decode leg books a request that computes next to nothing on the decode worker, and
+teaches nothing (its first byte waits for a transfer, not a prefill). Both mark the prompt's blocks
+expected where they go: each engine holds them afterwards. The accounting (predicted against
+reported cached tokens, the lost-token split) is the prefill worker's: that is where the prompt's
+cache was used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from router.http.edges import ApiError
+from router.http.wire import HttpRequest
+from router.outcomes import account, log_fields, on_failure, record_usage
+from router.routing.booking import Booking
+from router.routing.decide import Decision
+from router.routing.pd import Plan
+from router.routing.scoring import Candidate
+from router.state import RouterState
+from router.upstream import split
+from router.upstream.proxy import Downstream, Outgoing, UpstreamFailed
+
+
+async def proxy_split(
+    state: RouterState,
+    incoming: HttpRequest,
+    downstream: Downstream,
+    body: dict[str, Any],
+    decision: Decision,
+    plan: Plan,
+) -> None:
+    request_id = incoming.request_id
+    failed = on_failure(state, decision, request_id)
+    learner = state.decider.learner_for(decision.model)
+    state.metrics.inflight.inc()
+    try:
+        with Booking(decision, state.load, learner, streamed=False) as booking:
+            leg = Outgoing(incoming.path, incoming.headers, request_id, split.prefill_body(body))
+            prefilled = await split.prefill(leg, state.upstream, [s.candidate for s in plan.prefill], booking, failed)
+        decoder = _decoder(plan, prefilled.candidate)
+        headers = _reply_headers(state, decision, prefilled.candidate, decoder, request_id)
+        leg = Outgoing(
+            incoming.path, incoming.headers, request_id, split.decode_body(body, prefilled.kv_transfer_params)
+        )
+        with Booking(decision, state.load, None, body.get("stream") is True) as booking:
+            await split.decode(
+                leg, downstream, state.upstream, decoder, (headers, prefilled.cached_tokens), booking, failed
+            )
+    except split.ClientMistake as exc:
+        with contextlib.suppress(ConnectionError):
+            await downstream.send_whole(exc.status, exc.headers, exc.body)
+        return
+    except UpstreamFailed as exc:
+        raise ApiError(502, str(exc), "upstream_error") from None
+    finally:
+        state.metrics.inflight.dec()
+    _accounted(state, incoming, decision, prefilled, decoder)
+
+
+def _decoder(plan: Plan, prefill: Candidate) -> Candidate:
+    """The best decode worker that is not the prefill worker (a retried prefill may have landed on
+    the plan's decode worker, when that one serves both legs)."""
+    for scored in plan.decode:
+        if scored.candidate.worker_id != prefill.worker_id:
+            return scored.candidate
+    raise UpstreamFailed("no decode worker is left beside the prefill worker")
+
+
+def _reply_headers(
+    state: RouterState, decision: Decision, prefill: Candidate, decoder: Candidate, request_id: str
+) -> dict[str, str]:
+    if not state.settings.routing_headers:
+        return {"x-request-id": request_id}
+    return {
+        "x-kvroute-worker": decoder.worker_id,
+        "x-kvroute-prefill-worker": prefill.worker_id,
+        "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(prefill)),
+        "x-request-id": request_id,
+    }
+
+
+def _accounted(
+    state: RouterState,
+    incoming: HttpRequest,
+    decision: Decision,
+    prefilled: split.Prefilled,
+    decoder: Candidate,
+) -> None:
+    policy = state.settings.policy.value
+    prefill = prefilled.candidate
+    if prefilled.retried:
+        state.metrics.retries.inc()
+    state.metrics.decisions.labels(decision.model, decoder.worker_id, policy).inc()
+    state.metrics.split_requests.labels(decision.model).inc()
+    record_usage(state, decision, prefill, prefilled.usage)
+    reported = prefilled.cached_tokens
+    found = decision.split(prefill, reported)
+    account(state, decision, prefill, found)
+    incoming.log_fields = {
+        "model": decision.model,
+        "worker": decoder.worker_id,
+        "prefill_worker": prefill.worker_id,
+        "prompt_tokens": decision.prompt_tokens,
+        "degraded": decision.degraded,
+        "predicted_cached_tokens": decision.predicted_cached_tokens(prefill),
+        "cached_tokens": reported,
+        **log_fields(found),
+        "decision_ms": round(decision.seconds * 1000, 3),
+        "retried": prefilled.retried,
+    }

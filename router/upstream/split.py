@@ -1,0 +1,261 @@
+"""The two legs of a request split over a prefill worker and a decode worker, as vLLM's
+disaggregated-serving proxies send them (its NIXL and P2P examples; the choice of the two workers:
+:mod:`router.routing.pd`).
+
+1. The prefill leg: the client's body with ``kv_transfer_params`` asking for a remote decode
+   (``do_remote_decode: true``), not streamed, one output token (``max_tokens``, and
+   ``max_completion_tokens`` where given, 1; ``min_tokens``, ``min_completion_tokens`` and
+   ``stream_options`` dropped, as the engine takes none of them for it). Its JSON reply carries the
+   ``kv_transfer_params`` that name the KV blocks it computed; its usage says how much of the
+   prompt the prefill worker's cache held. A prefill worker that fails before replying (no
+   connection, a 5xx, a reply without ``kv_transfer_params``) is replaced by the next one once;
+   a 4xx is the client's mistake and is relayed as it is.
+2. The decode leg: the client's body as sent, with those ``kv_transfer_params``, to the decode
+   worker; its reply (streamed or whole) is relayed to the client with its usage's
+   ``cached_tokens`` replaced by the prefill worker's (the decode worker counts the transferred
+   KV as cached). A decode worker that fails before replying is not replaced: the prefill
+   worker's KV was handed to it and is gone, so the client gets a 502 saying so.
+
+Both legs carry the router's request id, so the engines' logs pair them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from multidict import CIMultiDict
+
+from router.routing.booking import Booking
+from router.routing.scoring import Candidate
+from router.upstream.pool import UpstreamPool
+from router.upstream.proxy import (
+    MAX_JSON_SNIFF,
+    MAX_TRIES,
+    Downstream,
+    Outgoing,
+    UpstreamFailed,
+    end_to_end,
+    failure_text,
+    request_headers,
+)
+from router.upstream.usage import usage_from_json
+
+# What the prefill leg asks of the engine's connector: compute, keep the KV for a remote decode.
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+NOT_FOR_PREFILL = ("min_tokens", "min_completion_tokens", "stream_options")
+
+
+class ClientMistake(Exception):
+    """The prefill worker refused the request (4xx): relayed to the client as it is."""
+
+    def __init__(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        super().__init__(status)
+        self.status, self.headers, self.body = status, headers, body
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    candidate: Candidate
+    kv_transfer_params: dict[str, Any]
+    usage: dict | None
+    retried: bool
+
+    @property
+    def cached_tokens(self) -> int | None:
+        cached = ((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+def prefill_body(body: dict[str, Any]) -> bytes:
+    leg = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
+    leg["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    return json.dumps(leg).encode()
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+    return json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
+
+
+async def prefill(
+    outgoing: Outgoing,
+    pool: UpstreamPool,
+    candidates: list[Candidate],
+    booking: Booking,
+    on_failure: Callable[[Candidate, BaseException | int | str], None],
+) -> Prefilled:
+    """The prefill leg on ``candidates[0]``, or on ``candidates[1]`` if the first fails."""
+    headers = request_headers(outgoing.headers, outgoing.request_id)
+    last: BaseException | int | str | None = None
+    for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
+        booking.attempt(candidate)
+        try:
+            reply = await pool.post(candidate.url + outgoing.path, outgoing.body, headers.items())
+            try:
+                body = await reply.read()
+            finally:
+                reply.close()
+        except (TimeoutError, OSError) as exc:
+            last = exc
+        else:
+            if 400 <= reply.status < 500:
+                raise ClientMistake(reply.status, end_to_end(reply.headers), body)
+            params = _transfer_params(body) if reply.status == 200 else None
+            if params is not None:
+                booking.prefilled(candidate)
+                usage = usage_from_json(body)
+                booking.replied(candidate, usage)
+                return Prefilled(candidate, params, usage, retried=attempt > 0)
+            last = reply.status if reply.status != 200 else "no kv_transfer_params in its reply"
+        booking.failed(candidate)
+        on_failure(candidate, last)
+    why = "no prefill worker was tried" if last is None else _leg_failure(last)
+    raise UpstreamFailed(f"the prefill worker failed before replying: {why}")
+
+
+def _transfer_params(body: bytes) -> dict[str, Any] | None:
+    try:
+        params = json.loads(body).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) and params else None
+
+
+def _leg_failure(why: BaseException | int | str) -> str:
+    return why if isinstance(why, str) else failure_text(why)
+
+
+async def decode(
+    outgoing: Outgoing,
+    downstream: Downstream,
+    pool: UpstreamPool,
+    candidate: Candidate,
+    reply: tuple[dict[str, str], int | None],
+    booking: Booking,
+    on_failure: Callable[[Candidate, BaseException | int | str], None],
+) -> dict | None:
+    """The decode leg on ``candidate``, relayed to ``downstream`` with ``reply``'s headers and the
+    prefill side's cached tokens; its usage (as the client saw it). UpstreamFailed when it fails
+    before replying."""
+    headers = request_headers(outgoing.headers, outgoing.request_id)
+    booking.attempt(candidate, uncached=0)  # its KV comes from the prefill worker
+    try:
+        upstream = await pool.post(candidate.url + outgoing.path, outgoing.body, headers.items())
+    except (TimeoutError, OSError) as exc:
+        booking.failed(candidate)
+        on_failure(candidate, exc)
+        raise UpstreamFailed(_decode_lost(failure_text(exc))) from None
+    try:
+        if upstream.status >= 500 or 300 <= upstream.status < 400:
+            booking.failed(candidate)
+            on_failure(candidate, upstream.status)
+            raise UpstreamFailed(_decode_lost(failure_text(upstream.status)))
+        usage = await _relay_rewritten(downstream, upstream, reply[0], booking, candidate, reply[1])
+        booking.replied(candidate, usage)
+        return usage
+    finally:
+        upstream.close()
+
+
+def _decode_lost(why: str) -> str:
+    return f"the decode worker failed before replying ({why}); the prompt's KV computed for it is lost"
+
+
+async def _relay_rewritten(
+    downstream: Downstream,
+    upstream: Any,
+    extra_headers: dict[str, str],
+    booking: Booking,
+    candidate: Candidate,
+    cached_tokens: int | None,
+) -> dict | None:
+    """Relay the decode worker's reply with the prefill side's cached tokens in its usage."""
+    headers = end_to_end(upstream.headers)
+    headers.update(extra_headers)
+    encoded = "Content-Encoding" in upstream.headers  # a compressed body is relayed as sent
+    rewrite = None if encoded or cached_tokens is None else cached_tokens
+    streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    if not streamed:
+        body = await upstream.read()
+        booking.prefilled(candidate)
+        if rewrite is not None and len(body) <= MAX_JSON_SNIFF:
+            body = with_cached_tokens(body, rewrite)
+        with contextlib.suppress(ConnectionError):  # the client went away: still accounted
+            await downstream.send_whole(upstream.status, headers, body)
+        return usage_from_json(body)
+    await downstream.start(upstream.status, headers)
+    events = SseRewriter(rewrite)
+    first = True
+    async for chunk in upstream.iter_any():  # the client going away raises here
+        if first:
+            booking.prefilled(candidate)
+            first = False
+        await downstream.write(events.feed(chunk))
+    await downstream.write(events.flush())
+    await downstream.end()
+    return events.usage
+
+
+def with_cached_tokens(body: bytes, cached_tokens: int) -> bytes:
+    """A JSON reply with ``usage.prompt_tokens_details.cached_tokens`` set (unchanged when it has
+    no usage or is not JSON)."""
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        return body
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(usage, dict):
+        return body
+    details = usage.get("prompt_tokens_details")
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached_tokens}
+    return json.dumps(reply).encode()
+
+
+class SseRewriter:
+    """A server-sent event stream passed on event by event, the usage object's ``cached_tokens``
+    replaced where one comes (``cached_tokens`` None: passed unchanged, the usage still read)."""
+
+    def __init__(self, cached_tokens: int | None) -> None:
+        self._cached = cached_tokens
+        self._tail = b""
+        self.usage: dict | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._tail + chunk
+        *events, self._tail = data.split(b"\n\n")
+        if len(self._tail) > MAX_JSON_SNIFF:  # no event boundary in sight: pass it on as it is
+            events.append(self._tail)
+            self._tail = b""
+            return b"\n\n".join(events)
+        return b"".join(self._event(e) + b"\n\n" for e in events)
+
+    def flush(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def _event(self, event: bytes) -> bytes:
+        if b'"usage"' not in event:
+            return event
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
+            if line.startswith(b"data:") and (usage := usage_from_json(line[5:].strip())) is not None:
+                if self._cached is not None:
+                    line = b"data: " + with_cached_tokens(line[5:].strip(), self._cached)
+                    lines[i] = line
+                    usage = usage_from_json(line[5:].strip())
+                self.usage = usage
+        return b"\n".join(lines)

@@ -1,0 +1,131 @@
+"""Prefill/decode fleets (router/routing/pd.py, router/upstream/split.py): whether a request is
+split and over which workers, and the two legs' bodies and the reply's usage (pure parts)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvindex.types import WorkerLoad
+from router.routing.choice import choose
+from router.routing.pd import PdCosts, SplitMode, decode_load, plan
+from router.routing.scoring import Candidate, ScoringWeights
+from router.routing.ttft import CostModel
+from router.shared.shared_load import InflightLoad
+from router.upstream.split import PREFILL_PARAMS, SseRewriter, decode_body, prefill_body, with_cached_tokens
+
+BS = 16
+MODEL = CostModel()
+
+
+def ranked(*candidates: Candidate, prompt_blocks: int = 64):
+    return choose(list(candidates), prompt_blocks, BS, ScoringWeights(), rng=random.Random(0), model=MODEL).ranked
+
+
+def worker(name: str, matched: int = 0, running: int = 0, waiting: int = 0, usage: float = 0.1) -> Candidate:
+    return Candidate(name, f"http://{name}", matched, engine=WorkerLoad(running, waiting, usage))
+
+
+def pd_plan(scored, roles, prompt_tokens=64 * BS, mode=SplitMode.AUTO):
+    return plan(scored, roles, prompt_tokens, BS, MODEL, PdCosts(mode), random.Random(1))
+
+
+ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
+
+
+def test_a_fleet_of_complete_engines_is_never_split():
+    scored = ranked(worker("a"), worker("b", running=30))
+    found = pd_plan(scored, {"a": "both", "b": "both"}, mode=SplitMode.ALWAYS)
+    assert not found.split and [s.candidate.worker_id for s in found.whole] == ["a", "b"]
+
+
+def test_a_long_cold_prompt_beside_busy_decodes_is_split_to_the_least_loaded_decoder():
+    scored = ranked(worker("p1"), worker("p2", waiting=4), worker("d1", running=40), worker("d2", running=10))
+    found = pd_plan(scored, ROLES)
+    assert found.split and found.split_s < found.whole_s
+    assert found.prefill[0].candidate.worker_id == "p1"  # no queue
+    assert [s.candidate.worker_id for s in found.decode] == ["d2", "d1"]
+    assert {s.candidate.worker_id for s in found.whole} == {"d1", "d2"}  # prefill workers take no whole request
+
+
+def test_a_prompt_the_decode_worker_holds_is_served_there_whole():
+    """Little to prefill, little delay to the decodes there; split, the prefill worker would
+    compute it all and send it over."""
+    scored = ranked(worker("p1"), worker("d1", 63, running=8), worker("d2", running=8))
+    found = pd_plan(scored, ROLES)
+    assert not found.split and found.whole[0].candidate.worker_id == "d1"
+    assert found.split_s is not None and found.whole_s < found.split_s
+    assert pd_plan(scored, ROLES, mode=SplitMode.ALWAYS).split  # as the proxies of vLLM's examples
+    assert not pd_plan(scored, ROLES, mode=SplitMode.NEVER).split
+
+
+def test_the_decision_moves_with_the_decodes_running():
+    """The same cold prompt: whole on an idle decode worker, split beside many decodes."""
+    idle = pd_plan(ranked(worker("p1"), worker("d1")), ROLES, prompt_tokens=64 * BS)
+    busy = pd_plan(ranked(worker("p1"), worker("d1", running=50)), ROLES, prompt_tokens=64 * BS)
+    assert not idle.split and busy.split
+
+
+def test_decode_workers_rank_by_load_then_held_prefix_busy_last():
+    full = worker("d1", 60, running=1, usage=0.99)  # its KV cache nearly full: busy
+    scored = ranked(worker("p1"), full, worker("d2", 10, running=3), worker("d3", 0, running=3))
+    found = pd_plan(scored, ROLES | {"d3": "decode"}, mode=SplitMode.ALWAYS)
+    assert [s.candidate.worker_id for s in found.decode] == ["d2", "d3", "d1"]
+    booked = Candidate("d4", "http://d4", inflight=InflightLoad(requests=9), engine=WorkerLoad(2, 0, 0.1))
+    assert decode_load(ranked(booked)[0]) == 9  # requests booked by the routers and not yet reported
+
+
+def test_a_complete_engine_decodes_split_requests_and_a_lone_prefill_worker_serves_none():
+    found = pd_plan(ranked(worker("p1"), worker("b")), {"p1": "prefill", "b": "both"})
+    assert [s.candidate.worker_id for s in found.decode] == ["b"] and not found.split  # idle: whole is faster
+    assert pd_plan(ranked(worker("p1"), worker("b", running=50)), {"p1": "prefill", "b": "both"}).split
+    alone = pd_plan(ranked(worker("p1")), {"p1": "prefill"})
+    assert not alone.split and alone.whole == []
+
+
+def test_pd_costs_refuse_negative_times():
+    with pytest.raises(ValueError, match="--pd-transfer-ms"):
+        PdCosts(transfer_ms_per_1k=-1)
+
+
+def test_the_prefill_leg_asks_for_one_token_and_a_remote_decode():
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 50, "stream": True, "stream_options": {"x": 1}}
+    leg = json.loads(prefill_body({**body, "min_tokens": 3, "max_completion_tokens": 50}))
+    assert leg["kv_transfer_params"] == PREFILL_PARAMS and leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert (leg["stream"], leg["max_tokens"], leg["max_completion_tokens"]) == (False, 1, 1)
+    assert "stream_options" not in leg and "min_tokens" not in leg
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
+    decoded = json.loads(decode_body(body, params))
+    assert decoded == {**body, "kv_transfer_params": params}  # the client's body otherwise as sent
+
+
+def test_the_reply_says_the_prefill_sides_cached_tokens():
+    reply = {"id": "x", "usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}
+    assert json.loads(with_cached_tokens(json.dumps(reply).encode(), 16))["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 16
+    }
+    bare = {"usage": {"prompt_tokens": 40, "prompt_tokens_details": None}}
+    assert json.loads(with_cached_tokens(json.dumps(bare).encode(), 0))["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0
+    }
+    assert with_cached_tokens(b"not json", 3) == b"not json"
+    assert with_cached_tokens(b'{"usage": null}', 3) == b'{"usage": null}'
+
+
+def test_a_stream_is_passed_on_event_by_event_with_the_usage_rewritten():
+    usage = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+    stream = (
+        b'data: {"choices": [{"text": "a"}], "usage": null}\n\n'
+        + b"data: "
+        + json.dumps({"choices": [], "usage": usage}).encode()
+        + b"\n\ndata: [DONE]\n\n"
+    )
+    events = SseRewriter(16)
+    out = b"".join(events.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + events.flush()
+    assert events.usage == {**usage, "prompt_tokens_details": {"cached_tokens": 16}}
+    assert out.split(b"\n\n")[0] == stream.split(b"\n\n")[0]  # events without a usage pass unchanged
+    assert out.endswith(b"data: [DONE]\n\n")
+    plain = SseRewriter(None)
+    assert plain.feed(stream) + plain.flush() == stream and plain.usage == usage
