@@ -15,6 +15,10 @@ What is reproduced (vllm/v1/core/block_pool.py, kv_cache_manager.py, as of 0.32/
 * A prefix hit is the longest run of cached blocks, capped at ``prompt length - 1`` tokens.
 * ``reset_prefix_cache`` works only when no block is in use; it forgets every hash and emits one
   AllBlocksCleared (no per-block removals).
+* A hybrid model's KV-cache groups share the pool (vLLM's HybridKVCacheCoordinator gives every
+  group's manager the same BlockPool): a block is handed to one group's table at a time, and cached
+  under (group, hash), so one hash may be cached in both groups (the same tokens hash alike in
+  each), each copy announced and removed with its ``group_idx`` (sim_engine/hybrid.py).
 
 The engine hash is sha256 over (parent, tokens, extra keys), low 64 bits, like vLLM's default
 (the exact bytes differ: consumers must not rely on them, and the agent does not).
@@ -25,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvevents.vllm import Event
@@ -83,11 +87,24 @@ class CachedContent:
     lora_name: str | None = None
 
 
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """A KV-cache group's spec as its KV events name it (``kv_cache_spec_kind``, and the window of
+    a sliding-window group)."""
+
+    kind: str = "full_attention"
+    sliding_window: int | None = None
+
+
+FULL_ATTENTION = KVCacheGroup()
+
+
 @dataclass
 class Block:
     block_id: int
     ref_cnt: int = 0
     hash: int | None = None  # set while the block is in the prefix cache
+    group: int = 0  # the KV-cache group it is cached for (while it has a hash)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -95,16 +112,20 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVCacheGroup] = (FULL_ATTENTION,)) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is vLLM's null block)")
         if block_size < 1:
             raise ValueError("block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.groups = tuple(groups)
         self.blocks = [Block(i) for i in range(num_blocks)]
+        # vLLM's placeholder for the blocks a sliding window no longer reads: never free, never cached
+        self.null = self.blocks[0]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self._cached: dict[int, dict[int, Block]] = {}
+        # per group: hash -> the blocks holding it (several copies may)
+        self._cached: list[dict[int, dict[int, Block]]] = [{} for _ in self.groups]
         self._content: dict[int, CachedContent] = {}  # per cached hash, for the debug view
         self.events: list[Event] = []  # published with the next engine step
 
@@ -126,21 +147,22 @@ class BlockPool:
         return events
 
     def cached_hashes(self) -> list[int]:
-        return list(self._cached)
+        """Every cached hash (once, whichever groups hold it)."""
+        return list(dict.fromkeys(h for cached in self._cached for h in cached))
 
     def cached_contents(self) -> dict[int, CachedContent]:
         """Every cached hash with its parent, tokens and salt (a consumer can rehash the chains)."""
         return dict(self._content)
 
-    def cached_block(self, hash_: int) -> Block | None:
-        copies = self._cached.get(hash_)
+    def cached_block(self, hash_: int, group: int = 0) -> Block | None:
+        copies = self._cached[group].get(hash_)
         return next(iter(copies.values())) if copies else None
 
-    def longest_hit(self, hashes: Sequence[int], num_tokens: int) -> list[Block]:
+    def longest_hit(self, hashes: Sequence[int], num_tokens: int, group: int = 0) -> list[Block]:
         """Cached blocks for the leading hashes, at most (num_tokens - 1) // block_size of them."""
         hit = []
         for hash_ in hashes[: (num_tokens - 1) // self.block_size]:
-            block = self.cached_block(hash_)
+            block = self.cached_block(hash_, group)
             if block is None:
                 break
             hit.append(block)
@@ -148,10 +170,12 @@ class BlockPool:
 
     def evictable(self, blocks: Sequence[Block]) -> int:
         """How many of ``blocks`` sit in the free queue (touching them uses up free blocks)."""
-        return sum(1 for b in blocks if b.ref_cnt == 0)
+        return sum(1 for b in blocks if b.ref_cnt == 0 and b is not self.null)
 
     def touch(self, blocks: Sequence[Block]) -> None:
         for block in blocks:
+            if block is self.null:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -171,20 +195,25 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.hash is None:
             return
-        copies = self._cached[block.hash]
+        cached = self._cached[block.group]
+        copies = cached[block.hash]
         del copies[block.block_id]
         if not copies:
-            del self._cached[block.hash]
-            del self._content[block.hash]
-        self.events.append(removed_event([block.hash]))
+            del cached[block.hash]
+            if not any(block.hash in other for other in self._cached):
+                del self._content[block.hash]
+        self.events.append(removed_event([block.hash], group_idx=block.group))
         block.hash = None
 
-    def free(self, blocks: Sequence[Block]) -> None:
+    def free(self, blocks: Iterable[Block]) -> None:
         """Release a request's blocks, given in eviction order (its tail first). Cached blocks go
         to the end of the queue (LRU); blocks without a hash go to the front, in that order, to be
-        reused first (vLLM's LIFO reuse of blocks that can never be a prefix hit)."""
+        reused first (vLLM's LIFO reuse of blocks that can never be a prefix hit). The null block
+        is skipped (a sliding window's table holds it where blocks slid out)."""
         reuse_first = []
         for block in blocks:
+            if block is self.null:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.hash is None:
@@ -196,37 +225,54 @@ class BlockPool:
             self._free.move_to_end(block_id, last=False)
 
     def cache(
-        self, blocks: Sequence[Block], hashes: Sequence[int], tokens: Sequence[int], start: int, keys: CacheKeys
+        self,
+        blocks: Sequence[Block],
+        hashes: Sequence[int],
+        tokens: Sequence[int],
+        start: int,
+        keys: CacheKeys,
+        *,
+        group: int = 0,
+        mask: Sequence[bool] | None = None,
     ) -> None:
-        """Cache ``blocks[start:]`` under ``hashes[start:]`` (full blocks only) and announce them."""
+        """Cache ``blocks[start:]`` under ``hashes[start:]`` (full blocks only) for ``group`` and
+        announce them. ``mask`` (one flag per block from ``start``) leaves out the blocks no later
+        hit can use, and null blocks are left out, as vLLM's ``cache_full_blocks``: the event still
+        carries the whole span's tokens, with the hashes and extra keys of the cached blocks only."""
         stop = min(len(blocks), len(hashes))
         if stop <= start:
             return
         size = self.block_size
-        for i, (block, hash_) in enumerate(zip(blocks[start:stop], hashes[start:stop], strict=True), start):
-            block.hash = hash_
-            self._cached.setdefault(hash_, {})[block.block_id] = block
+        kept = [i for i in range(start, stop) if blocks[i] is not self.null and (mask is None or mask[i - start])]
+        for i in kept:
+            block, hash_ = blocks[i], hashes[i]
+            block.hash, block.group = hash_, group
+            self._cached[group].setdefault(hash_, {})[block.block_id] = block
             parent = hashes[i - 1] if i else None
             self._content[hash_] = CachedContent(
                 parent, tuple(tokens[i * size : (i + 1) * size]), keys.salt if i == 0 else None, keys.lora_name
             )
-        extra = [list(e) if (e := keys.extra(i)) else None for i in range(start, stop)]
+        spec = self.groups[group]
         self.events.append(
             stored_event(
-                hashes[start:stop],
+                [hashes[i] for i in kept],
                 hashes[start - 1] if start else None,
                 tokens[start * size : stop * size],
                 size,
-                extra_keys=extra,
+                extra_keys=[list(e) if (e := keys.extra(i)) else None for i in kept],
                 lora_name=keys.lora_name,
                 lora_id=keys.lora_id,
+                group_idx=group,
+                kv_cache_spec_kind=spec.kind,
+                kv_cache_spec_sliding_window=spec.sliding_window,
             )
         )
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free < self.num_blocks - 1:
             return False  # vLLM refuses while requests hold blocks
-        self._cached.clear()
+        for cached in self._cached:
+            cached.clear()
         self._content.clear()
         for block in self.blocks:
             block.hash = None

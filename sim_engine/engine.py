@@ -13,7 +13,9 @@ Each engine step, as vLLM v1's ``Scheduler.schedule`` (FCFS, synchronous schedul
   sequence (vLLM's ``scheduler_reserve_full_isl``); the first request that does not fit stops it.
 
 Blocks are allocated, and full blocks cached (BlockStored), for the tokens scheduled in the step,
-as vLLM's ``allocate_slots`` does. A request samples its next token in the step that computes its
+as vLLM's ``allocate_slots`` does; which blocks a request holds and caches is its KV-cache
+manager's (sim_engine/kv_cache.py: one full-attention group; sim_engine/hybrid.py: a sliding-window
+group beside it, with ``sliding_window``). A request samples its next token in the step that computes its
 last token (its first token: the step of its last prompt chunk). The step's KV events are
 published at schedule time, before the "forward pass", which takes
 
@@ -31,186 +33,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from sim_engine.block_pool import Block, BlockPool, CacheKeys, chain_hashes
+from sim_engine.block_pool import BlockPool, CacheKeys, chain_hashes
 from sim_engine.faults import EngineFaults
+from sim_engine.hybrid import HybridKVCacheManager, hybrid_groups
+from sim_engine.kv_cache import KVCacheManager
 from sim_engine.kv_events import KVEventPublisher
 from sim_engine.offload import CpuTier
+from sim_engine.types import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineStats,
+    RequestRejected,
+    SimRequest,
+    StepPlan,
+    TimingModel,
+)
+
+__all__ = [  # the types live in sim_engine/types.py; importing them from here keeps working
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "EngineStats",
+    "RequestRejected",
+    "SimEngine",
+    "SimRequest",
+    "StepPlan",
+    "TimingModel",
+]
 
 FIRST_ORDINARY_TOKEN = 5  # below: <unk>, <s>, </s> and the chat markers of the tiny model
-
-# vLLM 0.32's default for its OpenAI server on GPUs under 70 GiB and on CPUs (H100/H200: 8192;
-# 160 GiB and more: 16384); docs/sim-engine.md says more.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_MAX_NUM_SEQS = 64  # this engine's batch limit before it had vLLM's name (vLLM: 256 on GPUs)
-
-
-@dataclass(frozen=True, init=False)
-class TimingModel:
-    """The scheduler's limits and the step time model.
-
-    ``max_num_seqs`` is vLLM's name for the batch limit; ``max_running`` (keyword and attribute)
-    is the same setting under its older name here."""
-
-    prefill_ms_per_1k_tokens: float  # uncached prompt tokens
-    decode_ms_per_step: float  # a step with any decode
-    step_overhead_ms: float
-    max_num_seqs: int
-    speedup: float
-    max_num_batched_tokens: int  # per-step token budget (chunked prefill); 0: none
-    decode_ms_per_token: float  # per decoding request in the step (a large batch decodes slower)
-    # Attention grows with the context: a chunk of N new tokens after P computed ones costs
-    # this many ns x N x (P + N / 2) more (0: prefill time linear in new tokens alone).
-    prefill_context_ns: float
-    # Each request's prefill in its own lane: the token budget is per request, and a step takes
-    # as long as its longest prefill chunk, not their sum (an engine far from saturating its GPU).
-    parallel_prefill: bool
-
-    def __init__(
-        self,
-        prefill_ms_per_1k_tokens: float = 100.0,
-        decode_ms_per_step: float = 20.0,
-        step_overhead_ms: float = 1.0,
-        max_num_seqs: int | None = None,
-        speedup: float = 1.0,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        decode_ms_per_token: float = 0.0,
-        prefill_context_ns: float = 0.0,
-        parallel_prefill: bool = False,
-        *,
-        max_running: int | None = None,
-    ) -> None:
-        if max_num_seqs is not None and max_running is not None and max_num_seqs != max_running:
-            raise ValueError("max_running is max_num_seqs under its old name: give one of them")
-        seqs = next((v for v in (max_num_seqs, max_running) if v is not None), DEFAULT_MAX_NUM_SEQS)
-        values = {
-            "prefill_ms_per_1k_tokens": prefill_ms_per_1k_tokens,
-            "decode_ms_per_step": decode_ms_per_step,
-            "step_overhead_ms": step_overhead_ms,
-            "max_num_seqs": seqs,
-            "speedup": speedup,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "decode_ms_per_token": decode_ms_per_token,
-            "prefill_context_ns": prefill_context_ns,
-            "parallel_prefill": bool(parallel_prefill),
-        }
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
-        self._validate()
-
-    def _validate(self) -> None:
-        timings = (self.prefill_ms_per_1k_tokens, self.decode_ms_per_step, self.step_overhead_ms)
-        if min(*timings, self.decode_ms_per_token, self.prefill_context_ns) < 0:
-            raise ValueError("timing parameters must be >= 0")
-        if self.max_num_seqs < 1 or self.speedup <= 0:
-            raise ValueError("--max-num-seqs must be >= 1 and --speedup > 0")
-        if self.max_num_batched_tokens < 0:
-            raise ValueError("--max-num-batched-tokens must be >= 0 (0: no per-step budget)")
-        if 0 < self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
-                f"({self.max_num_seqs}), as vLLM requires (or 0: no per-step budget)"
-            )
-
-    @property
-    def max_running(self) -> int:
-        """``max_num_seqs`` under its old name."""
-        return self.max_num_seqs
-
-    @property
-    def token_budget(self) -> int:
-        """The tokens one step may schedule (``max_num_batched_tokens``, unbounded when 0)."""
-        return self.max_num_batched_tokens or sys.maxsize
-
-    def chunk_ms(self, new_tokens: int, context_tokens: int) -> float:
-        """The prefill of ``new_tokens`` after ``context_tokens`` already computed, in ms."""
-        linear = new_tokens * self.prefill_ms_per_1k_tokens / 1000
-        return linear + self.prefill_context_ns * new_tokens * (context_tokens + new_tokens / 2) / 1e6
-
-    def step_seconds(self, prefill_tokens: int, decodes: int, prefill_ms: float | None = None) -> float:
-        """A step's duration: ``decodes`` is how many requests decode in it (a bool counts as 0 or 1);
-        ``prefill_ms`` the step's prefill time when known (:attr:`StepPlan.prefill_ms`), else
-        ``prefill_tokens`` at the linear rate."""
-        if prefill_ms is None:
-            prefill_ms = prefill_tokens * self.prefill_ms_per_1k_tokens / 1000
-        ms = self.step_overhead_ms + prefill_ms
-        if decodes:
-            ms += self.decode_ms_per_step + int(decodes) * self.decode_ms_per_token
-        return ms / 1000 / self.speedup
-
-
-class RequestRejected(ValueError):
-    """A request the engine cannot serve (too long for the model or the cache)."""
-
-
-@dataclass(eq=False)
-class SimRequest:
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    keys: CacheKeys = field(default_factory=CacheKeys)  # its cache_salt and LoRA adapter
-    output: list[int] = field(default_factory=list)
-    blocks: list[Block] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # full blocks of prompt + output
-    num_computed: int = 0  # tokens whose KV is computed (after the step that scheduled them)
-    num_cached_blocks: int = 0
-    cached_tokens: int | None = None  # the prefix hit when first scheduled (loaded from the CPU tier too)
-    external_tokens: int = 0  # of those, the ones loaded from the CPU tier
-    ready_at: float = 0.0  # monotonic time its load from the CPU tier ends: computed from then on
-    prefilling: bool = False  # admitted, and its computed tokens have not caught up with its tokens yet
-    num_preemptions: int = 0
-    arrived: float = field(default_factory=time.monotonic)
-    scheduled_at: float | None = None  # first scheduled (vLLM's scheduled_ts: preemptions do not move it)
-    first_token_at: float | None = None
-    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
-    finished_at: float | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)  # None: finished
-
-    @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-
-@dataclass
-class StepPlan:
-    """What one engine step computes: the scheduled requests with their token counts, in
-    schedule order (running requests, then the newly admitted ones), and who was preempted."""
-
-    scheduled: list[tuple[SimRequest, int]] = field(default_factory=list)
-    prefill_tokens: int = 0  # tokens of requests in (re)computation: prompt chunks, recomputed outputs
-    prefill_ms: float = 0.0  # their compute time (summed, or the longest chunk's with parallel prefill)
-    decodes: int = 0  # requests decoding one token
-    preempted: list[SimRequest] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prefill_tokens + self.decodes
-
-    def tokens_of(self, request: SimRequest) -> int:
-        return next((n for r, n in self.scheduled if r is request), 0)
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens: int = 0  # counted when the request's first token comes, as vLLM
-    prompt_tokens_cached: int = 0  # of those, the prefix-cache hits when first scheduled
-    prompt_tokens_external: int = 0  # of those, loaded from the CPU tier
-    generation_tokens: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    preemptions: int = 0
-    requests_finished: int = 0
-    steps: int = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SimEngine:
@@ -226,8 +80,12 @@ class SimEngine:
         faults: EngineFaults | None = None,
         cpu_blocks: int = 0,
         cpu_load_ms_per_1k_tokens: float = 4.0,
+        sliding_window: int = 0,
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
+        if sliding_window and cpu_blocks:
+            raise ValueError("a sliding window (a hybrid KV cache) and a CPU tier cannot be combined")
+        self.kv = self._cache_manager(num_blocks, block_size, sliding_window, timing, max_model_len)
+        self.pool = self.kv.pool
         # the CPU tier behind the GPU cache (sim_engine/offload.py), its events with the pool's
         self.cpu = CpuTier(cpu_blocks, block_size, cpu_load_ms_per_1k_tokens, self.pool.emit) if cpu_blocks else None
         self.faults = faults or EngineFaults()
@@ -241,6 +99,19 @@ class SimEngine:
         self.running: list[SimRequest] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _cache_manager(
+        num_blocks: int, block_size: int, sliding_window: int, timing: TimingModel, max_model_len: int
+    ) -> KVCacheManager:
+        """One full-attention group, or with ``sliding_window`` a hybrid model's two groups
+        sharing the ``num_blocks`` blocks (sim_engine/hybrid.py)."""
+        if not sliding_window:
+            return KVCacheManager(BlockPool(num_blocks, block_size))
+        pool = BlockPool(num_blocks, block_size, hybrid_groups(sliding_window))
+        # a step's tokens in flight: its budget (no budget: a whole prompt, at most the model's length)
+        in_flight = timing.max_num_batched_tokens or max_model_len
+        return HybridKVCacheManager(pool, sliding_window, in_flight, max_model_len)
 
     def start(self) -> SimEngine:
         self._task = asyncio.create_task(self._loop())
@@ -261,7 +132,7 @@ class SimEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(request.prompt)} in the prompt, {request.max_tokens} in the completion)."
             )
-        if _cdiv(total, self.pool.block_size) > self.pool.num_blocks - 1:
+        if self.kv.max_blocks(total) > self.pool.num_blocks - 1:
             raise RequestRejected(f"the request needs more KV blocks than the cache has ({self.pool.num_blocks - 1})")
         self.waiting.append(request)
         self._wake.set()
@@ -279,7 +150,7 @@ class SimEngine:
         oracle router asks: ``POST /debug/match``)."""
         size = self.pool.block_size
         hashes = chain_hashes(prompt, size, keys or CacheKeys())
-        hit = len(self.pool.longest_hit(hashes, len(prompt)))
+        hit = self.kv.find_hit(hashes, len(prompt)).tokens // size
         if self.cpu is not None:
             hit += self.cpu.hit(hashes, hit, (len(prompt) - 1) // size - hit, touch=False)
         return hit * size
@@ -319,10 +190,10 @@ class SimEngine:
                 continue
             count = min(len(request.all_tokens) - request.num_computed, budget)
             end = request.num_computed + count
-            needed = max(_cdiv(end, self.pool.block_size) - len(request.blocks), 0)
-            if not self._make_room(needed, request, plan):
+            self.kv.remove_skipped(request)  # before counting, as allocate_slots
+            if not self._make_room(self.kv.needed(request, end), request, plan):
                 break  # the request itself was preempted: it was the last one
-            request.blocks += self.pool.allocate(needed)
+            self.kv.grow(request, end)
             self._cache(request, end)
             self._add(plan, request, count)
             budget -= self._spent(count)
@@ -375,12 +246,13 @@ class SimEngine:
         tokens = request.all_tokens
         size = self.pool.block_size
         request.hashes = chain_hashes(tokens, size, request.keys)
-        hit = self.pool.longest_hit(request.hashes, len(tokens))
-        if _cdiv(len(tokens), size) - len(hit) + self.pool.evictable(hit) > self.pool.num_free:
+        hit = self.kv.find_hit(request.hashes, len(tokens))
+        if not self.kv.fits(hit, len(tokens), hit.tokens + min(len(tokens) - hit.tokens, budget)):
             return None
         loaded = 0
         if self.cpu is not None:  # past the GPU's hit, what the CPU holds is loaded (as much as vLLM counts)
-            loaded = self.cpu.hit(request.hashes, len(hit), (len(tokens) - 1) // size - len(hit))
+            held = len(hit.full)
+            loaded = self.cpu.hit(request.hashes, held, (len(tokens) - 1) // size - held)
             if request.cached_tokens is None:
                 request.external_tokens = loaded * size
             if loaded:
@@ -388,16 +260,14 @@ class SimEngine:
                 # and waits (vLLM's WAITING_FOR_REMOTE_KVS) while the others compute; its
                 # prefill starts in the first step after the load.
                 request.ready_at = time.monotonic() + self.cpu.load_ms(loaded) / 1000 / self.timing.speedup
-        computed = (len(hit) + loaded) * size
+        computed = hit.tokens + loaded * size
         count = 0 if loaded else min(len(tokens) - computed, budget)
-        self.pool.touch(hit)
-        request.blocks = hit + self.pool.allocate(_cdiv(computed + count, size) - len(hit))
+        self.kv.take(request, hit, computed + count)
         request.num_computed = computed
-        request.num_cached_blocks = len(hit)
         if request.cached_tokens is None:
             request.cached_tokens = computed
         self.stats.prefix_queries += len(tokens)
-        self.stats.prefix_hits += len(hit) * size
+        self.stats.prefix_hits += hit.tokens
         self._cache(request, computed + count)
         return count
 
@@ -413,16 +283,14 @@ class SimEngine:
                 start=len(request.hashes),
                 parent=parent,
             )
-        self.pool.cache(request.blocks, request.hashes[:full], tokens, request.num_cached_blocks, request.keys)
+        start = request.num_cached_blocks
+        self.kv.cache(request, num_tokens)
         if self.cpu is not None:  # write through: the CPU tier copies what the GPU caches
-            self.cpu.store(
-                request.hashes[: min(full, len(request.blocks))], tokens, request.num_cached_blocks, request.keys
-            )
-        request.num_cached_blocks = max(request.num_cached_blocks, min(full, len(request.blocks)))
+            self.cpu.store(request.hashes[: min(full, len(request.blocks))], tokens, start, request.keys)
 
     def _preempt(self, request: SimRequest) -> None:
-        self.pool.free(list(reversed(request.blocks)))
-        request.blocks, request.num_computed, request.num_cached_blocks = [], 0, 0
+        self.kv.free(request)
+        request.num_computed = 0
         request.prefilling = False
         request.num_preemptions += 1
         self.stats.preemptions += 1
@@ -460,8 +328,7 @@ class SimEngine:
 
     def _finish(self, request: SimRequest) -> None:
         self.running.remove(request)
-        self.pool.free(list(reversed(request.blocks)))
-        request.blocks = []
+        self.kv.free(request)
         request.finished_at = time.monotonic()
         self.stats.requests_finished += 1
         request.tokens.put_nowait(None)

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from msgspec import UNSET
 
 from kvevents.vllm import REPLAY_END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_payload, encode_seq
 from kvservice.lifecycle import StartupError, listening
@@ -36,8 +37,18 @@ def stored_event(
     extra_keys: Sequence[Any] | None = None,
     medium: str = "GPU",
     group_idx: int = 0,
+    kv_cache_spec_kind: str = "full_attention",
+    kv_cache_spec_sliding_window: int | None = None,
 ) -> BlockStored:
-    """A store as vLLM 0.32 sends it: every key it sends, ``extra_keys`` one per block."""
+    """A store as vLLM 0.32 sends it: every key it sends, ``extra_keys`` one per block.
+
+    A sliding-window group's store carries the tokens of its whole span but the hashes of the
+    blocks it kept only, possibly none; then vLLM's ``extra_keys`` is None, which its encoder
+    leaves out of the map (as it leaves out ``kv_cache_spec_sliding_window`` for other groups),
+    so both are UNSET here: the wire holds the same keys."""
+    keys: Any = UNSET  # Any: the struct's type says None for a key vLLM leaves out
+    if block_hashes:
+        keys = tuple(extra_keys) if extra_keys is not None else (None,) * len(block_hashes)
     return BlockStored(
         block_hashes=tuple(block_hashes),
         parent_block_hash=parent_block_hash,
@@ -46,9 +57,10 @@ def stored_event(
         lora_id=lora_id,
         medium=medium,
         lora_name=lora_name,
-        extra_keys=tuple(extra_keys) if extra_keys is not None else (None,) * len(block_hashes),
+        extra_keys=keys,
         group_idx=group_idx,
-        kv_cache_spec_kind="full_attention",
+        kv_cache_spec_kind=kv_cache_spec_kind,
+        kv_cache_spec_sliding_window=UNSET if kv_cache_spec_sliding_window is None else kv_cache_spec_sliding_window,
     )
 
 

@@ -23,8 +23,9 @@ def build_parser(prog: str = "kvroute sim-engine") -> argparse.ArgumentParser:
 
 
 def _announce(settings: SimEngineSettings, running: RunningEngine) -> None:
+    window = f", a sliding window of {settings.sliding_window} beside full attention" if settings.sliding_window else ""
     log.info(
-        "simulated engine %s on %s: events %s, replay %s, %d blocks of %d tokens, "
+        "simulated engine %s on %s: events %s, replay %s, %d blocks of %d tokens%s, "
         "max-num-batched-tokens %s, max-num-seqs %d",
         settings.model,
         running.url,
@@ -32,6 +33,7 @@ def _announce(settings: SimEngineSettings, running: RunningEngine) -> None:
         running.replay_endpoint or "off",
         settings.num_blocks,
         settings.block_size,
+        window,
         settings.timing.max_num_batched_tokens or "none",
         settings.timing.max_num_seqs,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ AUTO = "auto"
 EVENTS_PORT_OFFSET = 8000 - 5557
 FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
 METRICS_MODES = ("full", "minimal")
+SLIDING_WINDOW_ENV = "KVROUTE_SIM_SLIDING_WINDOW"  # --sliding-window's default
 
 
 def default_events_endpoint(port: int) -> str:
@@ -62,6 +64,10 @@ class SimEngineSettings:
     # and its load time (sim_engine/offload.py).
     cpu_blocks: int = 0
     cpu_load_ms_per_1k_tokens: float = 4.0
+    # A hybrid model's KV cache (sim_engine/hybrid.py): a sliding-window group of this many tokens
+    # beside the full-attention one, as vLLM keeps for layer_types [sliding_attention,
+    # full_attention]; 0: one full-attention group.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -88,6 +94,13 @@ class SimEngineSettings:
             raise ValueError("--replay-endpoint needs KV events: drop --events-endpoint none")
         if self.cpu_blocks < 0 or self.cpu_load_ms_per_1k_tokens < 0:
             raise ValueError("--cpu-blocks and --cpu-load-ms-per-1k-tokens must be >= 0")
+        if self.sliding_window < 0:
+            raise ValueError(f"--sliding-window must be >= 0 (0: no sliding-window group), got {self.sliding_window}")
+        if self.sliding_window and self.cpu_blocks:
+            raise ValueError(
+                "--sliding-window and --cpu-blocks cannot be combined: the CPU tier is simulated for "
+                "full attention only; drop one of them"
+            )
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) < len(names) or self.model in names:
             raise ValueError("--lora-modules names must differ from each other and from --model")
@@ -213,6 +226,16 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
         help="the CPU tier's load time per 1k tokens (default 4: an 8B model's KV over PCIe Gen5)",
     )
     parser.add_argument(
+        "--sliding-window",
+        type=int,
+        # a string default goes through type=int: a malformed variable is argparse's error
+        default=os.environ.get(SLIDING_WINDOW_ENV, "0"),
+        metavar="TOKENS",
+        help="a hybrid model's KV cache: a sliding-window group of this many tokens beside the "
+        "full-attention one, sharing the blocks, as vLLM runs layer_types [sliding_attention, "
+        f"full_attention] (default 0: full attention only; env {SLIDING_WINDOW_ENV})",
+    )
+    parser.add_argument(
         "--enable-lora",
         action="store_true",
         help="also load and unload adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)",
@@ -252,4 +275,5 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         enable_lora=args.enable_lora or bool(args.lora_modules),
         cpu_blocks=args.cpu_blocks,
         cpu_load_ms_per_1k_tokens=args.cpu_load_ms_per_1k_tokens,
+        sliding_window=args.sliding_window,
     )

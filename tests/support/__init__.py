@@ -4,7 +4,8 @@
 Cluster), ``agent`` (the agent's engine stand-in events), ``proxy`` (a TCP proxy that slows or
 cuts a link), ``traffic`` (load through routers while things break), ``toy_engine`` (a pure
 engine for the translator's tests), ``fake_worker`` (scripted workers behind a router), ``tls``
-(certificates and a TLS Redis) and ``vllm`` (a real vLLM on the CPU).
+(certificates and a TLS Redis), ``vllm`` (a real vLLM on the CPU) and ``hybrid`` (a hybrid
+model's requests, for a real vLLM and the simulated engine alike).
 
 ``EngineStandIn`` is the part of an engine the agent talks to (the KV-event publisher from
 ``sim_engine`` plus /health, /metrics and /v1/models over real HTTP), with knobs to make it
@@ -210,6 +211,8 @@ class SimFleet:
     engine_metrics: str = "full"  # the engines' --metrics: full, or minimal (three gauges)
     adapters: Sequence[Sequence[str]] = ()  # engine i serves the LoRA adapters adapters[i]
     cpu_blocks: int = 0  # a CPU tier behind each engine's GPU cache (sim_engine/offload.py)
+    sliding_window: int = 0  # a hybrid model's sliding-window group beside full attention (sim_engine/hybrid.py)
+    max_model_len: int = 4096
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -234,6 +237,8 @@ class SimFleet:
                 lora_modules=tuple((name, f"/adapters/{name}") for name in served),
                 enable_lora=True,
                 cpu_blocks=self.cpu_blocks,
+                sliding_window=self.sliding_window,
+                max_model_len=self.max_model_len,
             )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())
