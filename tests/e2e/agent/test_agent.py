@@ -281,7 +281,11 @@ async def test_a_segment_key_lost_in_redis_heals_at_the_next_store_into_it(engin
     await wait_for_match(index, unique_name, [0])
     await pub.publish([stored(6, 8)])  # the page lost the leaf this store moves: re-assert
     await wait_for_match(index, unique_name, [8])
-    assert await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
+
+    async def reasserted() -> bool:  # counted once the re-assert's swap is done, a moment after it shows
+        return await agent.metric("kvroute_agent_reasserts_total{reason=lost_data}") == 1
+
+    await wait_until(reasserted, 10)
 
 
 async def test_an_engine_storing_past_its_capacity_cannot_grow_the_index(engine, agent, index, unique_name):
