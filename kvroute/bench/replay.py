@@ -91,6 +91,8 @@ class RunResult:
     # the hit rate split by what the engines held at each send (kvroute.bench.probe); None: not probed
     probe_split: dict[str, float] | None = None
     repeat: int = 0  # which of --repeats this run is (from 0)
+    # the mean inter-token latency over streamed replies of more than one token (None: none)
+    itl_mean_ms: float | None = None
 
 
 async def router_lost_tokens(urls: list[str]) -> dict[str, float] | None:
@@ -116,9 +118,14 @@ async def _one(
         return {"failed": True}
     ttft = reply.ttft_s if stream else reply.latency_s
     usage = reply.usage or {}
+    # the mean inter-token latency of a streamed reply: its decode time over its later tokens
+    completion = usage.get("completion_tokens")
+    completion = completion if isinstance(completion, int) else 0
+    itl = (reply.latency_s - reply.ttft_s) / (completion - 1) if stream and completion > 1 else None
     # the router's predicted cached tokens (x-kvroute-cached-tokens; None from a router that sends none)
     predicted = reply.predicted_cached_tokens if reply.predicted_known else None
-    return {"failed": False, "ttft": ttft, "usage": usage, "worker": reply.worker, "predicted": predicted}
+    result = {"failed": False, "ttft": ttft, "usage": usage, "worker": reply.worker, "predicted": predicted}
+    return {**result, "itl": itl}
 
 
 async def send_all(
@@ -191,6 +198,7 @@ def summarize(
     mean_share = sum(per_worker) / max(len(per_worker), 1)
     predicted = [(r["predicted"], cached_tokens(r["usage"])) for r in done if r.get("predicted") is not None]
     exact = sum(1 for p, c in predicted if p == c) / len(predicted) if predicted else None
+    itls = [1000 * r["itl"] for r in done if r.get("itl") is not None]
     return RunResult(
         router=router,
         replicas=replicas,
@@ -204,6 +212,7 @@ def summarize(
         ttft_ms=[round(t, 2) for t in ttfts],
         hit_rate_over_time=[round(h, 4) for h in over_time],
         prediction_exact=None if exact is None else round(exact, 4),
+        itl_mean_ms=round(statistics.mean(itls), 3) if itls else None,
     )
 
 

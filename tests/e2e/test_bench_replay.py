@@ -78,6 +78,8 @@ def test_bench_replay_runs_a_trace_slice(tmp_path):
         assert 0 < run["hit_rate"] <= report["infinite_cache_hit_rate"] + 0.01
     assert (tmp_path / "replay.png").stat().st_size > 1000
     assert all(len(r["hit_rate_over_time"]) >= 10 for r in report["runs"])
+    # streamed replies of several tokens: the mean inter-token latency, shorter than a first token
+    assert all(0 < r["itl_mean_ms"] < r["ttft_mean_ms"] for r in report["runs"])
     assert all(r["busiest_worker_vs_mean"] >= 1.0 for r in report["runs"])
 
 
