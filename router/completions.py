@@ -19,8 +19,8 @@ from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
 from router.routing.booking import Booking
 from router.routing.decide import Decision, NoWorkers
 from router.routing.fleet import Fleet
-from router.routing.pd import PdCosts, Plan, SplitMode, plan
-from router.routing.scoring import Candidate
+from router.routing.pd import Baseline, PdCosts, Plan, SplitMode, plan
+from router.routing.scoring import Candidate, Policy
 from router.split_completions import proxy_split
 from router.state import RouterState
 from router.upstream.proxy import Downstream, Outgoing, UpstreamFailed, forward
@@ -163,4 +163,9 @@ def _plan(state: RouterState, decision: Decision) -> Plan:
     roles = state.fleet.roles(decision.model)
     costs = state.settings.pd if not decision.degraded else PdCosts(SplitMode.NEVER)
     model = state.decider.learner_for(decision.model).model
-    return plan(decision.choice.ranked, roles, decision.prompt_tokens, decision.block_size, model, costs, _rng)
+    policy = state.settings.policy
+    baseline = None
+    if policy in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED):  # each leg by the policy's own rule
+        baseline = Baseline(policy is Policy.ROUND_ROBIN, decision.turn, _rng)
+    ranked, tokens, size = decision.choice.ranked, decision.prompt_tokens, decision.block_size
+    return plan(ranked, roles, tokens, size, model, costs, _rng, baseline)

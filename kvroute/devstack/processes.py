@@ -79,12 +79,14 @@ def agent_command(
     block_size: int | None = None,
     metrics_port: int | None = None,
     log_level: str = "WARNING",
+    role: str | None = None,
 ) -> list[str]:
     """The command of an agent following one engine (topic ``kv``), as the dev stack and the
     benchmarks start it; ``metrics_port`` on 127.0.0.1 (default: the agent's own)."""
     command = [sys.executable, "-m", "worker_agent", "--engine-url", engine_url, "--events", events]
     command += ["--topic", "kv", "--redis-url", redis_url, "--log-level", log_level]
-    for flag, value in (("--replay", replay), ("--prefix", prefix), ("--model", model), ("--block-size", block_size)):
+    flags = (("--replay", replay), ("--prefix", prefix), ("--model", model), ("--block-size", block_size))
+    for flag, value in (*flags, ("--role", role)):
         if value is not None:
             command += [flag, str(value)]
     if metrics_port is not None:

@@ -23,6 +23,7 @@ import aiohttp
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
+from kvindex.roles import BOTH
 from kvindex.settings import RedisSettings
 from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
@@ -160,8 +161,12 @@ class Stack:
         engine_metrics: str = "full",
         cpu_blocks: int = 0,
         cpu_load_ms_per_1k_tokens: float = 4.0,
+        roles: Sequence[str] = (),
     ) -> None:
         self.redis = redis
+        # each engine's role in a prefill/decode split (kvindex/roles.py; () or missing: both); any
+        # role but both starts every engine with a KV connector (--kv-transfer)
+        self._roles = tuple(roles)
         # a CPU tier behind each engine's GPU cache (sim_engine/offload.py); 0: none
         self._cpu = (cpu_blocks, cpu_load_ms_per_1k_tokens)
         self._engine_metrics = engine_metrics  # the engines' --metrics: full, or minimal (three gauges)
@@ -217,6 +222,8 @@ class Stack:
             command += ["--parallel-prefill"]
         if self._cpu[0]:
             command += ["--cpu-blocks", str(self._cpu[0]), "--cpu-load-ms-per-1k-tokens", str(self._cpu[1])]
+        if any(role != BOTH for role in self._roles):
+            command += ["--kv-transfer"]
         child = self._start(f"simulated engine {number}", command)
         return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
 
@@ -229,8 +236,13 @@ class Stack:
             prefix=self.redis.prefix,
             # as an operator would: an engine with --metrics minimal does not say its block size
             block_size=self._block_size,
+            role=self._role(engine),
         )
         return self._start(f"agent of {engine.name}", command)
+
+    def _role(self, engine: EngineProcess) -> str | None:
+        number = self.running.index(engine)
+        return self._roles[number] if number < len(self._roles) else None
 
     def _raise_if_any_exited(self, children: list[Child]) -> None:
         for child in children:

@@ -62,6 +62,7 @@ class Decision:
     degraded: bool
     seconds: float
     degraded_cause: str | None = None  # "budget", "busy" (no lookup slot in time) or "error"
+    turn: int = 0  # its round-robin turn (a split request's legs take their own turns: router.routing.pd)
 
     @property
     def prompt_blocks(self) -> int:
@@ -236,7 +237,7 @@ class Decider:
             candidates = [Candidate(w.worker_id, w.url, engine=w.load) for w in workers]
             choice = choose(candidates, len(chain), block_size, self._weights, Policy.ROUND_ROBIN, rng, turn)
             seconds = time.perf_counter() - started
-            return Decision(model, len(tokens), block_size, chain, choice, True, seconds, cause)
+            return Decision(model, len(tokens), block_size, chain, choice, True, seconds, cause, turn)
         if not dry_run:
             self._leave_degraded()
         candidates = self._with_recent(model, chain, self._candidates(model, view, workers))
@@ -246,7 +247,7 @@ class Decider:
         if not dry_run:
             learner.note_busy(busy_share(candidates))
         choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, learner.model)
-        return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started)
+        return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started, turn=turn)
 
     def _enter_degraded(self, exc: BaseException) -> None:
         self.degraded_count += 1

@@ -83,8 +83,11 @@ def plan(
     model: CostModel,
     costs: PdCosts,
     rng: random.Random,
+    baseline: Baseline | None = None,
 ) -> Plan:
-    """The plan for a prompt whose decision ranked ``ranked`` (every alive worker, best first)."""
+    """The plan for a prompt whose decision ranked ``ranked`` (every alive worker, best first).
+    ``baseline``: a baseline policy's own order of each leg's workers (the benchmarks' round-robin
+    and least-loaded P/D), instead of the cost's."""
     role = {s.candidate.worker_id: roles.get(s.candidate.worker_id, BOTH) for s in ranked}
     whole = [s for s in ranked if serves_whole(role[s.candidate.worker_id])]
     prefill = [s for s in ranked if serves_prefill_leg(role[s.candidate.worker_id])]
@@ -92,16 +95,40 @@ def plan(
     dedicated = any(r == PREFILL for r in role.values())  # a fleet of complete engines never splits
     if costs.mode is SplitMode.NEVER or not dedicated:
         return Plan(False, whole, [], [], None, whole_s)
+    if baseline is not None:
+        prefill = baseline.order(prefill, 0)
     first = prefill[0].candidate.worker_id
-    decode = rank_decode(
-        [s for s in ranked if serves_decode_leg(role[s.candidate.worker_id]) and s.candidate.worker_id != first],
-        rng,
-    )
+    decoders = [s for s in ranked if serves_decode_leg(role[s.candidate.worker_id]) and s.candidate.worker_id != first]
+    decode = rank_decode(decoders, rng) if baseline is None else baseline.order(decoders, 1)
     if not decode:
         return Plan(False, whole, [], [], None, whole_s)
     split_s = split_cost(prefill[0], decode[0], prompt_tokens, block_size, model, costs)
     split = costs.mode is SplitMode.ALWAYS or whole_s is None or split_s < whole_s
     return Plan(split, whole, prefill, decode, split_s, whole_s)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A baseline policy's order of one leg's workers: round robin (each leg its own turn over its
+    workers, by id), or least loaded (by requests; a decode worker by decode load), ties at random."""
+
+    round_robin: bool
+    turn: int
+    rng: random.Random
+
+    def order(self, scored: Sequence[Scored], leg: int) -> list[Scored]:
+        if self.round_robin:
+            by_id = sorted(scored, key=lambda s: s.candidate.worker_id)
+            start = self.turn % len(by_id) if by_id else 0
+            return by_id[start:] + by_id[:start]
+        tiebreak = {s.candidate.worker_id: self.rng.random() for s in scored}
+        load = decode_load if leg else _requests
+        return sorted(scored, key=lambda s: (load(s), tiebreak[s.candidate.worker_id]))
+
+
+def _requests(scored: Scored) -> int:
+    engine = scored.candidate.engine
+    return scored.candidate.inflight.requests + (engine.waiting if engine is not None else 0)
 
 
 def own_tokens(scored: Scored, prompt_tokens: int, block_size: int) -> int:

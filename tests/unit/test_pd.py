@@ -10,7 +10,7 @@ import pytest
 
 from kvindex.types import WorkerLoad
 from router.routing.choice import choose
-from router.routing.pd import PdCosts, SplitMode, decode_load, plan
+from router.routing.pd import Baseline, PdCosts, SplitMode, decode_load, plan
 from router.routing.scoring import Candidate, ScoringWeights
 from router.routing.ttft import CostModel
 from router.shared.shared_load import InflightLoad
@@ -28,8 +28,8 @@ def worker(name: str, matched: int = 0, running: int = 0, waiting: int = 0, usag
     return Candidate(name, f"http://{name}", matched, engine=WorkerLoad(running, waiting, usage))
 
 
-def pd_plan(scored, roles, prompt_tokens=64 * BS, mode=SplitMode.AUTO):
-    return plan(scored, roles, prompt_tokens, BS, MODEL, PdCosts(mode), random.Random(1))
+def pd_plan(scored, roles, prompt_tokens=64 * BS, mode=SplitMode.AUTO, baseline=None):
+    return plan(scored, roles, prompt_tokens, BS, MODEL, PdCosts(mode), random.Random(1), baseline)
 
 
 ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
@@ -129,3 +129,18 @@ def test_a_stream_is_passed_on_event_by_event_with_the_usage_rewritten():
     assert out.endswith(b"data: [DONE]\n\n")
     plain = SseRewriter(None)
     assert plain.feed(stream) + plain.flush() == stream and plain.usage == usage
+
+
+def test_the_baselines_order_each_leg_by_their_own_rule():
+    scored = ranked(worker("p1"), worker("p2"), worker("d1", running=5), worker("d2", running=1))
+    turns = [
+        pd_plan(scored, ROLES, mode=SplitMode.ALWAYS, baseline=Baseline(True, t, random.Random(0))) for t in range(4)
+    ]
+    assert [(p.prefill[0].candidate.worker_id, p.decode[0].candidate.worker_id) for p in turns] == [
+        ("p1", "d1"),
+        ("p2", "d2"),
+        ("p1", "d1"),
+        ("p2", "d2"),
+    ]
+    least = pd_plan(scored, ROLES, mode=SplitMode.ALWAYS, baseline=Baseline(False, 0, random.Random(0)))
+    assert least.decode[0].candidate.worker_id == "d2"
