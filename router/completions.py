@@ -158,7 +158,7 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
 
 def _plan(state: RouterState, decision: Decision) -> Plan:
     """Whole or split (a degraded decision, which read no match, is never split)."""
-    if not state.fleet.disaggregated(decision.model):
+    if not state.fleet.disaggregated(decision.model) or state.settings.pd.mode is SplitMode.OFF:
         return Plan(False, list(decision.choice.ranked), [], [])  # the common case, at no cost
     roles = state.fleet.roles(decision.model)
     costs = state.settings.pd if not decision.degraded else PdCosts(SplitMode.NEVER)

@@ -20,7 +20,8 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         "--pd-split",
         choices=[m.value for m in SplitMode],
         help="auto: split a request when that is predicted faster (default); always: whenever a prefill and a "
-        "decode worker are alive; never: whole requests only (env KVROUTE_PD_SPLIT)",
+        "decode worker are alive; never: whole requests only, on decode and both workers; off: roles ignored, "
+        "every worker serves whole requests (env KVROUTE_PD_SPLIT)",
     )
     group.add_argument(
         "--pd-transfer-ms",

@@ -25,7 +25,7 @@ import inspect
 import itertools
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,13 @@ from kvroute.bench.regimes_report import across_seeds, relative_to_best, render,
 from kvroute.bench.regimes_workload import (
     CACHE,
     CPU_LOAD_SHARE,
+    PD_OUTPUT_TOKENS,
     TIERED_CACHE,
     TINY_PROMPTS,
     Cell,
     Workload,
     grid,
+    pd_roles,
     workload,
 )
 from kvroute.bench.replay import GREEDY_ORACLE, ROUTER_VARIANTS, fleet_capacity, prompts_for, replay_on_stack
@@ -203,46 +205,67 @@ def cache_fraction(cache: str, load: Workload, engines: int) -> float:
     return min(1.0, engines * TINY_PROMPTS * load.mean_prompt_tokens / max(distinct_tokens, 1))
 
 
+@dataclass
+class _Setting:
+    """One engine setting's workload, engines and the arguments its cells run with."""
+
+    load: Workload
+    args: argparse.Namespace  # a fleet=pd setting's has --max-output raised to its replies
+    engine: dict[str, Any]  # the Stack's engine keywords
+    roles: list[str]
+    capacity: int
+    kv_tokens: int
+    time_scale: float
+
+
+def _setting(first: Cell, args: argparse.Namespace) -> _Setting:
+    load = workload(
+        first.tenants,
+        first.load,
+        args.requests_per_cell,
+        args.seed,
+        args.engines,
+        args.prefill_ms_per_1k,
+        args.block_size,
+    )
+    tiered = first.tiers == "cpu"
+    roles = pd_roles(args.engines) if first.fleet == "pd" else []
+    if roles:  # replies long enough that decoding matters
+        load = replace(load, requests=[replace(r, output_length=PD_OUTPUT_TOKENS) for r in load.requests])
+        args = argparse.Namespace(**{**vars(args), "max_output": max(args.max_output, PD_OUTPUT_TOKENS)})
+    fraction = TIERED_CACHE["gpu"] if tiered else cache_fraction(first.cache, load, args.engines)
+    sizes = args.engines, args.block_size, args.max_output, load.block_tokens
+    capacity, per_engine_blocks, max_model_len = fleet_capacity(load.requests, fraction, *sizes)
+    engine: dict[str, Any] = {"num_blocks": per_engine_blocks, "block_size": args.block_size}
+    engine["max_model_len"] = max_model_len
+    if tiered:
+        engine["cpu_blocks"] = fleet_capacity(load.requests, TIERED_CACHE["cpu"], *sizes)[1]
+        engine["cpu_load_ms_per_1k_tokens"] = CPU_LOAD_SHARE * args.prefill_ms_per_1k
+    kv_tokens = (per_engine_blocks - 1) * args.block_size  # block 0 is the null block
+    return _Setting(load, args, engine, roles, capacity, kv_tokens, args.wall_rate / load.rate)
+
+
 async def run_grid(cells: list[Cell], policies: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     with RedisServer() as server:
         for number, (_, group) in enumerate(itertools.groupby(cells, lambda c: c.engine_setting)):
             cells_here = list(group)
             first = cells_here[0]
-            tenants, load_name, cache = first.tenants, first.load, first.cache
-            load = workload(
-                tenants,
-                load_name,
-                args.requests_per_cell,
-                args.seed,
-                args.engines,
-                args.prefill_ms_per_1k,
-                args.block_size,
-            )
-            tiered = first.tiers == "cpu"
-            fraction = TIERED_CACHE["gpu"] if tiered else cache_fraction(cache, load, args.engines)
-            sizes = args.engines, args.block_size, args.max_output, load.block_tokens
-            capacity, per_engine_blocks, max_model_len = fleet_capacity(load.requests, fraction, *sizes)
-            time_scale = args.wall_rate / load.rate
+            setting = _setting(first, args)
             redis = RedisSettings(url=server.url, prefix=f"regimes{number}")
-            engine: dict[str, Any] = {
-                "num_blocks": per_engine_blocks,
-                "block_size": args.block_size,
-                "max_model_len": max_model_len,
-            }
-            if tiered:
-                engine["cpu_blocks"] = fleet_capacity(load.requests, TIERED_CACHE["cpu"], *sizes)[1]
-                engine["cpu_load_ms_per_1k_tokens"] = CPU_LOAD_SHARE * args.prefill_ms_per_1k
-            setting = "/".join(first.engine_setting)
-            print(f"engines for {setting}: time scale {time_scale:.2f}", file=sys.stderr)
-            timing = _timing(args, time_scale, first)
+            print(f"engines for {'/'.join(first.engine_setting)}: time scale {setting.time_scale:.2f}", file=sys.stderr)
+            timing = _timing(setting.args, setting.time_scale, first)
             async with Stack(
-                redis, engines=args.engines, timing=timing, engine_metrics=first.engine, **engine
+                redis,
+                engines=args.engines,
+                timing=timing,
+                engine_metrics=first.engine,
+                roles=setting.roles,
+                **setting.engine,
             ) as stack:
-                kv_tokens = (per_engine_blocks - 1) * args.block_size  # block 0 is the null block
-                shared = _Engines(stack, load, capacity, kv_tokens, time_scale, {})
+                shared = _Engines(stack, setting.load, setting.capacity, setting.kv_tokens, setting.time_scale, {})
                 for cell in cells_here:
-                    out.append(await _run_cell(shared, cell, policies, args))
+                    out.append(await _run_cell(shared, cell, policies, setting.args))
     return out
 
 

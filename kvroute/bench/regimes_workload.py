@@ -47,6 +47,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "engine": ("full", "minimal"),
     "prefill": ("serial", "parallel"),
     "tiers": ("gpu", "cpu"),
+    "fleet": ("agg", "pd"),
 }
 # Open loop, arrivals at these shares of the fleet's prefill capacity; "closed": as many clients as
 # engines, each sending its next request when its last is answered (the engines' clock runs as
@@ -55,7 +56,7 @@ LOAD = {"light": 0.3, "heavy": 0.8, "overload": 1.2, "closed": 0.3}
 CACHE = {"tight": 0.25, "loose": 1.0}  # fleet KV capacity / distinct blocks of the cell's requests
 TINY_PROMPTS = 1.3  # cache=tiny: each engine holds this many mean prompts (grown to fit the largest)
 # Axes whose default values a cell's name leaves out (names from before these axes stay the same).
-QUIET = {"engine": "full", "prefill": "serial", "tiers": "gpu"}
+QUIET = {"engine": "full", "prefill": "serial", "tiers": "gpu", "fleet": "agg"}
 # tiers=cpu: each engine's GPU cache and the CPU tier behind it (vLLM's CPU offloading) hold these
 # shares of the cell's distinct blocks (the cache axis does not apply), and a CPU load takes this
 # share of computing the same tokens (4 ms against ~30 ms per 1k tokens for an 8B model on an H200)
@@ -71,7 +72,12 @@ BASE = {
     "engine": "full",
     "prefill": "serial",
     "tiers": "gpu",
+    "fleet": "agg",
 }
+# fleet=pd: half the engines prefill, half decode (their agents' --role), as many as an aggregated
+# cell's, and replies long enough that decoding matters: this many output tokens each (--max-output
+# is raised to it for such a cell)
+PD_OUTPUT_TOKENS = 64
 # The default grid: these cells, each at every replica count (DEFAULT_REPLICAS). The first five
 # are the grid of issue 12 (token ids, engines reporting vLLM's whole metric set); the others have
 # engines that export only three gauges, non-streaming clients and, where "tiny", caches that hold
@@ -111,6 +117,7 @@ class Cell:
     engine: str = "full"
     prefill: str = "serial"
     tiers: str = "gpu"
+    fleet: str = "agg"
 
     @property
     def name(self) -> str:
@@ -124,7 +131,7 @@ class Cell:
     def engine_setting(self) -> tuple[str, ...]:
         """What the engines of a cell depend on: cells that differ only in client, prompts or
         replicas share one stack."""
-        return self.tenants, self.load, self.cache, self.engine, self.prefill, self.tiers
+        return self.tenants, self.load, self.cache, self.engine, self.prefill, self.tiers, self.fleet
 
 
 def cell_named(name: str, replicas: str) -> Cell:
@@ -165,7 +172,7 @@ def grid(axis_flags: list[str], full: bool) -> tuple[dict[str, tuple[str, ...]],
             name, values = parse_axis(flag)
             axes[name] = values
         cells = [Cell(**dict(zip(AXES, values, strict=True))) for values in itertools.product(*axes.values())]
-    setting = ("tenants", "load", "cache", "engine", "prefill", "tiers")
+    setting = ("tenants", "load", "cache", "engine", "prefill", "tiers", "fleet")
     cells.sort(key=lambda c: [AXES[a].index(getattr(c, a)) for a in setting])
     used = {name: tuple(dict.fromkeys(getattr(c, name) for c in cells)) for name in AXES}
     return {name: tuple(v for v in AXES[name] if v in used[name]) for name in AXES}, cells
@@ -257,6 +264,11 @@ def conversations(tenants: str, count: int, seed: int) -> tuple[list[TraceReques
         owners.append(chat.tenant)
         chat.last, chat.turns_left = index, chat.turns_left - 1
     return requests, after, owners
+
+
+def pd_roles(engines: int) -> list[str]:
+    """A fleet=pd cell's engines: the first half prefill, the rest decode."""
+    return ["prefill"] * (engines // 2) + ["decode"] * (engines - engines // 2)
 
 
 def workload(

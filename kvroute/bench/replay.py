@@ -64,6 +64,11 @@ ROUTER_VARIANTS = {
     "kv_no_tiers": (Policy.KV, ("--tier-cost", "ignore")),
     "kv_tier_weights": (Policy.KV, ("--tier-cost", "weights")),
     "kv_tier_learned": (Policy.KV, ("--tier-cost", "learned")),  # the load costs learned from TTFTs
+    # prefill/decode fleets (router.routing.pd): the same engines served whole, and the baselines
+    # that split every request, each leg by their own rule
+    "kv_aggregated": (Policy.KV, ("--pd-split", "off")),
+    "round_robin_pd": (Policy.ROUND_ROBIN, ("--pd-split", "always")),
+    "least_loaded_pd": (Policy.LEAST_LOADED, ("--pd-split", "always")),
 }
 
 

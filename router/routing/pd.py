@@ -46,6 +46,7 @@ class SplitMode(StrEnum):
     AUTO = "auto"  # per request, by predicted time
     ALWAYS = "always"  # every request that can be split (the proxies of vLLM's examples)
     NEVER = "never"  # whole requests only (the decode and both workers)
+    OFF = "off"  # roles ignored: every worker serves whole requests (an aggregated fleet)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def plan(
     """The plan for a prompt whose decision ranked ``ranked`` (every alive worker, best first).
     ``baseline``: a baseline policy's own order of each leg's workers (the benchmarks' round-robin
     and least-loaded P/D), instead of the cost's."""
+    if costs.mode is SplitMode.OFF:
+        return Plan(False, list(ranked), [], [])
     role = {s.candidate.worker_id: roles.get(s.candidate.worker_id, BOTH) for s in ranked}
     whole = [s for s in ranked if serves_whole(role[s.candidate.worker_id])]
     prefill = [s for s in ranked if serves_prefill_leg(role[s.candidate.worker_id])]

@@ -102,6 +102,7 @@ def test_a_tiny_grid_streamed_and_not_with_text_prompts(tmp_path):
         "engine": ["full"],
         "prefill": ["serial"],
         "tiers": ["gpu"],
+        "fleet": ["agg"],
     }
     assert [c["metric"] for c in report["cells"]] == ["ttft", "latency"]
     for cell in report["cells"]:

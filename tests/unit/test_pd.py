@@ -59,6 +59,8 @@ def test_a_prompt_the_decode_worker_holds_is_served_there_whole():
     assert found.split_s is not None and found.whole_s < found.split_s
     assert pd_plan(scored, ROLES, mode=SplitMode.ALWAYS).split  # as the proxies of vLLM's examples
     assert not pd_plan(scored, ROLES, mode=SplitMode.NEVER).split
+    off = pd_plan(scored, ROLES, mode=SplitMode.OFF)  # roles ignored: the prefill worker serves whole too
+    assert not off.split and {s.candidate.worker_id for s in off.whole} == {"p1", "d1", "d2"}
 
 
 def test_the_decision_moves_with_the_decodes_running():
