@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvindex.roles import BOTH
 from kvindex.tiers import LOWER_TIERS
 from router.routing.accounting import Split
 from router.routing.decide import Decision
@@ -38,7 +39,8 @@ def account(state: RouterState, decision: Decision, candidate: Candidate, found:
     if found is None:  # degraded: no match was read; counted by degraded_decisions_total
         return
     now = time.monotonic()
-    state.window.note_split(now, found)
+    role = state.fleet.roles(decision.model).get(candidate.worker_id, BOTH)
+    state.window.note_split(now, found, role)
     for reason, tokens in found.lost().items():
         if tokens:
             state.metrics.lost_prefix_tokens.labels(reason).inc(tokens)

@@ -135,6 +135,9 @@ def accounting_view(state: RouterState) -> dict[str, Any]:
         "bucket_s": window.bucket_s,
         "window_s": window.bucket_s * window.buckets,
         "total": summary(total, seconds),
+        # per role of the worker each split was charged to (a prefill/decode fleet's: the prefill
+        # worker of a split request; an aggregated fleet has only "both")
+        "by_role": {role: summary(w.total(now)[0], seconds) for role, w in sorted(window.by_role.items())},
         "series": [{"started_s_ago": ago, **summary(bucket, window.bucket_s)} for ago, bucket in window.series(now)],
     }
 

@@ -178,6 +178,9 @@ class RollingWindow:
     bucket_s: float = BUCKET_S
     buckets: int = WINDOW_BUCKETS
     _slots: OrderedDict[int, Bucket] = field(default_factory=OrderedDict)
+    # the same splits per role of the worker they were charged to (a prefill/decode fleet's
+    # prefill, decode and both workers: kvindex/roles.py)
+    by_role: dict[str, RollingWindow] = field(default_factory=dict)
 
     def _bucket(self, now: float) -> Bucket:
         slot = int(now // self.bucket_s)
@@ -195,8 +198,10 @@ class RollingWindow:
         bucket.decisions += 1
         bucket.degraded += int(degraded)
 
-    def note_split(self, now: float, s: Split) -> None:
+    def note_split(self, now: float, s: Split, role: str | None = None) -> None:
         self._bucket(now).add_split(s)
+        if role is not None:
+            self.by_role.setdefault(role, RollingWindow(self.bucket_s, self.buckets)).note_split(now, s)
 
     def series(self, now: float) -> list[tuple[float, Bucket]]:
         """Every bucket of the window, oldest first, empty ones included: (seconds ago its slice

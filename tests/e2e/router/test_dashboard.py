@@ -93,6 +93,9 @@ async def test_the_split_reaches_metrics_access_log_debug_route_and_the_json(rou
     assert total["hit_rate"] == round(640 / (161 + 4 * 162), 4)
     assert total["lost_share"] == {"load_tradeoff": 0.0, "stale_index": 0.0, "cold": 0.2}
     assert len(accounting["series"]) == accounting["window_s"] / accounting["bucket_s"]
+    (role,) = accounting["by_role"]  # complete engines only: every split charged to "both"
+    both = accounting["by_role"]["both"]
+    assert role == "both" and (both["accounted"], both["cacheable"], both["cold"]) == (5, 5 * 160, 160)
 
     # /debug/route explains the split of the next decision, and changes nothing.
     async with (
@@ -151,6 +154,7 @@ async def test_the_fleet_json_names_every_worker_and_its_load(router):
     for worker in model["workers"]:
         assert worker["inflight_requests"] == 0 and worker["capacity_blocks"] == 256
         assert 0 <= worker["kv_usage"] <= 1 and "url" not in worker
+        assert worker["role"] == "both"  # agents told no role: complete engines
 
 
 async def test_with_api_keys_the_json_needs_the_key_and_the_page_does_not(fleet, redis_server):
@@ -208,6 +212,7 @@ async def test_a_real_browser_renders_the_workers_and_the_hit_rate(router, tmp_p
     assert 'data-rendered="yes"' in dom, dom[-3000:]
     for worker in router.state.fleet.alive("tiny"):
         assert worker.worker_id in dom
+    assert dom.count('<td class="role">both</td>') == len(router.state.fleet.alive("tiny"))
     hit_rate = re.search(r'id="hit-rate"[^>]*>([^<]*)<', dom)
     assert hit_rate and re.fullmatch(r"\d{1,3}\.\d%", hit_rate.group(1)), hit_rate
     regret = re.search(r'id="regret"[^>]*>([^<]*)<', dom)  # every request went to the owner: none regretted
