@@ -43,15 +43,17 @@ async def proxy_split(
         with Booking(decision, state.load, learner, streamed=False) as booking:
             leg = Outgoing(incoming.path, incoming.headers, request_id, split.prefill_body(body))
             prefilled = await split.prefill(leg, state.upstream, [s.candidate for s in plan.prefill], booking, failed)
-        decoder = _decoder(plan, prefilled.candidate)
-        headers = _reply_headers(state, decision, prefilled.candidate, decoder, request_id)
+        decoders = _decoders(plan, prefilled.candidate)
         leg = Outgoing(
             incoming.path, incoming.headers, request_id, split.decode_body(body, prefilled.kv_transfer_params)
         )
+
+        def headers(decoder: Candidate) -> dict[str, str]:
+            return _reply_headers(state, decision, prefilled.candidate, decoder, request_id)
+
         with Booking(decision, state.load, None, body.get("stream") is True) as booking:
-            await split.decode(
-                leg, downstream, state.upstream, decoder, (headers, prefilled.cached_tokens), booking, failed
-            )
+            reply = (headers, prefilled.cached_tokens)
+            decoder, _ = await split.decode(leg, downstream, state.upstream, decoders, reply, booking, failed)
     except split.ClientMistake as exc:
         with contextlib.suppress(ConnectionError):
             await downstream.send_whole(exc.status, exc.headers, exc.body)
@@ -63,13 +65,13 @@ async def proxy_split(
     _accounted(state, incoming, decision, prefilled, decoder)
 
 
-def _decoder(plan: Plan, prefill: Candidate) -> Candidate:
-    """The best decode worker that is not the prefill worker (a retried prefill may have landed on
-    the plan's decode worker, when that one serves both legs)."""
-    for scored in plan.decode:
-        if scored.candidate.worker_id != prefill.worker_id:
-            return scored.candidate
-    raise UpstreamFailed("no decode worker is left beside the prefill worker")
+def _decoders(plan: Plan, prefill: Candidate) -> list[Candidate]:
+    """The decode workers, best first, but the prefill worker (a retried prefill may have landed
+    on one of them, when it serves both legs)."""
+    decoders = [s.candidate for s in plan.decode if s.candidate.worker_id != prefill.worker_id]
+    if not decoders:
+        raise UpstreamFailed("no decode worker is left beside the prefill worker")
+    return decoders
 
 
 def _reply_headers(

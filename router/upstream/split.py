@@ -13,8 +13,9 @@ disaggregated-serving proxies send them (its NIXL and P2P examples; the choice o
 2. The decode leg: the client's body as sent, with those ``kv_transfer_params``, to the decode
    worker; its reply (streamed or whole) is relayed to the client with its usage's
    ``cached_tokens`` replaced by the prefill worker's (the decode worker counts the transferred
-   KV as cached). A decode worker that fails before replying is not replaced: the prefill
-   worker's KV was handed to it and is gone, so the client gets a 502 saying so.
+   KV as cached). A decode worker that refuses the connection is replaced by the next once (it
+   never saw the request; the prefill worker still holds the KV); one that fails otherwise before
+   replying is not (it may have pulled the KV), and the client gets a 502 saying so.
 
 Both legs carry the router's request id, so the engines' logs pair them.
 """
@@ -143,32 +144,43 @@ async def decode(
     outgoing: Outgoing,
     downstream: Downstream,
     pool: UpstreamPool,
-    candidate: Candidate,
-    reply: tuple[dict[str, str], int | None],
+    candidates: list[Candidate],
+    reply: tuple[Callable[[Candidate], dict[str, str]], int | None],
     booking: Booking,
     on_failure: Callable[[Candidate, BaseException | int | str], None],
-) -> dict | None:
-    """The decode leg on ``candidate``, relayed to ``downstream`` with ``reply``'s headers and the
-    prefill side's cached tokens; its usage (as the client saw it). UpstreamFailed when it fails
-    before replying."""
+) -> tuple[Candidate, dict | None]:
+    """The decode leg on ``candidates[0]``, relayed to ``downstream`` with ``reply``'s headers for
+    the worker and the prefill side's cached tokens: the worker and its usage (as the client saw
+    it). A worker that refuses the connection never saw the request, and the prefill worker still
+    holds the KV for whoever pulls it: the next one is tried. Any other failure before replying
+    is UpstreamFailed: the KV may have been pulled by the failed worker."""
     headers = request_headers(outgoing.headers, outgoing.request_id)
-    booking.attempt(candidate, uncached=0)  # its KV comes from the prefill worker
-    try:
-        upstream = await pool.post(candidate.url + outgoing.path, outgoing.body, headers.items())
-    except (TimeoutError, OSError) as exc:
-        booking.failed(candidate)
-        on_failure(candidate, exc)
-        raise UpstreamFailed(_decode_lost(failure_text(exc))) from None
-    try:
-        if upstream.status >= 500 or 300 <= upstream.status < 400:
+    last: BaseException | None = None
+    for candidate in candidates[:MAX_TRIES]:
+        booking.attempt(candidate, uncached=0)  # its KV comes from the prefill worker
+        try:
+            upstream = await pool.post(candidate.url + outgoing.path, outgoing.body, headers.items())
+        except ConnectionRefusedError as exc:
             booking.failed(candidate)
-            on_failure(candidate, upstream.status)
-            raise UpstreamFailed(_decode_lost(failure_text(upstream.status)))
-        usage = await _relay_rewritten(downstream, upstream, reply[0], booking, candidate, reply[1])
-        booking.replied(candidate, usage)
-        return usage
-    finally:
-        upstream.close()
+            on_failure(candidate, exc)
+            last = exc
+            continue
+        except (TimeoutError, OSError) as exc:
+            booking.failed(candidate)
+            on_failure(candidate, exc)
+            raise UpstreamFailed(_decode_lost(failure_text(exc))) from None
+        try:
+            if upstream.status >= 500 or 300 <= upstream.status < 400:
+                booking.failed(candidate)
+                on_failure(candidate, upstream.status)
+                raise UpstreamFailed(_decode_lost(failure_text(upstream.status)))
+            usage = await _relay_rewritten(downstream, upstream, reply[0](candidate), booking, candidate, reply[1])
+            booking.replied(candidate, usage)
+            return candidate, usage
+        finally:
+            upstream.close()
+    why = "no decode worker was tried" if last is None else failure_text(last)
+    raise UpstreamFailed(f"no decode worker took the request ({why})")
 
 
 def _decode_lost(why: str) -> str:
