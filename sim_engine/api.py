@@ -26,7 +26,8 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLarge"}.get(self.status, "ServerError")
+        kinds = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLarge", 500: "InternalServerError"}
+        kind = kinds.get(self.status, "ServerError")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
 
@@ -42,6 +43,7 @@ class Generation:
     chat: bool
     return_token_ids: bool = False
     lora: LoraAdapter | None = None  # the adapter the request names as its model
+    kv_transfer_params: Any = None  # as sent (sim_engine/kv_transfer_api.py reads them)
 
     @property
     def keys(self) -> CacheKeys:
@@ -80,6 +82,7 @@ def _common(body: dict[str, Any], lora: LoraAdapter | None, chat: bool, prompts:
         chat,
         bool(body.get("return_token_ids")),
         lora,
+        body.get("kv_transfer_params"),
     )
 
 
@@ -153,6 +156,12 @@ def tokenize(
     else:
         raise ApiError(400, "/tokenize needs a string 'prompt' or 'messages'", "prompt")
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
+
+
+def generation_error() -> ApiError:
+    """What vLLM answers for a request that finished with an error (its GenerationError: a KV load
+    that failed under kv_load_failure_policy "fail"): a bare 500, in a stream an error event."""
+    return ApiError(500, "Internal server error")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

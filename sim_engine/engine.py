@@ -26,6 +26,12 @@ divided by ``speedup``, where a chunk of N new tokens after P computed ones cost
 ``N x prefill_per_token + prefill_context_ns x N x (P + N / 2)`` (attention over the context).
 With ``parallel_prefill`` each request has its own token budget and the step takes its longest
 chunk's time instead of their sum. Output tokens are pseudo-random (the KV cache is what is simulated).
+
+With a KV connector (sim_engine/kv_transfer.py, prefill/decode disaggregation) a prefill leg keeps
+its blocks when it finishes, for the decode engine to pull; a decode leg is admitted with its local
+hit, holds the blocks of its whole prompt and waits in ``loading`` (vLLM's WAITING_FOR_REMOTE_KVS,
+counted as waiting) while the rest is pulled; the pulled blocks are cached when they arrive, and
+its last prompt token is computed in the step that schedules it again.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sim_engine.block_pool import BlockPool, CacheKeys, chain_hashes
+from sim_engine.decode_legs import DecodeLegs
 from sim_engine.faults import EngineFaults
 from sim_engine.hybrid import HybridKVCacheManager, hybrid_groups
 from sim_engine.kv_cache import KVCacheManager
@@ -46,12 +54,17 @@ from sim_engine.offload import CpuTier
 from sim_engine.types import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    PULLING,
+    UNREAD,
     EngineStats,
     RequestRejected,
     SimRequest,
     StepPlan,
     TimingModel,
 )
+
+if TYPE_CHECKING:
+    from sim_engine.kv_transfer import KVConnector
 
 __all__ = [  # the types live in sim_engine/types.py; importing them from here keeps working
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
@@ -67,7 +80,7 @@ __all__ = [  # the types live in sim_engine/types.py; importing them from here k
 FIRST_ORDINARY_TOKEN = 5  # below: <unk>, <s>, </s> and the chat markers of the tiny model
 
 
-class SimEngine:
+class SimEngine(DecodeLegs):
     def __init__(
         self,
         num_blocks: int,
@@ -81,9 +94,12 @@ class SimEngine:
         cpu_blocks: int = 0,
         cpu_load_ms_per_1k_tokens: float = 4.0,
         sliding_window: int = 0,
+        connector: KVConnector | None = None,
     ) -> None:
         if sliding_window and cpu_blocks:
             raise ValueError("a sliding window (a hybrid KV cache) and a CPU tier cannot be combined")
+        if connector is not None and (sliding_window or cpu_blocks):
+            raise ValueError("a KV connector is simulated for one full-attention group without a CPU tier")
         self.kv = self._cache_manager(num_blocks, block_size, sliding_window, timing, max_model_len)
         self.pool = self.kv.pool
         # the CPU tier behind the GPU cache (sim_engine/offload.py), its events with the pool's
@@ -97,6 +113,10 @@ class SimEngine:
         self.stats = EngineStats()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.loading: list[SimRequest] = []  # decode legs pulling their KV (vLLM's kv_holding_waiting)
+        self.connector = connector  # prefill/decode disaggregation (sim_engine/kv_transfer.py)
+        if connector is not None:
+            connector.attach(self)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -117,6 +137,15 @@ class SimEngine:
         self._task = asyncio.create_task(self._loop())
         return self
 
+    @property
+    def num_waiting(self) -> int:
+        """vLLM's num_requests_waiting: the queue and the decode legs waiting for their KV."""
+        return len(self.waiting) + len(self.loading)
+
+    def wake(self) -> None:
+        """Something changed outside a step (a pull ended): run the loop if it idles."""
+        self._wake.set()
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -124,19 +153,28 @@ class SimEngine:
                 await self._task
 
     def submit(self, request: SimRequest) -> SimRequest:
+        problem = self._problem(request)
+        if problem is not None:
+            if request.remote is not None and self.connector is not None:
+                self.connector.abandon(request.remote)  # vLLM frees a refused decode leg's remote blocks
+            raise RequestRejected(problem)
+        self.waiting.append(request)
+        self._wake.set()
+        return request
+
+    def _problem(self, request: SimRequest) -> str | None:
+        """Why the engine cannot serve ``request`` (None: it can)."""
         total = len(request.prompt) + request.max_tokens
         if not request.prompt:
-            raise RequestRejected("the prompt is empty")
+            return "the prompt is empty"
         if total > self.max_model_len:
-            raise RequestRejected(
+            return (
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(request.prompt)} in the prompt, {request.max_tokens} in the completion)."
             )
         if self.kv.max_blocks(total) > self.pool.num_blocks - 1:
-            raise RequestRejected(f"the request needs more KV blocks than the cache has ({self.pool.num_blocks - 1})")
-        self.waiting.append(request)
-        self._wake.set()
-        return request
+            return f"the request needs more KV blocks than the cache has ({self.pool.num_blocks - 1})"
+        return None
 
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_prefix_cache():
@@ -157,7 +195,7 @@ class SimEngine:
 
     async def _loop(self) -> None:
         while True:
-            if not self.running and not self.waiting:
+            if not self.running and not self.waiting and all(remote.state == PULLING for _, remote in self._loading()):
                 self._wake.clear()
                 await self._wake.wait()
             plan = self.schedule()
@@ -172,8 +210,10 @@ class SimEngine:
     def schedule(self) -> StepPlan:
         """Schedule one step (its KV events wait in ``pool.events``); :meth:`complete` ends it."""
         plan = StepPlan()
+        self._settle_loads()
         budget = self._schedule_running(plan, self.timing.token_budget)
         if not plan.preempted:
+            budget = self._schedule_loaded(plan, budget)
             self._schedule_waiting(plan, budget)
         self.stats.steps += 1
         if self.on_step is not None:
@@ -195,8 +235,7 @@ class SimEngine:
                 break  # the request itself was preempted: it was the last one
             self.kv.grow(request, end)
             self._cache(request, end)
-            self._add(plan, request, count)
-            budget -= self._spent(count)
+            budget -= plan.add(request, count, self.timing)
             index += 1
         return budget
 
@@ -204,6 +243,11 @@ class SimEngine:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.timing.max_num_seqs:
             request = self.waiting[0]
+            if request.remote is not None and request.remote.state == UNREAD:
+                if not self._admit_remote(request):
+                    break
+                self.loading.append(self.waiting.popleft())
+                continue
             count = self._admit(request, budget)
             if count is None:
                 break  # first come, first served: nobody overtakes a request that does not fit
@@ -212,22 +256,7 @@ class SimEngine:
             if request.scheduled_at is None:
                 request.scheduled_at = now
             self.running.append(request)
-            self._add(plan, request, count)
-            budget -= self._spent(count)
-
-    def _spent(self, count: int) -> int:
-        """What scheduling ``count`` tokens takes from the step's budget: nothing with parallel
-        prefill, where the budget is each request's own."""
-        return 0 if self.timing.parallel_prefill else count
-
-    def _add(self, plan: StepPlan, request: SimRequest, count: int) -> None:
-        plan.scheduled.append((request, count))
-        if request.prefilling:
-            plan.prefill_tokens += count
-            chunk = self.timing.chunk_ms(count, request.num_computed)
-            plan.prefill_ms = max(plan.prefill_ms, chunk) if self.timing.parallel_prefill else plan.prefill_ms + chunk
-        else:
-            plan.decodes += 1
+            budget -= plan.add(request, count, self.timing)
 
     def _make_room(self, needed: int, request: SimRequest, plan: StepPlan) -> bool:
         """Preempt the latest admitted requests until ``needed`` blocks are free; False when
@@ -320,15 +349,19 @@ class SimEngine:
                 self.stats.prompt_tokens_external += request.external_tokens
             request.tokens.put_nowait(token)
             if len(request.output) >= request.max_tokens:
-                self._finish(request)
+                self._finish(request, length=True)
 
     def _next_token(self, request: SimRequest) -> int:
         rng = random.Random(f"{request.request_id}:{len(request.output)}")
         return rng.randrange(FIRST_ORDINARY_TOKEN, self.vocab_size)
 
-    def _finish(self, request: SimRequest) -> None:
+    def _finish(self, request: SimRequest, length: bool = False) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        if length and request.remote_decode and self.connector is not None:
+            # vLLM's NIXL request_finished: a prefill leg's blocks stay for the decode engine to read
+            request.kv_transfer_out = self.connector.hold(request)
+        else:
+            self.kv.free(request)
         request.finished_at = time.monotonic()
         self.stats.requests_finished += 1
         request.tokens.put_nowait(None)
@@ -341,3 +374,7 @@ class SimEngine:
         elif request in self.waiting:
             self.waiting.remove(request)
             request.finished.set()
+            if request.remote is not None and self.connector is not None:
+                self.connector.abandon(request.remote)  # never read: the prefill engine frees its blocks
+        elif request in self.loading:
+            request.finished.set()  # its blocks are freed when the pull ends (vLLM's delay_free_blocks)

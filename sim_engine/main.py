@@ -23,7 +23,10 @@ def build_parser(prog: str = "kvroute sim-engine") -> argparse.ArgumentParser:
 
 
 def _announce(settings: SimEngineSettings, running: RunningEngine) -> None:
-    window = f", a sliding window of {settings.sliding_window} beside full attention" if settings.sliding_window else ""
+    extras = f", a sliding window of {settings.sliding_window} beside full attention" if settings.sliding_window else ""
+    connector = running.engine.connector
+    if connector is not None:  # the id its prefill replies name (remote_engine_id)
+        extras += f", KV transfer as engine {connector.engine_id}"
     log.info(
         "simulated engine %s on %s: events %s, replay %s, %d blocks of %d tokens%s, "
         "max-num-batched-tokens %s, max-num-seqs %d",
@@ -33,7 +36,7 @@ def _announce(settings: SimEngineSettings, running: RunningEngine) -> None:
         running.replay_endpoint or "off",
         settings.num_blocks,
         settings.block_size,
-        window,
+        extras,
         settings.timing.max_num_batched_tokens or "none",
         settings.timing.max_num_seqs,
     )

@@ -54,7 +54,7 @@ class EngineCollector(Collector):
             "vllm:num_requests_running", "Number of requests in model execution batches.", len(engine.running)
         )
         yield self._gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(engine.waiting)
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.num_waiting
         )
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.pool.usage)
         if self._minimal:

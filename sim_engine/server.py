@@ -23,10 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvservice.lifecycle import StartupError, listening
 from kvservice.logs import access_log_middleware
 from kvtokens.tokenizer import ModelPrompts
-from sim_engine import api
-from sim_engine.engine import RequestRejected, SimEngine, SimRequest
+from sim_engine import api, kv_transfer_api, replies
+from sim_engine.engine import RequestRejected, SimEngine
 from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
+from sim_engine.kv_transfer import KVConnector
 from sim_engine.lora import LoraAdapters, LoraError
 from sim_engine.metrics import EngineCollector, RequestHistograms
 from sim_engine.settings import SimEngineSettings
@@ -164,7 +165,7 @@ async def _cached_prefix(request: web.Request) -> web.Response:
     engine, prompt = state.engine, generation.prompts[0]
     cached = engine.cached_prefix_tokens(prompt, generation.keys)
     answer = {"prompt_tokens": len(prompt), "cached_tokens": cached}
-    return web.json_response({**answer, "running": len(engine.running), "waiting": len(engine.waiting)})
+    return web.json_response({**answer, "running": len(engine.running), "waiting": engine.num_waiting})
 
 
 def _exposition(state: _State, registry: CollectorRegistry) -> web.Response:
@@ -208,6 +209,8 @@ def create_app(state: _State) -> web.Application:
     if state.settings.enable_lora:
         app.router.add_post("/v1/load_lora_adapter", _load_lora)
         app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
+    if state.engine.connector is not None:
+        kv_transfer_api.add_routes(app, state.engine.connector)
     return app
 
 
@@ -217,8 +220,9 @@ async def _generate(request: web.Request, state: _State, chat: bool) -> web.Stre
         parse = api.parse_chat if chat else api.parse_completion
         generation = parse(body, state.settings.model, state.prompts, state.adapters)
         request_id = api.new_id(chat)
+        connector = state.engine.connector
         submitted = [
-            state.engine.submit(SimRequest(f"{request_id}-{i}", prompt, generation.max_tokens, generation.keys))
+            state.engine.submit(kv_transfer_api.new_request(connector, f"{request_id}-{i}", prompt, generation))
             for i, prompt in enumerate(generation.prompts)
         ]
     except api.ApiError as exc:
@@ -227,88 +231,20 @@ async def _generate(request: web.Request, state: _State, chat: bool) -> web.Stre
         return _error(api.ApiError(400, str(exc)))
     try:
         if generation.stream:
-            return await _stream(request, state, generation, request_id, submitted)
-        texts = await asyncio.gather(*(_collect(state, r) for r in submitted))
+            return await replies.stream(request, state, generation, request_id, submitted)
+        texts = await asyncio.gather(*(replies.collect(state, r) for r in submitted))
+        if any(r.failed for r in submitted):
+            return _error(api.generation_error())
         ids = [(r.prompt, r.output) for r in submitted] if generation.return_token_ids else None
         model = generation.lora.name if generation.lora is not None else state.settings.model
-        body = api.completion(request_id, model, chat, list(texts), _usage(submitted), ids)
+        body = api.completion(request_id, model, chat, list(texts), replies.usage(submitted), ids)
+        if connector is not None:  # vLLM's reply has it with a KV connector: null but on a prefill leg
+            body["kv_transfer_params"] = submitted[0].kv_transfer_out
         return web.json_response(body)
     finally:
         for sim_request in submitted:
             if not sim_request.finished.is_set():
                 state.engine.abort(sim_request)  # the client went away
-
-
-def _usage(requests: list[SimRequest]) -> dict[str, Any]:
-    return api.usage(
-        sum(len(r.prompt) for r in requests),
-        sum(len(r.output) for r in requests),
-        sum(r.cached_tokens or 0 for r in requests),
-    )
-
-
-async def _collect(state: _State, request: SimRequest) -> str:
-    async for _ in _tokens(state, request):
-        pass
-    return state.prompts.decode(request.output)
-
-
-async def _tokens(state: _State, request: SimRequest) -> AsyncIterator[int]:
-    index = 0
-    while (token := await request.tokens.get()) is not None:
-        state.histograms.token(request, index)
-        index += 1
-        yield token
-    state.histograms.finished(request, time.monotonic())
-
-
-async def _pump(
-    state: _State, index: int, request: SimRequest, queue: asyncio.Queue[tuple[int, str, str | None]]
-) -> None:
-    """Put one choice's text deltas on ``queue`` as (index, text, finish reason or None)."""
-    sent = ""
-    first = True
-    async for _ in _tokens(state, request):
-        text = state.prompts.decode(request.output)
-        if text.startswith(sent) and not text.endswith("\ufffd"):  # hold back half a character
-            finish = None if len(request.output) < request.max_tokens else "length"
-            await queue.put((index, text[len(sent) :], finish))
-            sent, first = text, False
-    if first or len(sent) < len(state.prompts.decode(request.output)):
-        await queue.put((index, state.prompts.decode(request.output)[len(sent) :], "length"))
-
-
-async def _stream(
-    request: web.Request, state: _State, generation: api.Generation, request_id: str, submitted: list[SimRequest]
-) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-
-    async def send(payload: dict[str, Any]) -> None:
-        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-    queue: asyncio.Queue[tuple[int, str, str | None]] = asyncio.Queue()
-    model = generation.lora.name if generation.lora is not None else state.settings.model
-    chat = generation.chat
-    tasks = [asyncio.create_task(_pump(state, i, r, queue)) for i, r in enumerate(submitted)]
-    started = dict.fromkeys(range(len(submitted)), False)
-    try:
-        finished = 0
-        while finished < len(submitted):
-            index, text, finish = await queue.get()
-            if chat and not started[index]:  # vLLM opens each chat choice with the role alone
-                await send(api.chunk(request_id, model, chat, index, "", None, first=True))
-            started[index] = True
-            await send(api.chunk(request_id, model, chat, index, text, finish))
-            finished += finish is not None
-        if generation.include_usage:
-            await send(api.usage_chunk(request_id, model, chat, _usage(submitted)))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    finally:
-        for task in tasks:
-            task.cancel()
-    return response
 
 
 @dataclass
@@ -357,6 +293,18 @@ async def _serve_http(stack: contextlib.AsyncExitStack, state: _State) -> int:
     return int(runner.addresses[0][1])
 
 
+def _connector(settings: SimEngineSettings) -> KVConnector | None:
+    """The KV connector of an engine started with --kv-transfer (sim_engine/kv_transfer.py)."""
+    if not settings.kv_transfer:
+        return None
+    return KVConnector(
+        settings.kv_transfer_ms_per_1k_tokens,
+        settings.kv_transfer_timeout_s,
+        settings.timing.speedup,
+        settings.kv_transfer_address,
+    )
+
+
 @contextlib.asynccontextmanager
 async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEngine]:
     """Run an engine in this event loop until the block exits.
@@ -378,6 +326,9 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
             stack.push_async_callback(publisher.close)
             publisher.start()
         prompts = ModelPrompts(settings.tokenizer)
+        connector = _connector(settings)
+        if connector is not None:
+            stack.push_async_callback(connector.close)
         engine = SimEngine(
             settings.num_blocks,
             settings.block_size,
@@ -389,10 +340,14 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
             cpu_blocks=settings.cpu_blocks,
             cpu_load_ms_per_1k_tokens=settings.cpu_load_ms_per_1k_tokens,
             sliding_window=settings.sliding_window,
+            connector=connector,
         )
         stack.push_async_callback(engine.stop)
         engine.start()
         port = await _serve_http(stack, _state(settings, engine, prompts))
+        if connector is not None:
+            connector.port = port  # what its prefill replies name (remote_port)
+            connector.start()
         yield RunningEngine(
             f"http://{settings.host}:{port}",
             publisher.endpoint if publisher else None,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvservice.logs import add_log_arguments
 from sim_engine.engine import TimingModel
+from sim_engine.kv_transfer import DEFAULT_MS_PER_1K_TOKENS, DEFAULT_TIMEOUT_S
 from sim_engine.lora import parse_module
 
 # The tokenizer and chat template of the tiny model that tests/fixtures/vllm-0.32-cpu was captured
@@ -22,6 +23,13 @@ EVENTS_PORT_OFFSET = 8000 - 5557
 FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
 METRICS_MODES = ("full", "minimal")
 SLIDING_WINDOW_ENV = "KVROUTE_SIM_SLIDING_WINDOW"  # --sliding-window's default
+# --kv-transfer and its settings' defaults
+KV_TRANSFER_ENV = "KVROUTE_SIM_KV_TRANSFER"
+KV_TRANSFER_MS_ENV = "KVROUTE_SIM_KV_TRANSFER_MS_PER_1K_TOKENS"
+KV_TRANSFER_TIMEOUT_ENV = "KVROUTE_SIM_KV_TRANSFER_TIMEOUT_S"
+KV_TRANSFER_HOST_ENV = "KVROUTE_SIM_KV_TRANSFER_HOST"
+SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 def default_events_endpoint(port: int) -> str:
@@ -68,6 +76,22 @@ class SimEngineSettings:
     # beside the full-attention one, as vLLM keeps for layer_types [sliding_attention,
     # full_attention]; 0: one full-attention group.
     sliding_window: int = 0
+    # Prefill/decode disaggregation (sim_engine/kv_transfer.py): every engine can serve either leg,
+    # as vLLM's NIXL connector with kv_role kv_both; a pull takes this long per 1k tokens; a
+    # finished prefill keeps its blocks this long unless a decode engine holding a request for
+    # them renews the lease (vLLM's kv_lease_duration); the host its replies name for pulls
+    # (None: --host, or localhost when that is a wildcard).
+    kv_transfer: bool = False
+    kv_transfer_ms_per_1k_tokens: float = DEFAULT_MS_PER_1K_TOKENS
+    kv_transfer_timeout_s: float = DEFAULT_TIMEOUT_S
+    kv_transfer_host: str | None = None
+
+    @property
+    def kv_transfer_address(self) -> str:
+        """The host a prefill reply names for the decode engine's pull (``remote_host``)."""
+        if self.kv_transfer_host:
+            return self.kv_transfer_host
+        return "localhost" if self.host in WILDCARD_HOSTS else self.host
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -101,9 +125,31 @@ class SimEngineSettings:
                 "--sliding-window and --cpu-blocks cannot be combined: the CPU tier is simulated for "
                 "full attention only; drop one of them"
             )
+        self._check_kv_transfer()
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) < len(names) or self.model in names:
             raise ValueError("--lora-modules names must differ from each other and from --model")
+
+    def _check_kv_transfer(self) -> None:
+        if not 0 <= self.kv_transfer_ms_per_1k_tokens < float("inf"):
+            raise ValueError(f"--kv-transfer-ms-per-1k-tokens must be >= 0, got {self.kv_transfer_ms_per_1k_tokens}")
+        if not 0 < self.kv_transfer_timeout_s < float("inf"):
+            raise ValueError(f"--kv-transfer-timeout-s must be > 0, got {self.kv_transfer_timeout_s}")
+        if self.kv_transfer and (self.cpu_blocks or self.sliding_window):
+            raise ValueError(
+                "--kv-transfer cannot be combined with --cpu-blocks or --sliding-window: the transfer is "
+                "simulated for one full-attention group without a CPU tier; drop one of them"
+            )
+
+
+def switch(value: object, name: str) -> bool:
+    """A switch given as a flag (a bool) or by its environment variable ``name`` (1/0, true/false, ...)."""
+    if isinstance(value, bool):
+        return value
+    parsed = SWITCH_VALUES.get(str(value).strip().lower())
+    if parsed is None:
+        raise ValueError(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {value!r}")
+    return parsed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,7 +195,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "/debug/metrics always has the full set",
     )
     _add_timing_arguments(parser, d.timing)
+    _add_kv_transfer_arguments(parser)
     add_log_arguments(parser)
+
+
+def _add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-transfer",
+        action="store_true",
+        # a string default is checked by settings_from_args: a malformed variable is a one-line error
+        default=os.environ.get(KV_TRANSFER_ENV, "0"),
+        help="prefill/decode disaggregation as vLLM's NIXL connector (kv_both): a request's kv_transfer_params "
+        "make it a prefill leg that keeps its KV for a decode engine, or a decode leg that pulls it from one "
+        f"(default off: kv_transfer_params are ignored; env {KV_TRANSFER_ENV})",
+    )
+    parser.add_argument(
+        "--kv-transfer-ms-per-1k-tokens",
+        type=float,
+        default=os.environ.get(KV_TRANSFER_MS_ENV, str(DEFAULT_MS_PER_1K_TOKENS)),
+        metavar="MS",
+        help="a decode leg's pull of its prompt's KV takes this long per 1k tokens pulled, divided by --speedup "
+        f"(default {DEFAULT_MS_PER_1K_TOKENS:g}: an 8B model's KV over RDMA; env {KV_TRANSFER_MS_ENV})",
+    )
+    parser.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=os.environ.get(KV_TRANSFER_TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S)),
+        metavar="S",
+        help="a finished prefill leg keeps its blocks this long (wall clock) for a decode engine, renewed while "
+        f"a decode engine holds a request for them (vLLM's kv_lease_duration; default {DEFAULT_TIMEOUT_S:g}; "
+        f"env {KV_TRANSFER_TIMEOUT_ENV})",
+    )
+    parser.add_argument(
+        "--kv-transfer-host",
+        default=os.environ.get(KV_TRANSFER_HOST_ENV),
+        metavar="HOST",
+        help="the host a prefill reply names for the decode engine's pull (remote_host; the port is --port's) "
+        f"(default --host, or localhost when it is a wildcard; env {KV_TRANSFER_HOST_ENV})",
+    )
 
 
 def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> None:
@@ -276,4 +359,8 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         cpu_blocks=args.cpu_blocks,
         cpu_load_ms_per_1k_tokens=args.cpu_load_ms_per_1k_tokens,
         sliding_window=args.sliding_window,
+        kv_transfer=switch(args.kv_transfer, KV_TRANSFER_ENV),
+        kv_transfer_ms_per_1k_tokens=args.kv_transfer_ms_per_1k_tokens,
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        kv_transfer_host=args.kv_transfer_host,
     )

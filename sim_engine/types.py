@@ -9,6 +9,7 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sim_engine.block_pool import Block, CacheKeys
 
@@ -116,6 +117,28 @@ class RequestRejected(ValueError):
     """A request the engine cannot serve (too long for the model or the cache)."""
 
 
+# Where a decode leg's pull of its prompt's KV from the prefill engine stands (sim_engine/kv_transfer.py).
+UNREAD = "unread"  # not admitted yet (vLLM: do_remote_prefill still true)
+PULLING = "pulling"  # admitted, holding its blocks, waiting for the KV (vLLM's WAITING_FOR_REMOTE_KVS)
+PULLED = "pulled"
+FAILED = "failed"  # the prefill engine was gone or no longer held the blocks
+
+
+@dataclass
+class RemotePrefill:
+    """A decode leg's ``kv_transfer_params`` (``do_remote_prefill``): where its prompt's KV is,
+    as vLLM's NIXL connector names it in the prefill engine's reply."""
+
+    engine_id: str
+    request_id: str  # the prefill engine's request holding the blocks
+    block_ids: list[int]  # its blocks, in prompt order (the full-attention group's)
+    host: str  # the prefill engine's HTTP address here (NIXL's side channel in vLLM)
+    port: int
+    prefill_cached_tokens: int | None = None  # vLLM's remote_prefill_cached_tokens: the reply's cached tokens
+    state: str = UNREAD
+    error: str = ""  # why the pull failed (logged; the client gets vLLM's bare 500)
+
+
 @dataclass(eq=False)
 class SimRequest:
     request_id: str
@@ -134,7 +157,7 @@ class SimRequest:
     num_window_cached: int = 0
     shared_prefix: int = 0
     cached_tokens: int | None = None  # the prefix hit when first scheduled (loaded from the CPU tier too)
-    external_tokens: int = 0  # of those, the ones loaded from the CPU tier
+    external_tokens: int = 0  # of those, the ones loaded from the CPU tier or pulled from a prefill engine
     ready_at: float = 0.0  # monotonic time its load from the CPU tier ends: computed from then on
     prefilling: bool = False  # admitted, and its computed tokens have not caught up with its tokens yet
     num_preemptions: int = 0
@@ -145,10 +168,26 @@ class SimRequest:
     finished_at: float | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)  # None: finished
+    # Prefill/decode disaggregation (sim_engine/kv_transfer.py): a prefill leg keeps its blocks for
+    # a remote decode (do_remote_decode) and its reply names them (kv_transfer_out); a decode leg
+    # pulls its prompt's KV from the prefill engine (remote).
+    remote_decode: bool = False
+    kv_transfer_out: dict[str, Any] | None = None
+    remote: RemotePrefill | None = None
+    failed: bool = False  # finished with an error (vLLM's FINISHED_ERROR: a KV load that failed)
 
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """The reply's ``prompt_tokens_details.cached_tokens``: the prefix hit when first scheduled;
+        a decode leg reports the prefill engine's hit its parameters carry (vLLM's output processor
+        takes ``remote_prefill_cached_tokens``), not the KV it pulled."""
+        if self.remote is not None and self.remote.prefill_cached_tokens is not None:
+            return self.remote.prefill_cached_tokens
+        return self.cached_tokens or 0
 
 
 @dataclass
@@ -166,6 +205,18 @@ class StepPlan:
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decodes
 
+    def add(self, request: SimRequest, count: int, timing: TimingModel) -> int:
+        """Schedule ``count`` tokens of ``request`` in this step; what they take from the step's
+        token budget (nothing with parallel prefill, where the budget is each request's own)."""
+        self.scheduled.append((request, count))
+        if request.prefilling:
+            self.prefill_tokens += count
+            chunk = timing.chunk_ms(count, request.num_computed)
+            self.prefill_ms = max(self.prefill_ms, chunk) if timing.parallel_prefill else self.prefill_ms + chunk
+        else:
+            self.decodes += 1
+        return 0 if timing.parallel_prefill else count
+
     def tokens_of(self, request: SimRequest) -> int:
         return next((n for r, n in self.scheduled if r is request), 0)
 
@@ -174,7 +225,7 @@ class StepPlan:
 class EngineStats:
     prompt_tokens: int = 0  # counted when the request's first token comes, as vLLM
     prompt_tokens_cached: int = 0  # of those, the prefix-cache hits when first scheduled
-    prompt_tokens_external: int = 0  # of those, loaded from the CPU tier
+    prompt_tokens_external: int = 0  # of those, loaded from the CPU tier or pulled from a prefill engine
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0

@@ -213,6 +213,9 @@ class SimFleet:
     cpu_blocks: int = 0  # a CPU tier behind each engine's GPU cache (sim_engine/offload.py)
     sliding_window: int = 0  # a hybrid model's sliding-window group beside full attention (sim_engine/hybrid.py)
     max_model_len: int = 4096
+    # Engine i's part in a prefill/decode split: "prefill", "decode" or "both" (its agent's --role);
+    # given, every engine runs with --kv-transfer (sim_engine/kv_transfer.py). Empty: no split.
+    roles: Sequence[str] = ()
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -222,6 +225,8 @@ class SimFleet:
         from sim_engine.server import running_engine
         from sim_engine.settings import SimEngineSettings
 
+        if self.roles and len(self.roles) != self.count:
+            raise ValueError(f"roles names {len(self.roles)} engines' parts, the fleet has {self.count} engines")
         for number in range(self.count):
             served = self.adapters[number] if number < len(self.adapters) else ()
             settings = SimEngineSettings(
@@ -239,6 +244,7 @@ class SimFleet:
                 cpu_blocks=self.cpu_blocks,
                 sliding_window=self.sliding_window,
                 max_model_len=self.max_model_len,
+                kv_transfer=bool(self.roles),
             )
             context = running_engine(settings)
             self.engines.append(await context.__aenter__())
@@ -262,9 +268,16 @@ class SimFleet:
                 self.redis_url,
                 "--ttl-ms",
                 "3000",
+                *self.role_args(engine),
                 *self.agent_args,
             ]
         )
+
+    def role_args(self, engine) -> list[str]:
+        """The agent's --role for ``engine`` (none when the fleet has no roles)."""
+        if not self.roles:
+            return []
+        return ["--role", self.roles[self.engines.index(engine)]]
 
     def worker_id(self, index: int) -> str:
         return f"{self.engines[index].url}#0"
@@ -293,6 +306,36 @@ class SimFleet:
         for context in reversed(self._contexts):
             if context is not None:
                 await context.__aexit__(None, None, None)
+
+
+# What the prefill leg of a split request carries, as vLLM's disaggregated-serving proxies send it
+# (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; router/upstream/split.py).
+PREFILL_LEG_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+async def prefill_leg(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/completions"
+) -> dict[str, Any]:
+    """Send ``body``'s prefill leg to the engine at ``url`` by hand: its JSON reply (whose
+    ``kv_transfer_params`` the decode leg carries)."""
+    leg = {**body, "kv_transfer_params": dict(PREFILL_LEG_PARAMS), "stream": False, "max_tokens": 1}
+    leg.pop("stream_options", None)
+    async with session.post(url + path, json=leg) as response:
+        reply = await response.json()
+        assert response.status == 200 and isinstance(reply.get("kv_transfer_params"), dict), reply
+        return reply
+
+
+def decode_leg(body: dict[str, Any], prefilled: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg of ``body``: the client's body with the prefill reply's ``kv_transfer_params``."""
+    return {**body, "kv_transfer_params": prefilled["kv_transfer_params"]}
 
 
 def raw_call(name: str, keys: Sequence[Any], args: Sequence[Any] = ()) -> ScriptCall[Any]:
