@@ -5,6 +5,7 @@ a prefill/decode fleet a request may be split instead (router.split_completions)
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -108,7 +109,8 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
     decision = await decide(state, body, chat)
     plan = _plan(state, decision)
     if plan.split:
-        await proxy_split(state, incoming, downstream, body, decision, plan)
+        # the client's body as sent, every field (``body`` keeps only those routing reads)
+        await proxy_split(state, incoming, downstream, json.loads(incoming.body), decision, plan)
         return
     candidates = [s.candidate for s in plan.whole]
     if not candidates:
