@@ -113,6 +113,7 @@ def _run_figures(run: Any, results: list[dict[str, Any]], time_scale: float) -> 
         "ttft_p90_ms": round(percentile(run.ttft_ms, 0.9) * time_scale, 2),
         # the mean inter-token latency of the streamed replies (None: not streamed)
         "itl_mean_ms": None if run.itl_mean_ms is None else round(run.itl_mean_ms * time_scale, 3),
+        "split_share": run.split_share,  # of the requests, those split (a prefill/decode fleet's)
         "hit_rate": round(run.hit_rate, 4),
         "of_lru": round(run.of_lru_reference, 4),
         "failed": run.failed,

@@ -98,6 +98,7 @@ class RunResult:
     repeat: int = 0  # which of --repeats this run is (from 0)
     # the mean inter-token latency over streamed replies of more than one token (None: none)
     itl_mean_ms: float | None = None
+    split_share: float = 0.0  # of the answered requests, those split over a prefill and a decode worker
 
 
 async def router_lost_tokens(urls: list[str]) -> dict[str, float] | None:
@@ -130,7 +131,7 @@ async def _one(
     # the router's predicted cached tokens (x-kvroute-cached-tokens; None from a router that sends none)
     predicted = reply.predicted_cached_tokens if reply.predicted_known else None
     result = {"failed": False, "ttft": ttft, "usage": usage, "worker": reply.worker, "predicted": predicted}
-    return {**result, "itl": itl}
+    return {**result, "itl": itl, "split": bool(reply.prefill_worker)}
 
 
 async def send_all(
@@ -218,6 +219,7 @@ def summarize(
         hit_rate_over_time=[round(h, 4) for h in over_time],
         prediction_exact=None if exact is None else round(exact, 4),
         itl_mean_ms=round(statistics.mean(itls), 3) if itls else None,
+        split_share=round(sum(1 for r in done if r.get("split")) / max(len(done), 1), 4),
     )
 
 

@@ -58,6 +58,7 @@ class StreamedReply:
     predicted_cached_tokens: int = 0  # x-kvroute-cached-tokens
     latency_s: float = 0.0  # time to the end of the reply
     predicted_known: bool = False  # the router sent x-kvroute-cached-tokens
+    prefill_worker: str = ""  # x-kvroute-prefill-worker: the request was split (router.routing.pd)
 
 
 def _reply(response: aiohttp.ClientResponse) -> StreamedReply:
@@ -65,7 +66,11 @@ def _reply(response: aiohttp.ClientResponse) -> StreamedReply:
     predicted = int(headers.get("x-kvroute-cached-tokens", 0))
     known = "x-kvroute-cached-tokens" in headers
     return StreamedReply(
-        200, worker=headers.get("x-kvroute-worker", ""), predicted_cached_tokens=predicted, predicted_known=known
+        200,
+        worker=headers.get("x-kvroute-worker", ""),
+        predicted_cached_tokens=predicted,
+        predicted_known=known,
+        prefill_worker=headers.get("x-kvroute-prefill-worker", ""),
     )
 
 

@@ -19,6 +19,7 @@ the running decodes, so each step that carries it takes that much longer.
 
       split = TTFT on the prefill worker + the KV's transfer (the tokens the decode worker does not
               hold, at --pd-transfer-ms per 1k) + the extra hop + the decode worker's first step
+              (after the prefill queued there: the decode leg waits in the same queue)
       whole = TTFT on the best worker that serves whole requests
               + its own prefill's time x the sequences decoding there (the delay it adds to each)
 
@@ -157,9 +158,11 @@ def split_cost(
     prefill: Scored, decode: Scored, prompt_tokens: int, block_size: int, model: CostModel, costs: PdCosts
 ) -> float:
     """The request split: the TTFT on the prefill worker, the KV's transfer of what the decode
-    worker does not hold, the extra hop and the decode worker's first step."""
+    worker does not hold, the extra hop and the decode worker's first step, which comes after the
+    prefill queued there (the decode leg waits in the same queue as whole requests)."""
     transferred = own_tokens(decode, prompt_tokens, block_size)
-    first_step_s = model.params(decode.candidate.worker_id).base_s
+    ahead = max(decode.prefill_tokens - transferred, 0.0)
+    first_step_s = model.params(decode.candidate.worker_id).seconds(ahead)
     return prefill.cost + costs.transfer_s(transferred) + costs.hop_ms / 1000 + first_step_s
 
 
