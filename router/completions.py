@@ -170,4 +170,5 @@ def _plan(state: RouterState, decision: Decision) -> Plan:
     if policy in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED):  # each leg by the policy's own rule
         baseline = Baseline(policy is Policy.ROUND_ROBIN, decision.turn, _rng)
     ranked, tokens, size = decision.choice.ranked, decision.prompt_tokens, decision.block_size
-    return plan(ranked, roles, tokens, size, model, costs, _rng, baseline)
+    residual_s = state.decider.decode_legs.residual_s(decision.model)
+    return plan(ranked, roles, tokens, size, model, costs, _rng, baseline, residual_s)

@@ -20,7 +20,7 @@ from router.http.wire import HttpRequest
 from router.outcomes import account, log_fields, on_failure, record_usage
 from router.routing.booking import Booking
 from router.routing.decide import Decision
-from router.routing.pd import Plan
+from router.routing.pd import Plan, decode_leg_s
 from router.routing.scoring import Candidate
 from router.state import RouterState
 from router.upstream import split
@@ -53,7 +53,12 @@ async def proxy_split(
 
         with Booking(decision, state.load, None, body.get("stream") is True) as booking:
             reply = (headers, prefilled.cached_tokens)
-            decoder, _ = await split.decode(leg, downstream, state.upstream, decoders, reply, booking, failed)
+            decoder, _, first_byte_s = await split.decode(
+                leg, downstream, state.upstream, decoders, reply, booking, failed
+            )
+        if first_byte_s is not None:  # a stream's decode leg: what it took against its prediction
+            predicted = _predicted_leg_s(state, decision, plan, decoder)
+            state.decider.decode_legs.observe(decision.model, predicted, first_byte_s)
     except split.ClientMistake as exc:
         with contextlib.suppress(ConnectionError):
             await downstream.send_whole(exc.status, exc.headers, exc.body)
@@ -63,6 +68,12 @@ async def proxy_split(
     finally:
         state.metrics.inflight.dec()
     _accounted(state, incoming, decision, prefilled, decoder)
+
+
+def _predicted_leg_s(state: RouterState, decision: Decision, plan: Plan, decoder: Candidate) -> float:
+    scored = next(s for s in plan.decode if s.candidate.worker_id == decoder.worker_id)
+    model = state.decider.learner_for(decision.model).model
+    return decode_leg_s(scored, decision.prompt_tokens, decision.block_size, model, state.settings.pd)
 
 
 def _decoders(plan: Plan, prefill: Candidate) -> list[Candidate]:

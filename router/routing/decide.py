@@ -33,6 +33,7 @@ from router.routing.choice import Choice, choose
 from router.routing.fleet import Fleet
 from router.routing.hybrid import hybrid_matches
 from router.routing.lookups import BudgetExpired, Lookups
+from router.routing.pd import DecodeLegs
 from router.routing.scoring import (
     Candidate,
     Policy,
@@ -194,6 +195,7 @@ class Decider:
         self.hasher = PromptHasher(self.hash_memo)
         self.learners: dict[str, TtftLearner] = {}  # per model (router.routing.model_sync shares them)
         self.activity = WorkerActivity()  # when each worker was last seen busy (ties among equals)
+        self.decode_legs = DecodeLegs()  # what split requests' decode legs took beyond the prediction
 
     def learner_for(self, model: str) -> TtftLearner:
         """What this replica learned of ``model``'s engines (a new one starts from the priors)."""

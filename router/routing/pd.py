@@ -86,10 +86,12 @@ def plan(
     costs: PdCosts,
     rng: random.Random,
     baseline: Baseline | None = None,
+    residual_s: float = 0.0,
 ) -> Plan:
     """The plan for a prompt whose decision ranked ``ranked`` (every alive worker, best first).
     ``baseline``: a baseline policy's own order of each leg's workers (the benchmarks' round-robin
-    and least-loaded P/D), instead of the cost's."""
+    and least-loaded P/D), instead of the cost's; ``residual_s``: what decode legs took beyond
+    their prediction (:class:`DecodeLegs`)."""
     if costs.mode is SplitMode.OFF:
         return Plan(False, list(ranked), [], [])
     role = {s.candidate.worker_id: roles.get(s.candidate.worker_id, BOTH) for s in ranked}
@@ -106,7 +108,7 @@ def plan(
     decode = rank_decode(decoders, rng) if baseline is None else baseline.order(decoders, 1)
     if not decode:
         return Plan(False, whole, [], [], None, whole_s)
-    split_s = split_cost(prefill[0], decode[0], prompt_tokens, block_size, model, costs)
+    split_s = split_cost(prefill[0], decode[0], prompt_tokens, block_size, model, costs, residual_s)
     split = costs.mode is SplitMode.ALWAYS or whole_s is None or split_s < whole_s
     return Plan(split, whole, prefill, decode, split_s, whole_s)
 
@@ -155,15 +157,45 @@ def whole_cost(scored: Scored, prompt_tokens: int, block_size: int, model: CostM
 
 
 def split_cost(
-    prefill: Scored, decode: Scored, prompt_tokens: int, block_size: int, model: CostModel, costs: PdCosts
+    prefill: Scored,
+    decode: Scored,
+    prompt_tokens: int,
+    block_size: int,
+    model: CostModel,
+    costs: PdCosts,
+    residual_s: float = 0.0,
 ) -> float:
-    """The request split: the TTFT on the prefill worker, the KV's transfer of what the decode
-    worker does not hold, the extra hop and the decode worker's first step, which comes after the
-    prefill queued there (the decode leg waits in the same queue as whole requests)."""
+    """The request split: the TTFT on the prefill worker, then its decode leg's."""
+    return prefill.cost + decode_leg_s(decode, prompt_tokens, block_size, model, costs) + residual_s
+
+
+def decode_leg_s(decode: Scored, prompt_tokens: int, block_size: int, model: CostModel, costs: PdCosts) -> float:
+    """A decode leg's time to its first byte, predicted: the KV's transfer of what the decode worker
+    does not hold, the extra hop, and its first step, which comes after the prefill queued there
+    (the decode leg waits in the same queue as whole requests)."""
     transferred = own_tokens(decode, prompt_tokens, block_size)
     ahead = max(decode.prefill_tokens - transferred, 0.0)
     first_step_s = model.params(decode.candidate.worker_id).seconds(ahead)
-    return prefill.cost + costs.transfer_s(transferred) + costs.hop_ms / 1000 + first_step_s
+    return costs.transfer_s(transferred) + costs.hop_ms / 1000 + first_step_s
+
+
+class DecodeLegs:
+    """What decode legs took beyond their prediction, learned from the streamed ones: an
+    exponentially weighted mean of (observed - predicted) time to the first byte, per model. The
+    transfer's real rate, the hops, the steps a pulled request waits for its KV: what the flags
+    cannot know is charged to the next splits' cost. Starts at 0 (the prediction as it is)."""
+
+    def __init__(self, half_life: float = 50.0) -> None:
+        self._keep = 0.5 ** (1 / half_life)
+        self._residual: dict[str, float] = {}
+
+    def observe(self, model: str, predicted_s: float, observed_s: float) -> None:
+        old = self._residual.get(model)
+        error = observed_s - predicted_s
+        self._residual[model] = error if old is None else self._keep * old + (1 - self._keep) * error
+
+    def residual_s(self, model: str) -> float:
+        return self._residual.get(model, 0.0)
 
 
 def rank_decode(candidates: Sequence[Scored], rng: random.Random) -> list[Scored]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -148,14 +149,16 @@ async def decode(
     reply: tuple[Callable[[Candidate], dict[str, str]], int | None],
     booking: Booking,
     on_failure: Callable[[Candidate, BaseException | int | str], None],
-) -> tuple[Candidate, dict | None]:
+) -> tuple[Candidate, dict | None, float | None]:
     """The decode leg on ``candidates[0]``, relayed to ``downstream`` with ``reply``'s headers for
-    the worker and the prefill side's cached tokens: the worker and its usage (as the client saw
-    it). A worker that refuses the connection never saw the request, and the prefill worker still
-    holds the KV for whoever pulls it: the next one is tried. Any other failure before replying
-    is UpstreamFailed: the KV may have been pulled by the failed worker."""
+    the worker and the prefill side's cached tokens: the worker, its usage (as the client saw
+    it) and, for a stream, the seconds to its first byte. A worker that refuses the connection
+    never saw the request, and the prefill worker still holds the KV for whoever pulls it: the
+    next one is tried. Any other failure before replying is UpstreamFailed: the KV may have been
+    pulled by the failed worker."""
     headers = request_headers(outgoing.headers, outgoing.request_id)
     last: BaseException | None = None
+    started = time.perf_counter()
     for candidate in candidates[:MAX_TRIES]:
         booking.attempt(candidate, uncached=0)  # its KV comes from the prefill worker
         try:
@@ -174,9 +177,11 @@ async def decode(
                 booking.failed(candidate)
                 on_failure(candidate, upstream.status)
                 raise UpstreamFailed(_decode_lost(failure_text(upstream.status)))
-            usage = await _relay_rewritten(downstream, upstream, reply[0](candidate), booking, candidate, reply[1])
+            usage, first_at = await _relay_rewritten(
+                downstream, upstream, reply[0](candidate), booking, candidate, reply[1]
+            )
             booking.replied(candidate, usage)
-            return candidate, usage
+            return candidate, usage, None if first_at is None else first_at - started
         finally:
             upstream.close()
     why = "no decode worker was tried" if last is None else failure_text(last)
@@ -194,8 +199,9 @@ async def _relay_rewritten(
     booking: Booking,
     candidate: Candidate,
     cached_tokens: int | None,
-) -> dict | None:
-    """Relay the decode worker's reply with the prefill side's cached tokens in its usage."""
+) -> tuple[dict | None, float | None]:
+    """Relay the decode worker's reply with the prefill side's cached tokens in its usage: the
+    usage, and for a stream when its first byte came (perf_counter)."""
     headers = end_to_end(upstream.headers)
     headers.update(extra_headers)
     encoded = "Content-Encoding" in upstream.headers  # a compressed body is relayed as sent
@@ -208,18 +214,18 @@ async def _relay_rewritten(
             body = with_cached_tokens(body, rewrite)
         with contextlib.suppress(ConnectionError):  # the client went away: still accounted
             await downstream.send_whole(upstream.status, headers, body)
-        return usage_from_json(body)
+        return usage_from_json(body), None
     await downstream.start(upstream.status, headers)
     events = SseRewriter(rewrite)
-    first = True
+    first_at: float | None = None
     async for chunk in upstream.iter_any():  # the client going away raises here
-        if first:
+        if first_at is None:
+            first_at = time.perf_counter()
             booking.prefilled(candidate)
-            first = False
         await downstream.write(events.feed(chunk))
     await downstream.write(events.flush())
     await downstream.end()
-    return events.usage
+    return events.usage, first_at
 
 
 def with_cached_tokens(body: bytes, cached_tokens: int) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 
 from kvindex.types import WorkerLoad
 from router.routing.choice import choose
-from router.routing.pd import Baseline, PdCosts, SplitMode, decode_load, plan
+from router.routing.pd import Baseline, DecodeLegs, PdCosts, SplitMode, decode_load, plan
 from router.routing.scoring import Candidate, ScoringWeights
 from router.routing.ttft import CostModel
 from router.shared.shared_load import InflightLoad
@@ -146,3 +146,16 @@ def test_the_baselines_order_each_leg_by_their_own_rule():
     ]
     least = pd_plan(scored, ROLES, mode=SplitMode.ALWAYS, baseline=Baseline(False, 0, random.Random(0)))
     assert least.decode[0].candidate.worker_id == "d2"
+
+
+def test_decode_legs_that_take_longer_than_predicted_raise_the_next_splits_cost():
+    legs = DecodeLegs(half_life=1.0)
+    assert legs.residual_s("m") == 0.0
+    legs.observe("m", predicted_s=0.010, observed_s=0.050)
+    assert legs.residual_s("m") == pytest.approx(0.040) and legs.residual_s("other") == 0.0
+    legs.observe("m", predicted_s=0.010, observed_s=0.010)
+    assert legs.residual_s("m") == pytest.approx(0.020)  # half-life of one leg
+    scored = ranked(worker("p1"), worker("d1", running=20))
+    plain = pd_plan(scored, ROLES)
+    slow = plan(scored, ROLES, 64 * BS, BS, MODEL, PdCosts(), random.Random(1), None, residual_s=10.0)
+    assert plain.split and not slow.split and slow.split_s == pytest.approx(plain.split_s + 10.0)
