@@ -67,6 +67,8 @@ ROUTER_VARIANTS = {
     # prefill/decode fleets (router.routing.pd): the same engines served whole, and the baselines
     # that split every request, each leg by their own rule
     "kv_aggregated": (Policy.KV, ("--pd-split", "off")),
+    "kv_pd_whole": (Policy.KV, ("--pd-split", "never")),  # roles kept, never split: the decode workers alone
+    "kv_pd_always": (Policy.KV, ("--pd-split", "always")),
     "round_robin_pd": (Policy.ROUND_ROBIN, ("--pd-split", "always")),
     "least_loaded_pd": (Policy.LEAST_LOADED, ("--pd-split", "always")),
 }
