@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.main import build_parser
+from router.routing.pd import PdCosts, SplitMode
 from router.settings import RouterSettings, settings_from_args
 from router.workers import worker_settings
 
@@ -33,6 +34,13 @@ def test_variables_set_what_no_flag_does_and_flags_win():
     assert (flagged.max_prompt_tokens, flagged.redis_pool_size, flagged.worker_retain_s) == (7, 4, 0)
 
 
+def test_the_prefill_decode_settings_come_from_flags_else_variables():
+    assert _settings([]).pd == PdCosts()
+    env = {"KVROUTE_PD_SPLIT": "Always", "KVROUTE_PD_TRANSFER_MS": "2.5"}
+    assert _settings([], env).pd == PdCosts(SplitMode.ALWAYS, 2.5)
+    assert _settings(["--pd-split", "off", "--pd-hop-ms", "0"], env).pd == PdCosts(SplitMode.OFF, 2.5, 0.0)
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -44,6 +52,9 @@ def test_variables_set_what_no_flag_does_and_flags_win():
         ([], {"KVROUTE_MAX_BODY_BYTES": "100"}, "--max-body-bytes must be at least 1024"),
         (["--workers", "0"], {}, "--workers must be at least 1"),
         (["--workers", "2", "--port", "0"], {}, "--workers above 1 needs a fixed --port"),
+        ([], {"KVROUTE_PD_SPLIT": "sometimes"}, "KVROUTE_PD_SPLIT must be one of auto, always, never, off"),
+        (["--pd-transfer-ms", "-1"], {}, "--pd-transfer-ms and --pd-hop-ms must be >= 0"),
+        ([], {"KVROUTE_PD_HOP_MS": "x"}, "KVROUTE_PD_HOP_MS must be a number, got 'x'"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_setting(argv, env, message):
