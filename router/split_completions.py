@@ -2,8 +2,8 @@
 to split it and the two workers; :mod:`router.upstream.split` sends the legs).
 
 Each leg has its own :class:`~router.routing.booking.Booking`: the prefill leg books the prompt's
-uncached tokens on the prefill worker and teaches the TTFT model there (a whole reply of one
-token); the decode leg books a request that computes next to nothing on the decode worker, and
+uncached tokens on the prefill worker until its one-token reply comes, and teaches the TTFT model
+there (that reply's time is the prefill's); the decode leg books a request that computes next to nothing on the decode worker, and
 teaches nothing (its first byte waits for a transfer, not a prefill). Both mark the prompt's blocks
 expected where they go: each engine holds them afterwards. The accounting (predicted against
 reported cached tokens, the lost-token split) is the prefill worker's: that is where the prompt's
@@ -40,7 +40,9 @@ async def proxy_split(
     learner = state.decider.learner_for(decision.model)
     state.metrics.inflight.inc()
     try:
-        with Booking(decision, state.load, learner, streamed=False) as booking:
+        # A one-token reply comes when the prefill is done: its first byte is the prefill's end, as
+        # a stream's is (not a whole reply, whose prefill would be released at a predicted time).
+        with Booking(decision, state.load, learner, streamed=True) as booking:
             leg = Outgoing(incoming.path, incoming.headers, request_id, split.prefill_body(body))
             prefilled = await split.prefill(leg, state.upstream, [s.candidate for s in plan.prefill], booking, failed)
         decoders = _decoders(plan, prefilled.candidate)
