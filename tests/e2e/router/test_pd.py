@@ -126,8 +126,9 @@ async def test_a_prefill_engine_gone_is_replaced_and_no_request_is_lost(pd_fleet
             status, headers, reply = await post(router.url, body)
             assert status == 200, reply
             assert headers["x-kvroute-prefill-worker"] == other and reply["usage"]["completion_tokens"] == 3
-        for _, r in started:  # each replica tried the gone worker first (again after a refresh listed it)
-            assert await upstream_errors(r, gone) >= 1
+        # the gone worker was tried first (by the replica that decided next; the other may have seen
+        # the prefix elsewhere by then, or the worker deregistered), and replaced
+        assert sum([await upstream_errors(r, gone) for _, r in started]) >= 1
     finally:
         await stop(started)
 
@@ -160,8 +161,9 @@ async def test_a_decode_engine_gone_is_replaced_before_it_saw_the_request(pd_fle
             status, headers, reply = await post(router.url, body)
             assert status == 200, reply
             assert headers["x-kvroute-worker"] == other and reply["usage"]["completion_tokens"] == 3
-        for _, r in started:  # each replica tried the gone worker first (again after a refresh listed it)
-            assert await upstream_errors(r, gone) >= 1
+        # the gone worker was tried first (by the replica that decided next; the other may have seen
+        # the prefix elsewhere by then, or the worker deregistered), and replaced
+        assert sum([await upstream_errors(r, gone) for _, r in started]) >= 1
     finally:
         await stop(started)
 
