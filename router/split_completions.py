@@ -3,8 +3,9 @@ to split it and the two workers; :mod:`router.upstream.split` sends the legs).
 
 Each leg has its own :class:`~router.routing.booking.Booking`: the prefill leg books the prompt's
 uncached tokens on the prefill worker until its one-token reply comes, and teaches the TTFT model
-there (that reply's time is the prefill's); the decode leg books a request that computes next to nothing on the decode worker, and
-teaches nothing (its first byte waits for a transfer, not a prefill). Both mark the prompt's blocks
+there (that reply's time is the prefill's); the decode leg books a request that computes next to
+nothing on the decode worker, and teaches nothing (its first byte waits for a transfer, not a
+prefill). Both mark the prompt's blocks
 expected where they go: each engine holds them afterwards. The accounting (predicted against
 reported cached tokens, the lost-token split) is the prefill worker's: that is where the prompt's
 cache was used.
