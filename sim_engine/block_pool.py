@@ -139,7 +139,7 @@ class BlockPool:
         return 1.0 - self.num_free / (self.num_blocks - 1)
 
     def emit(self, event: Event) -> None:
-        """Add an event to this step's (the CPU tier's go out with the pool's)."""
+        """Add an event to this step's (the lower tiers' go out with the pool's)."""
         self.events.append(event)
 
     def take_events(self) -> list[Event]:

@@ -68,7 +68,7 @@ class DecodeLegs:
             if remote.state == PULLING:
                 continue
             self.loading.remove(request)
-            # no CPU tier with a connector: caching is the KV-cache manager's alone
+            # no lower tier with a connector: caching is the KV-cache manager's alone
             self.kv.cache(request, len(request.prompt))
             request.num_computed = len(request.prompt) - 1
             request.prefilling = True

@@ -50,7 +50,7 @@ from sim_engine.faults import EngineFaults
 from sim_engine.hybrid import HybridKVCacheManager, hybrid_groups
 from sim_engine.kv_cache import KVCacheManager
 from sim_engine.kv_events import KVEventPublisher
-from sim_engine.offload import CpuTier
+from sim_engine.offload import CPU, DISK, LowerTiers
 from sim_engine.types import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -95,15 +95,19 @@ class SimEngine(DecodeLegs):
         cpu_load_ms_per_1k_tokens: float = 4.0,
         sliding_window: int = 0,
         connector: KVConnector | None = None,
+        disk_blocks: int = 0,
+        disk_load_ms_per_1k_tokens: float = 30.0,
     ) -> None:
-        if sliding_window and cpu_blocks:
-            raise ValueError("a sliding window (a hybrid KV cache) and a CPU tier cannot be combined")
-        if connector is not None and (sliding_window or cpu_blocks):
-            raise ValueError("a KV connector is simulated for one full-attention group without a CPU tier")
+        if sliding_window and (cpu_blocks or disk_blocks):
+            raise ValueError("a sliding window (a hybrid KV cache) and a CPU or disk tier cannot be combined")
+        if connector is not None and (sliding_window or cpu_blocks or disk_blocks):
+            raise ValueError("a KV connector is simulated for one full-attention group without a CPU or disk tier")
         self.kv = self._cache_manager(num_blocks, block_size, sliding_window, timing, max_model_len)
         self.pool = self.kv.pool
-        # the CPU tier behind the GPU cache (sim_engine/offload.py), its events with the pool's
-        self.cpu = CpuTier(cpu_blocks, block_size, cpu_load_ms_per_1k_tokens, self.pool.emit) if cpu_blocks else None
+        # the lower tiers behind the GPU cache in load order (sim_engine/offload.py), their events with the pool's
+        cpu, disk = (cpu_blocks, cpu_load_ms_per_1k_tokens), (disk_blocks, disk_load_ms_per_1k_tokens)
+        self.tiers = LowerTiers.build(block_size, self.pool.emit, cpu, disk)
+        self.cpu, self.disk = self.tiers.of(CPU), self.tiers.of(DISK)
         self.faults = faults or EngineFaults()
         self.timing = timing
         self.publisher = publisher
@@ -179,8 +183,7 @@ class SimEngine(DecodeLegs):
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_prefix_cache():
             return False
-        if self.cpu is not None:
-            self.cpu.clear()
+        self.tiers.clear()
         return True
 
     def cached_prefix_tokens(self, prompt: list[int], keys: CacheKeys | None = None) -> int:
@@ -189,8 +192,7 @@ class SimEngine(DecodeLegs):
         size = self.pool.block_size
         hashes = chain_hashes(prompt, size, keys or CacheKeys())
         hit = self.kv.find_hit(hashes, len(prompt)).tokens // size
-        if self.cpu is not None:
-            hit += self.cpu.hit(hashes, hit, (len(prompt) - 1) // size - hit, touch=False)
+        hit += sum(self.tiers.runs(hashes, hit, (len(prompt) - 1) // size - hit, touch=False))
         return hit * size
 
     async def _loop(self) -> None:
@@ -225,7 +227,7 @@ class SimEngine(DecodeLegs):
         now = time.monotonic()
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.ready_at > now:  # its KV is still loading from the CPU tier
+            if request.ready_at > now:  # its KV is still loading from the lower tiers
                 index += 1
                 continue
             count = min(len(request.all_tokens) - request.num_computed, budget)
@@ -278,17 +280,9 @@ class SimEngine(DecodeLegs):
         hit = self.kv.find_hit(request.hashes, len(tokens))
         if not self.kv.fits(hit, len(tokens), hit.tokens + min(len(tokens) - hit.tokens, budget)):
             return None
-        loaded = 0
-        if self.cpu is not None:  # past the GPU's hit, what the CPU holds is loaded (as much as vLLM counts)
-            held = len(hit.full)
-            loaded = self.cpu.hit(request.hashes, held, (len(tokens) - 1) // size - held)
-            if request.cached_tokens is None:
-                request.external_tokens = loaded * size
-            if loaded:
-                # Loaded asynchronously, as vLLM's connectors load: the request holds its blocks
-                # and waits (vLLM's WAITING_FOR_REMOTE_KVS) while the others compute; its
-                # prefill starts in the first step after the load.
-                request.ready_at = time.monotonic() + self.cpu.load_ms(loaded) / 1000 / self.timing.speedup
+        # past the GPU's hit, what the CPU, then the disk hold is loaded (as much as vLLM counts)
+        held = len(hit.full)
+        loaded = self.tiers.admit(request, held, (len(tokens) - 1) // size - held, self.timing.speedup)
         computed = hit.tokens + loaded * size
         count = 0 if loaded else min(len(tokens) - computed, budget)
         self.kv.take(request, hit, computed + count)
@@ -314,8 +308,8 @@ class SimEngine(DecodeLegs):
             )
         start = request.num_cached_blocks
         self.kv.cache(request, num_tokens)
-        if self.cpu is not None:  # write through: the CPU tier copies what the GPU caches
-            self.cpu.store(request.hashes[: min(full, len(request.blocks))], tokens, start, request.keys)
+        if self.tiers:  # write through: the lower tiers copy what the GPU caches
+            self.tiers.store(request.hashes[: min(full, len(request.blocks))], tokens, start, request.keys)
 
     def _preempt(self, request: SimRequest) -> None:
         self.kv.free(request)

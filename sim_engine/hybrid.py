@@ -28,7 +28,7 @@ request by request against a real vLLM 0.32 capture (tests/unit/test_sim_hybrid.
   block_size) + 1`` (vLLM's ``max_admission_blocks_per_request``, synchronous scheduling).
 * Freeing: group by group in group order (the window's first), each table tail first.
 
-The CPU tier (sim_engine/offload.py) is not combined with it (the settings refuse both).
+The CPU and disk tiers (sim_engine/offload.py) are not combined with it (the settings refuse both).
 """
 
 from __future__ import annotations

@@ -339,6 +339,8 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
             faults=EngineFaults(drop_events_every=settings.drop_events_every),
             cpu_blocks=settings.cpu_blocks,
             cpu_load_ms_per_1k_tokens=settings.cpu_load_ms_per_1k_tokens,
+            disk_blocks=settings.disk_blocks,
+            disk_load_ms_per_1k_tokens=settings.disk_load_ms_per_1k_tokens,
             sliding_window=settings.sliding_window,
             connector=connector,
         )

@@ -23,6 +23,8 @@ EVENTS_PORT_OFFSET = 8000 - 5557
 FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
 METRICS_MODES = ("full", "minimal")
 SLIDING_WINDOW_ENV = "KVROUTE_SIM_SLIDING_WINDOW"  # --sliding-window's default
+DISK_BLOCKS_ENV = "KVROUTE_SIM_DISK_BLOCKS"  # --disk-blocks' default
+DISK_LOAD_MS_ENV = "KVROUTE_SIM_DISK_LOAD_MS_PER_1K_TOKENS"  # --disk-load-ms-per-1k-tokens'
 # --kv-transfer and its settings' defaults
 KV_TRANSFER_ENV = "KVROUTE_SIM_KV_TRANSFER"
 KV_TRANSFER_MS_ENV = "KVROUTE_SIM_KV_TRANSFER_MS_PER_1K_TOKENS"
@@ -72,6 +74,10 @@ class SimEngineSettings:
     # and its load time (sim_engine/offload.py).
     cpu_blocks: int = 0
     cpu_load_ms_per_1k_tokens: float = 4.0
+    # A disk tier behind it (LMCache's local-disk backend; without a CPU tier: right behind the
+    # GPU cache): its size in blocks (0: none) and its load time (sim_engine/offload.py).
+    disk_blocks: int = 0
+    disk_load_ms_per_1k_tokens: float = 30.0
     # A hybrid model's KV cache (sim_engine/hybrid.py): a sliding-window group of this many tokens
     # beside the full-attention one, as vLLM keeps for layer_types [sliding_attention,
     # full_attention]; 0: one full-attention group.
@@ -116,19 +122,29 @@ class SimEngineSettings:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557, got {endpoint!r}")
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ValueError("--replay-endpoint needs KV events: drop --events-endpoint none")
-        if self.cpu_blocks < 0 or self.cpu_load_ms_per_1k_tokens < 0:
-            raise ValueError("--cpu-blocks and --cpu-load-ms-per-1k-tokens must be >= 0")
         if self.sliding_window < 0:
             raise ValueError(f"--sliding-window must be >= 0 (0: no sliding-window group), got {self.sliding_window}")
-        if self.sliding_window and self.cpu_blocks:
-            raise ValueError(
-                "--sliding-window and --cpu-blocks cannot be combined: the CPU tier is simulated for "
-                "full attention only; drop one of them"
-            )
+        self._check_tiers()
         self._check_kv_transfer()
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) < len(names) or self.model in names:
             raise ValueError("--lora-modules names must differ from each other and from --model")
+
+    def _check_tiers(self) -> None:
+        """The CPU and disk tiers: sizes and load times, and the settings they cannot go with."""
+        for tier, flag, blocks, load_ms in (
+            ("CPU", "cpu", self.cpu_blocks, self.cpu_load_ms_per_1k_tokens),
+            ("disk", "disk", self.disk_blocks, self.disk_load_ms_per_1k_tokens),
+        ):
+            if blocks < 0 or load_ms < 0:
+                raise ValueError(f"--{flag}-blocks and --{flag}-load-ms-per-1k-tokens must be >= 0")
+            if self.sliding_window and blocks:
+                raise ValueError(
+                    f"--sliding-window and --{flag}-blocks cannot be combined: the {tier} tier is simulated for "
+                    "full attention only; drop one of them"
+                )
+        if self.kv_transfer and self.disk_blocks:  # as with --cpu-blocks (_check_kv_transfer)
+            raise ValueError("--kv-transfer cannot be combined with --disk-blocks: drop one of them")
 
     def _check_kv_transfer(self) -> None:
         if not 0 <= self.kv_transfer_ms_per_1k_tokens < float("inf"):
@@ -309,6 +325,20 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
         help="the CPU tier's load time per 1k tokens (default 4: an 8B model's KV over PCIe Gen5)",
     )
     parser.add_argument(
+        "--disk-blocks",
+        type=int,
+        default=os.environ.get(DISK_BLOCKS_ENV, str(SimEngineSettings.disk_blocks)),
+        help="a disk tier of this many blocks behind the CPU tier (or the GPU cache without one), as LMCache's "
+        f"local-disk backend (default 0: none; env {DISK_BLOCKS_ENV})",
+    )
+    parser.add_argument(
+        "--disk-load-ms-per-1k-tokens",
+        type=float,
+        default=os.environ.get(DISK_LOAD_MS_ENV, f"{SimEngineSettings.disk_load_ms_per_1k_tokens:g}"),
+        help="the disk tier's load time per 1k tokens (default 30: an 8B model's KV from a local NVMe drive; "
+        f"env {DISK_LOAD_MS_ENV})",
+    )
+    parser.add_argument(
         "--sliding-window",
         type=int,
         # a string default goes through type=int: a malformed variable is argparse's error
@@ -358,6 +388,8 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         enable_lora=args.enable_lora or bool(args.lora_modules),
         cpu_blocks=args.cpu_blocks,
         cpu_load_ms_per_1k_tokens=args.cpu_load_ms_per_1k_tokens,
+        disk_blocks=args.disk_blocks,
+        disk_load_ms_per_1k_tokens=args.disk_load_ms_per_1k_tokens,
         sliding_window=args.sliding_window,
         kv_transfer=switch(args.kv_transfer, KV_TRANSFER_ENV),
         kv_transfer_ms_per_1k_tokens=args.kv_transfer_ms_per_1k_tokens,

@@ -156,9 +156,9 @@ class SimRequest:
     window_blocks: list[Block] = field(default_factory=list)
     num_window_cached: int = 0
     shared_prefix: int = 0
-    cached_tokens: int | None = None  # the prefix hit when first scheduled (loaded from the CPU tier too)
-    external_tokens: int = 0  # of those, the ones loaded from the CPU tier or pulled from a prefill engine
-    ready_at: float = 0.0  # monotonic time its load from the CPU tier ends: computed from then on
+    cached_tokens: int | None = None  # the prefix hit when first scheduled (loaded from the lower tiers too)
+    external_tokens: int = 0  # of those, the ones loaded from the CPU or disk tier or pulled from a prefill engine
+    ready_at: float = 0.0  # monotonic time its load from the lower tiers ends: computed from then on
     prefilling: bool = False  # admitted, and its computed tokens have not caught up with its tokens yet
     num_preemptions: int = 0
     arrived: float = field(default_factory=time.monotonic)
@@ -225,7 +225,7 @@ class StepPlan:
 class EngineStats:
     prompt_tokens: int = 0  # counted when the request's first token comes, as vLLM
     prompt_tokens_cached: int = 0  # of those, the prefix-cache hits when first scheduled
-    prompt_tokens_external: int = 0  # of those, loaded from the CPU tier or pulled from a prefill engine
+    prompt_tokens_external: int = 0  # of those, loaded from the CPU or disk tier or pulled from a prefill engine
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0

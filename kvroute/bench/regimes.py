@@ -35,6 +35,7 @@ from kvroute.bench.regimes_report import across_seeds, relative_to_best, render,
 from kvroute.bench.regimes_workload import (
     CACHE,
     CPU_LOAD_SHARE,
+    DISK_LOAD_SHARE,
     PD_OUTPUT_TOKENS,
     TIERED_CACHE,
     TINY_PROMPTS,
@@ -229,7 +230,7 @@ def _setting(first: Cell, args: argparse.Namespace) -> _Setting:
         args.prefill_ms_per_1k,
         args.block_size,
     )
-    tiered = first.tiers == "cpu"
+    tiered = first.tiers in ("cpu", "disk")
     roles = pd_roles(args.engines) if first.fleet == "pd" else []
     if roles:  # replies long enough that decoding matters
         load = replace(load, requests=[replace(r, output_length=PD_OUTPUT_TOKENS) for r in load.requests])
@@ -239,9 +240,12 @@ def _setting(first: Cell, args: argparse.Namespace) -> _Setting:
     capacity, per_engine_blocks, max_model_len = fleet_capacity(load.requests, fraction, *sizes)
     engine: dict[str, Any] = {"num_blocks": per_engine_blocks, "block_size": args.block_size}
     engine["max_model_len"] = max_model_len
-    if tiered:
+    if first.tiers == "cpu":
         engine["cpu_blocks"] = fleet_capacity(load.requests, TIERED_CACHE["cpu"], *sizes)[1]
         engine["cpu_load_ms_per_1k_tokens"] = CPU_LOAD_SHARE * args.prefill_ms_per_1k
+    if first.tiers == "disk":
+        engine["disk_blocks"] = fleet_capacity(load.requests, TIERED_CACHE["disk"], *sizes)[1]
+        engine["disk_load_ms_per_1k_tokens"] = DISK_LOAD_SHARE * args.prefill_ms_per_1k
     kv_tokens = (per_engine_blocks - 1) * args.block_size  # block 0 is the null block
     return _Setting(load, args, engine, roles, capacity, kv_tokens, args.wall_rate / load.rate)
 

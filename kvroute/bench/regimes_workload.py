@@ -46,7 +46,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "replicas": ("1", "2", "4"),
     "engine": ("full", "minimal"),
     "prefill": ("serial", "parallel"),
-    "tiers": ("gpu", "cpu"),
+    "tiers": ("gpu", "cpu", "disk"),
     "fleet": ("agg", "pd"),
 }
 # Open loop, arrivals at these shares of the fleet's prefill capacity; "closed": as many clients as
@@ -60,8 +60,13 @@ QUIET = {"engine": "full", "prefill": "serial", "tiers": "gpu", "fleet": "agg"}
 # tiers=cpu: each engine's GPU cache and the CPU tier behind it (vLLM's CPU offloading) hold these
 # shares of the cell's distinct blocks (the cache axis does not apply), and a CPU load takes this
 # share of computing the same tokens (4 ms against ~30 ms per 1k tokens for an 8B model on an H200)
-TIERED_CACHE = {"gpu": 0.10, "cpu": 0.50}
+# tiers=disk: the GPU caches as for tiers=cpu, no CPU tier, and a disk tier behind each (LMCache's
+# local-disk backend), the disks holding all of the distinct blocks (a share as above); a disk load
+# takes this share of computing the same tokens (a 32B-class model: loading 1k tokens from a local
+# NVMe drive takes ~18-37 ms, against ~113-124 ms to compute them again on an H200)
+TIERED_CACHE = {"gpu": 0.10, "cpu": 0.50, "disk": 1.0}
 CPU_LOAD_SHARE = 0.13
+DISK_LOAD_SHARE = 0.25
 
 # --axis and --full pick from tenants x load at these values of the other axes.
 BASE = {

@@ -166,14 +166,18 @@ class Stack:
         engine_metrics: str = "full",
         cpu_blocks: int = 0,
         cpu_load_ms_per_1k_tokens: float = 4.0,
+        disk_blocks: int = 0,
+        disk_load_ms_per_1k_tokens: float = 30.0,
         roles: Sequence[str] = (),
     ) -> None:
         self.redis = redis
         # each engine's role in a prefill/decode split (kvindex/roles.py; () or missing: both); any
         # role but both starts every engine with a KV connector (--kv-transfer)
         self._roles = tuple(roles)
-        # a CPU tier behind each engine's GPU cache (sim_engine/offload.py); 0: none
+        # a CPU tier behind each engine's GPU cache, and a disk tier behind it (sim_engine/offload.py):
+        # each tier's blocks (0: none) and load time per 1k tokens
         self._cpu = (cpu_blocks, cpu_load_ms_per_1k_tokens)
+        self._disk = (disk_blocks, disk_load_ms_per_1k_tokens)
         self._engine_metrics = engine_metrics  # the engines' --metrics: full, or minimal (three gauges)
         self.engines = engines
         self._num_blocks = num_blocks
@@ -225,8 +229,9 @@ class Stack:
             command += ["--prefill-context-ns", str(t.prefill_context_ns)]
         if t.parallel_prefill:
             command += ["--parallel-prefill"]
-        if self._cpu[0]:
-            command += ["--cpu-blocks", str(self._cpu[0]), "--cpu-load-ms-per-1k-tokens", str(self._cpu[1])]
+        for tier, (blocks, load_ms) in (("cpu", self._cpu), ("disk", self._disk)):
+            if blocks:
+                command += [f"--{tier}-blocks", str(blocks), f"--{tier}-load-ms-per-1k-tokens", str(load_ms)]
         if any(role != BOTH for role in self._roles):
             command += ["--kv-transfer"]
         child = self._start(f"simulated engine {number}", command)
@@ -297,10 +302,11 @@ class Stack:
         return self._start(f"router replica {number}", command), f"http://127.0.0.1:{port}"
 
     def _tier_flags(self) -> list[str]:
-        """The engines' CPU tier's load time, as an operator sets it for the hardware (in the
+        """The engines' lower tiers' load times, as an operator sets them for the hardware (in the
         routers' wall clock: the engines run ``speedup`` times faster than real time)."""
-        blocks, load_ms = self._cpu
-        return ["--tier-load-ms", f"CPU={load_ms / self._timing.speedup:.6g}"] if blocks else []
+        tiers = (("CPU", self._cpu), ("DISK", self._disk))
+        loads = [f"{tier}={ms / self._timing.speedup:.6g}" for tier, (blocks, ms) in tiers if blocks]
+        return ["--tier-load-ms", ",".join(loads)] if loads else []
 
     async def _wait_router(self, session: aiohttp.ClientSession, router: Child, url: str) -> None:
         """Until the router's /debug/route lists every engine (it sees the whole fleet)."""

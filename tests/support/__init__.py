@@ -211,6 +211,7 @@ class SimFleet:
     engine_metrics: str = "full"  # the engines' --metrics: full, or minimal (three gauges)
     adapters: Sequence[Sequence[str]] = ()  # engine i serves the LoRA adapters adapters[i]
     cpu_blocks: int = 0  # a CPU tier behind each engine's GPU cache (sim_engine/offload.py)
+    disk_blocks: int = 0  # a disk tier behind it (or right behind the GPU without a CPU tier)
     sliding_window: int = 0  # a hybrid model's sliding-window group beside full attention (sim_engine/hybrid.py)
     max_model_len: int = 4096
     # Engine i's part in a prefill/decode split: "prefill", "decode" or "both" (its agent's --role);
@@ -242,6 +243,7 @@ class SimFleet:
                 lora_modules=tuple((name, f"/adapters/{name}") for name in served),
                 enable_lora=True,
                 cpu_blocks=self.cpu_blocks,
+                disk_blocks=self.disk_blocks,
                 sliding_window=self.sliding_window,
                 max_model_len=self.max_model_len,
                 kv_transfer=bool(self.roles),
