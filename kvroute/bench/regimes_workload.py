@@ -40,7 +40,7 @@ from sim_engine.settings import TINY_MODEL_DIR
 AXES: dict[str, tuple[str, ...]] = {
     "tenants": ("balanced", "hot", "zipf", "chat"),
     "load": ("light", "heavy", "overload", "closed"),
-    "cache": ("tight", "loose", "tiny"),
+    "cache": ("tight", "loose", "tiny", "ample"),
     "client": ("stream", "nostream"),
     "prompts": ("ids", "text"),
     "replicas": ("1", "2", "4"),
@@ -53,7 +53,10 @@ AXES: dict[str, tuple[str, ...]] = {
 # engines, each sending its next request when its last is answered (the engines' clock runs as
 # for "light"; the arrival times are not used).
 LOAD = {"light": 0.3, "heavy": 0.8, "overload": 1.2, "closed": 0.3}
-CACHE = {"tight": 0.25, "loose": 1.0}  # fleet KV capacity / distinct blocks of the cell's requests
+# fleet KV capacity / distinct blocks of the cell's requests; "ample": room for every prefix twice
+# over, as decode engines are sized for the sequences they keep running (a P/D fleet's two decode
+# engines hold every running sequence)
+CACHE = {"tight": 0.25, "loose": 1.0, "ample": 2.0}
 TINY_PROMPTS = 1.3  # cache=tiny: each engine holds this many mean prompts (grown to fit the largest)
 # Axes whose default values a cell's name leaves out (names from before these axes stay the same).
 QUIET = {"engine": "full", "prefill": "serial", "tiers": "gpu", "fleet": "agg"}
