@@ -7,9 +7,11 @@ disaggregated-serving proxies send them (its NIXL and P2P examples; the choice o
    ``max_completion_tokens`` where given, 1; ``min_tokens``, ``min_completion_tokens`` and
    ``stream_options`` dropped, as the engine takes none of them for it). Its JSON reply carries the
    ``kv_transfer_params`` that name the KV blocks it computed; its usage says how much of the
-   prompt the prefill worker's cache held. A prefill worker that fails before replying (no
-   connection, a 5xx, a reply without ``kv_transfer_params``) is replaced by the next one once;
-   a 4xx is the client's mistake and is relayed as it is.
+   prompt the prefill worker's cache held (a connector that shares the KV through a store, such as
+   vLLM's ExampleConnector or LMCache's, returns none: the decode engine finds the KV by the
+   prompt's hashes, and the decode leg goes without them). A prefill worker that fails before
+   replying (no connection, a 5xx) is replaced by the next one once; a 4xx is the client's
+   mistake and is relayed as it is.
 2. The decode leg: the client's body as sent, with those ``kv_transfer_params``, to the decode
    worker; its reply (streamed or whole) is relayed to the client with its usage's
    ``cached_tokens`` replaced by the prefill worker's (the decode worker counts the transferred
@@ -69,7 +71,9 @@ class ClientMistake(Exception):
 @dataclass(frozen=True)
 class Prefilled:
     candidate: Candidate
-    kv_transfer_params: dict[str, Any]
+    # where its KV is (NIXL, P2P); None from a connector that shares through a store, which the
+    # decode engine reads by the prompt's hashes (vLLM's ExampleConnector, LMCache's shared storage)
+    kv_transfer_params: dict[str, Any] | None
     usage: dict | None
     retried: bool
 
@@ -89,7 +93,9 @@ def prefill_body(body: dict[str, Any]) -> bytes:
     return json.dumps(leg).encode()
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> bytes:
+    if kv_transfer_params is None:
+        return json.dumps(body).encode()
     return json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
 
 
@@ -116,13 +122,12 @@ async def prefill(
         else:
             if 400 <= reply.status < 500:
                 raise ClientMistake(reply.status, end_to_end(reply.headers), body)
-            params = _transfer_params(body) if reply.status == 200 else None
-            if params is not None:
+            if reply.status == 200:
                 booking.prefilled(candidate)
                 usage = usage_from_json(body)
                 booking.replied(candidate, usage)
-                return Prefilled(candidate, params, usage, retried=attempt > 0)
-            last = reply.status if reply.status != 200 else "no kv_transfer_params in its reply"
+                return Prefilled(candidate, _transfer_params(body), usage, retried=attempt > 0)
+            last = reply.status
         booking.failed(candidate)
         on_failure(candidate, last)
     why = "no prefill worker was tried" if last is None else _leg_failure(last)

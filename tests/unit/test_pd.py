@@ -159,3 +159,8 @@ def test_decode_legs_that_take_longer_than_predicted_raise_the_next_splits_cost(
     plain = pd_plan(scored, ROLES)
     slow = plan(scored, ROLES, 64 * BS, BS, MODEL, PdCosts(), random.Random(1), None, residual_s=10.0)
     assert plain.split and not slow.split and slow.split_s == pytest.approx(plain.split_s + 10.0)
+
+
+def test_a_store_connectors_prefill_reply_names_no_params_and_the_decode_leg_goes_as_sent():
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 9}
+    assert json.loads(decode_body(body, None)) == body
