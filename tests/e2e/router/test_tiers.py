@@ -52,12 +52,17 @@ async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicte
     prefix = PREFIX[: 10 * BS]
     await serve_directly(owner.url, [*prefix, 1])
     for n in range(3):  # other prompts fill the owner's 23-block GPU cache: the prefix leaves it
-        await serve_directly(owner.url, [(i * 13 + n) % 1900 + 5 for i in range(10 * BS)] + [2])
+        filler = [(i * 13 + n) % 1900 + 5 for i in range(10 * BS)]
+        await serve_directly(owner.url, [*filler, 2])
     chain = sequence_hashes(prefix, BS)
+    last = sequence_hashes(filler, BS)
 
     async def only_the_cpu_holds_it() -> bool:
+        # settled: the last filler's stores are in, and so is every eviction before them (in order)
+        settled = (await router.state.index.match("tiny", last)).get(worker, 0) == len(last)
         matched = await router.state.index.match("tiny", chain)
-        return matched.get(worker, 0) < len(chain) and matched.get(tier_holder(worker, "CPU"), 0) == len(chain)
+        cpu = matched.get(tier_holder(worker, "CPU"), 0) == len(chain)
+        return settled and cpu and matched.get(worker, 0) < len(chain)
 
     await wait_until(only_the_cpu_holds_it, 15)
     await router.state.fleet.refresh()  # the router knows of the worker's CPU tier (within a second)
@@ -66,11 +71,15 @@ async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicte
     reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
     await router.state.fleet.refresh()  # the dashboard shows the last listing
-    async with aiohttp.ClientSession() as session:
-        metrics = await read_metrics(session, router.url + "/metrics")
-        async with session.get(router.url + "/dashboard/api/fleet") as response:
-            (model,) = (await response.json())["models"]
-    assert metrics.value("kvroute_router_loaded_prefix_tokens_total", tier="CPU") == len(prefix)
+
+    async def loads_counted() -> bool:  # counted after the reply went out (the client does not wait for it)
+        async with aiohttp.ClientSession() as session:
+            metrics = await read_metrics(session, router.url + "/metrics")
+        return metrics.value("kvroute_router_loaded_prefix_tokens_total", tier="CPU") == len(prefix)
+
+    await wait_until(loads_counted, 5)
+    async with aiohttp.ClientSession() as session, session.get(router.url + "/dashboard/api/fleet") as response:
+        (model,) = (await response.json())["models"]
     by_worker = {w["id"]: w["tier_blocks"] for w in model["workers"]}
     assert by_worker[worker]["CPU"] >= len(chain) and set(by_worker) == {worker, tier_fleet.worker_id(1)}
 
@@ -113,10 +122,15 @@ async def test_a_prefix_only_the_disk_tier_holds_draws_its_prompt_and_is_predict
         assert status == 200 and headers["x-kvroute-worker"] == worker
         reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
+
+        async def loads_counted() -> bool:  # counted after the reply went out
+            async with aiohttp.ClientSession() as session:
+                metrics = await read_metrics(session, router.url + "/metrics")
+            return metrics.value("kvroute_router_loaded_prefix_tokens_total", tier="DISK") == len(prefix)
+
+        await wait_until(loads_counted, 5)
         async with aiohttp.ClientSession() as session:
-            metrics = await read_metrics(session, router.url + "/metrics")
             engine_metrics = await read_metrics(session, owner.url + "/metrics")
-        assert metrics.value("kvroute_router_loaded_prefix_tokens_total", tier="DISK") == len(prefix)
         # the engine loaded from its disk what its GPU no longer held
         loaded = engine_metrics.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         assert loaded == len(prefix) - gpu_blocks[0] * BS > 0
