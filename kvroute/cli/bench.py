@@ -205,10 +205,11 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
         "--axis",
         action="append",
         metavar="NAME=V1,V2",
-        help="the values of one axis (repeatable): tenants=balanced,hot,zipf,chat load=light,heavy,overload "
-        "cache=tight,loose,tiny client=stream,nostream prompts=ids,text replicas=1,2,4 engine=full,minimal "
-        "prefill=serial,parallel; with --axis the grid is tenants x load at cache=tight client=stream "
-        "prompts=ids replicas=1 engine=full prefill=serial, each flag replacing one axis's values "
+        help="the values of one axis (repeatable): tenants=balanced,hot,zipf,chat load=light,heavy,overload,closed "
+        "cache=tight,loose,tiny,ample client=stream,nostream prompts=ids,text replicas=1,2,4 engine=full,minimal "
+        "prefill=serial,parallel tiers=gpu,cpu,disk fleet=agg,pd; with --axis the grid is tenants x load at "
+        "cache=tight client=stream prompts=ids replicas=1 engine=full prefill=serial tiers=gpu fleet=agg, each "
+        "flag replacing one axis's values "
         "(default grid, without --axis: ten cells at 1, 2 and 4 replicas, docs/benchmarks.md)",
     )
     p.add_argument("--full", action="store_true", help="every value of every axis (2,592 cells: days)")
