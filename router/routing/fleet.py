@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvindex.errors import REDIS_FAILURES
@@ -58,6 +59,8 @@ class Fleet:
         self._tier_blocks: dict[tuple[str, str], dict[str, int]] = {}
         self._tiered_models: set[str] = set()
         self._groups: dict[str, tuple[GroupSpec, ...]] = {}  # hybrid models' KV-cache groups
+        self._roles: dict[str, dict[str, str]] = {}  # model -> worker id -> role, as last listed
+        self._split_models: set[str] = set()  # models with a prefill worker
         self._known_models: set[str] = set()
         # model -> monotonic time since when Redis has listed no alive worker for a model whose
         # last known workers are still offered (retained).
@@ -118,6 +121,9 @@ class Fleet:
                 del self._missing_since[model]
                 log.warning("model %r: no worker re-registered within %.0f s; forgetting it", model, self._retain_s)
         self._alive = alive
+        # read by every decision: kept with the listing, not rebuilt per request
+        self._roles = {model: {w.worker_id: w.role for w in workers} for model, workers in alive.items()}
+        self._split_models = {model for model, roles in self._roles.items() if PREFILL in roles.values()}
         self._known_models = set(listed) | set(self._missing_since)
         self.refreshed_at = now
 
@@ -184,13 +190,13 @@ class Fleet:
         """A hybrid model's KV-cache groups, as its workers' records say (() for other models)."""
         return self._groups.get(model, ())
 
-    def roles(self, model: str) -> dict[str, str]:
-        """Each alive worker's role in a prefill/decode split (kvindex/roles.py)."""
-        return {w.worker_id: w.role for w in self._alive.get(model, ())}
+    def roles(self, model: str) -> Mapping[str, str]:
+        """Each worker's role in a prefill/decode split (kvindex/roles.py), as last listed."""
+        return self._roles.get(model, {})
 
     def disaggregated(self, model: str) -> bool:
-        """Whether an alive worker of ``model`` is a prefill worker: its requests may be split."""
-        return any(w.role == PREFILL for w in self._alive.get(model, ()))
+        """Whether a worker of ``model`` was listed as a prefill worker: its requests may be split."""
+        return model in self._split_models
 
     def adapters(self, model: str) -> list[str]:
         """The adapters of ``model`` that an alive worker serves."""
