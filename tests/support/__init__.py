@@ -32,6 +32,7 @@ from kvindex.calls import SPECS, ScriptCall
 from kvroute.devstack.embedded_redis import free_port
 from kvroute.devstack.processes import ProcessFailed, poll_until
 from kvservice.metrics_page import read_metrics
+from router.upstream.split import prefill_body
 from sim_engine.kv_events import KVEventPublisher
 
 if TYPE_CHECKING:
@@ -310,26 +311,14 @@ class SimFleet:
                 await context.__aexit__(None, None, None)
 
 
-# What the prefill leg of a split request carries, as vLLM's disaggregated-serving proxies send it
-# (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; router/upstream/split.py).
-PREFILL_LEG_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
 async def prefill_leg(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/completions"
 ) -> dict[str, Any]:
-    """Send ``body``'s prefill leg to the engine at ``url`` by hand: its JSON reply (whose
+    """Send ``body``'s prefill leg to the engine at ``url`` by hand, as the router sends it
+    (router/upstream/split.py, after vLLM's disaggregated-serving proxies): its JSON reply (whose
     ``kv_transfer_params`` the decode leg carries)."""
-    leg = {**body, "kv_transfer_params": dict(PREFILL_LEG_PARAMS), "stream": False, "max_tokens": 1}
-    leg.pop("stream_options", None)
-    async with session.post(url + path, json=leg) as response:
+    headers = {"Content-Type": "application/json"}
+    async with session.post(url + path, data=prefill_body(body), headers=headers) as response:
         reply = await response.json()
         assert response.status == 200 and isinstance(reply.get("kv_transfer_params"), dict), reply
         return reply
