@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from kvindex.hashing import sequence_hashes
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_redis import RedisServer
 from router.main import RunningRouter, running_router
@@ -19,7 +18,7 @@ from router.settings import RouterSettings
 from sim_engine.settings import TINY_MODEL_DIR
 from tests.conftest import server_kinds
 from tests.support import SimFleet, wait_for_workers
-from tests.support.hybrid import hybrid_prompts, wait_hybrid_indexed
+from tests.support.hybrid import hybrid_outcome, hybrid_prompts
 
 MODEL, BS, WINDOW = "tiny", 32, 64
 
@@ -55,18 +54,10 @@ async def test_predicted_cached_tokens_equal_the_simulated_hybrid_engines(router
     outcomes = []
     async with aiohttp.ClientSession() as session:
         for prompt in hybrid_prompts():
-            # what the full-attention group alone would say: more than the engine finds on some requests
-            full = await router.state.index.match(MODEL, sequence_hashes(prompt, BS))
-            full_only = min(max(full.values(), default=0) * BS, (len(prompt) - 1) // BS * BS)
             oracle = engine.cached_prefix_tokens(prompt)  # the engine's own view (/debug/match)
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
-            async with session.post(router.url + "/v1/completions", json=body) as response:
-                assert response.status == 200, await response.text()
-                predicted = int(response.headers["x-kvroute-cached-tokens"])
-                reply = await response.json()
-            reported = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # and what the full-attention group alone would say: more than the engine finds on some requests
+            predicted, reported, full_only = await hybrid_outcome(session, router, prompt, MODEL, BS)
             outcomes.append((len(prompt), predicted, reported, oracle, full_only))
-            await wait_hybrid_indexed(router, prompt, MODEL, BS)
     assert all(predicted == reported == oracle for _, predicted, reported, oracle, _ in outcomes), outcomes
     assert sum(reported > 0 for _, _, reported, _, _ in outcomes) >= 10, outcomes
     assert any(full_only > reported for _, _, reported, _, full_only in outcomes), outcomes  # the window's say

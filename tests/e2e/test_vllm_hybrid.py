@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
-from kvindex.hashing import sequence_hashes
 from kvroute.devstack.embedded_redis import RedisServer
 from router.main import RunningRouter
 from tests.conftest import server_kinds
-from tests.support.hybrid import hybrid_prompts, wait_hybrid_indexed
+from tests.support.hybrid import hybrid_outcome, hybrid_prompts
 from tests.support.vllm import (
     BS,
     MODEL,
@@ -46,17 +45,9 @@ async def test_predicted_cached_tokens_equal_vllms_on_a_sliding_window_model(rou
     outcomes = []
     async with aiohttp.ClientSession() as session:
         for prompt in hybrid_prompts():
-            # what the full-attention group alone would say: more than vLLM finds on some requests
-            full = await router.state.index.match(MODEL, sequence_hashes(prompt, BS))
-            full_only = min(max(full.values(), default=0) * BS, (len(prompt) - 1) // BS * BS)
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
-            async with session.post(router.url + "/v1/completions", json=body) as response:
-                assert response.status == 200, await response.text()
-                predicted = int(response.headers["x-kvroute-cached-tokens"])
-                reply = await response.json()
-            reported = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # and what the full-attention group alone would say: more than vLLM finds on some requests
+            predicted, reported, full_only = await hybrid_outcome(session, router, prompt, MODEL, BS)
             outcomes.append((len(prompt), predicted, reported, full_only))
-            await wait_hybrid_indexed(router, prompt, MODEL, BS)
     assert all(predicted == reported for _, predicted, reported, _ in outcomes), outcomes
     assert sum(reported > 0 for _, _, reported, _ in outcomes) >= 10, outcomes
     assert any(full_only > reported for _, _, reported, full_only in outcomes), outcomes

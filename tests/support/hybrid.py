@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import aiohttp
+
 from kvindex.groups import is_hybrid
 from kvindex.hashing import sequence_hashes
 from router.main import RunningRouter
@@ -43,3 +45,19 @@ async def wait_hybrid_indexed(router: RunningRouter, prompt: list[int], model: s
         return max(matched.values(), default=0) >= len(chain) and is_hybrid(router.state.fleet.kv_groups(model))
 
     await wait_until(indexed, 30)
+
+
+async def hybrid_outcome(
+    session: aiohttp.ClientSession, router: RunningRouter, prompt: list[int], model: str, block_size: int
+) -> tuple[int, int, int]:
+    """Send ``prompt`` through the router and wait until the index holds it: (predicted, reported
+    cached tokens, and what the full-attention group alone would have predicted)."""
+    full = await router.state.index.match(model, sequence_hashes(prompt, block_size))
+    full_only = min(max(full.values(), default=0) * block_size, (len(prompt) - 1) // block_size * block_size)
+    body = {"model": model, "prompt": prompt, "max_tokens": 2}
+    async with session.post(router.url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        predicted = int(response.headers["x-kvroute-cached-tokens"])
+        reply = await response.json()
+    await wait_hybrid_indexed(router, prompt, model, block_size)
+    return predicted, reply["usage"]["prompt_tokens_details"]["cached_tokens"], full_only
