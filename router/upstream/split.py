@@ -104,11 +104,11 @@ async def prefill(
     pool: UpstreamPool,
     candidates: list[Candidate],
     booking: Booking,
-    on_failure: Callable[[Candidate, BaseException | int | str], None],
+    on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> Prefilled:
     """The prefill leg on ``candidates[0]``, or on ``candidates[1]`` if the first fails."""
     headers = request_headers(outgoing.headers, outgoing.request_id)
-    last: BaseException | int | str | None = None
+    last: BaseException | int | None = None
     for attempt, candidate in enumerate(candidates[:MAX_TRIES]):
         booking.attempt(candidate)
         try:
@@ -130,7 +130,7 @@ async def prefill(
             last = reply.status
         booking.failed(candidate)
         on_failure(candidate, last)
-    why = "no prefill worker was tried" if last is None else _leg_failure(last)
+    why = "no prefill worker was tried" if last is None else failure_text(last)
     raise UpstreamFailed(f"the prefill worker failed before replying: {why}")
 
 
@@ -142,10 +142,6 @@ def _transfer_params(body: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
-def _leg_failure(why: BaseException | int | str) -> str:
-    return why if isinstance(why, str) else failure_text(why)
-
-
 async def decode(
     outgoing: Outgoing,
     downstream: Downstream,
@@ -153,7 +149,7 @@ async def decode(
     candidates: list[Candidate],
     reply: tuple[Callable[[Candidate], dict[str, str]], int | None],
     booking: Booking,
-    on_failure: Callable[[Candidate, BaseException | int | str], None],
+    on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> tuple[Candidate, dict | None, float | None]:
     """The decode leg on ``candidates[0]``, relayed to ``downstream`` with ``reply``'s headers for
     the worker and the prefill side's cached tokens: the worker, its usage (as the client saw
