@@ -67,7 +67,9 @@ ROUTER_VARIANTS = {
     # prefill/decode fleets (router.routing.pd): the same engines served whole, and the baselines
     # that split every request, each leg by their own rule
     "kv_aggregated": (Policy.KV, ("--pd-split", "off")),
-    "kv_pd_whole": (Policy.KV, ("--pd-split", "never")),  # roles kept, never split: the decode workers alone
+    # prefill workers kept off whole requests (llm-d's and Dynamo's way): split or whole on a decode worker
+    "kv_pd_strict": (Policy.KV, ("--pd-whole-on", "decode")),
+    "kv_pd_whole": (Policy.KV, ("--pd-split", "never", "--pd-whole-on", "decode")),  # the decode workers alone
     "kv_pd_always": (Policy.KV, ("--pd-split", "always")),
     "round_robin_pd": (Policy.ROUND_ROBIN, ("--pd-split", "always")),
     "least_loaded_pd": (Policy.LEAST_LOADED, ("--pd-split", "always")),

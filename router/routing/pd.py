@@ -41,13 +41,25 @@ from router.routing.ttft import CostModel
 
 DEFAULT_TRANSFER_MS_PER_1K = 5.0  # 128 KiB of KV per token (8B, bf16) at ~25 GB/s (NIXL over RDMA)
 DEFAULT_HOP_MS = 1.0  # the prefill's reply and the decode's request: one more round trip
+# How much a second of delay to a stream already decoding counts against a second of the new
+# request's TTFT. 1 would weigh every user's waiting alike (end to end); a stream mid-reply has
+# tokens in hand and one longer gap in it is felt less than a later first token, so it counts half:
+# a prompt is split when its prefill would stall enough decodes for long enough (docs/router.md).
+DEFAULT_DECODE_WEIGHT = 0.5
 
 
 class SplitMode(StrEnum):
     AUTO = "auto"  # per request, by predicted time
     ALWAYS = "always"  # every request that can be split (the proxies of vLLM's examples)
-    NEVER = "never"  # whole requests only (the decode and both workers)
+    NEVER = "never"  # whole requests only (on the workers WholeOn allows)
     OFF = "off"  # roles ignored: every worker serves whole requests (an aggregated fleet)
+
+
+class WholeOn(StrEnum):
+    """Which workers of a fleet with prefill workers take whole (unsplit) requests."""
+
+    ANY = "any"  # every worker, a prefill worker too where that is cheapest (complete engines)
+    DECODE = "decode"  # decode and both workers only (llm-d's and Dynamo's way)
 
 
 @dataclass(frozen=True)
@@ -55,10 +67,14 @@ class PdCosts:
     mode: SplitMode = SplitMode.AUTO
     transfer_ms_per_1k: float = DEFAULT_TRANSFER_MS_PER_1K
     hop_ms: float = DEFAULT_HOP_MS
+    whole_on: WholeOn = WholeOn.ANY
+    decode_weight: float = DEFAULT_DECODE_WEIGHT
 
     def __post_init__(self) -> None:
         if not (self.transfer_ms_per_1k >= 0 and self.hop_ms >= 0):  # NaN too
             raise ValueError("--pd-transfer-ms and --pd-hop-ms must be >= 0")
+        if not self.decode_weight >= 0:
+            raise ValueError("--pd-decode-weight must be >= 0")
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.transfer_ms_per_1k / 1e6
@@ -95,11 +111,14 @@ def plan(
     if costs.mode is SplitMode.OFF:
         return Plan(False, list(ranked), [], [])
     role = {s.candidate.worker_id: roles.get(s.candidate.worker_id, BOTH) for s in ranked}
-    whole = [s for s in ranked if serves_whole(role[s.candidate.worker_id])]
-    prefill = [s for s in ranked if serves_prefill_leg(role[s.candidate.worker_id])]
-    whole_s = whole_cost(whole[0], prompt_tokens, block_size, model) if whole else None
     dedicated = any(r == PREFILL for r in role.values())  # a fleet of complete engines never splits
-    if costs.mode is SplitMode.NEVER or not dedicated:
+    if not dedicated:
+        whole_s = whole_cost(ranked[0], prompt_tokens, block_size, model, costs) if ranked else None
+        return Plan(False, list(ranked), [], [], None, whole_s)
+    whole = _whole_workers(ranked, role, prompt_tokens, block_size, model, costs)
+    prefill = [s for s in ranked if serves_prefill_leg(role[s.candidate.worker_id])]
+    whole_s = whole_cost(whole[0], prompt_tokens, block_size, model, costs) if whole else None
+    if costs.mode is SplitMode.NEVER:
         return Plan(False, whole, [], [], None, whole_s)
     if baseline is not None:
         prefill = baseline.order(prefill, 0)
@@ -108,9 +127,28 @@ def plan(
     decode = rank_decode(decoders, rng) if baseline is None else baseline.order(decoders, 1)
     if not decode:
         return Plan(False, whole, [], [], None, whole_s)
-    split_s = split_cost(prefill[0], decode[0], prompt_tokens, block_size, model, costs, residual_s)
+    # a prefill worker that takes whole requests (or decode legs) has streams of its own to stall
+    decodes_there = costs.whole_on is WholeOn.ANY or role[first] != PREFILL
+    stall_s = stall_cost(prefill[0], prompt_tokens, block_size, model, costs) if decodes_there else 0.0
+    split_s = stall_s + split_cost(prefill[0], decode[0], prompt_tokens, block_size, model, costs, residual_s)
     split = costs.mode is SplitMode.ALWAYS or whole_s is None or split_s < whole_s
     return Plan(split, whole, prefill, decode, split_s, whole_s)
+
+
+def _whole_workers(
+    ranked: Sequence[Scored],
+    role: Mapping[str, str],
+    prompt_tokens: int,
+    block_size: int,
+    model: CostModel,
+    costs: PdCosts,
+) -> list[Scored]:
+    """The workers that may serve the request whole, cheapest first by :func:`whole_cost` (its
+    TTFT and the stall it puts on the decodes there), so that a long prompt lands where few
+    sequences decode; ties keep the decision's order."""
+    anywhere = costs.whole_on is WholeOn.ANY
+    whole = [s for s in ranked if anywhere or serves_whole(role[s.candidate.worker_id])]
+    return sorted(whole, key=lambda s: whole_cost(s, prompt_tokens, block_size, model, costs))
 
 
 @dataclass(frozen=True)
@@ -150,10 +188,16 @@ def decodes_running(scored: Scored) -> int:
     return max(running, scored.candidate.inflight.requests)
 
 
-def whole_cost(scored: Scored, prompt_tokens: int, block_size: int, model: CostModel) -> float:
-    """The request served whole there: its TTFT, and its prefill's delay to every decode there."""
+def whole_cost(scored: Scored, prompt_tokens: int, block_size: int, model: CostModel, costs: PdCosts) -> float:
+    """The request served whole there: its TTFT, and its prefill's stall on the decodes there."""
+    return scored.cost + stall_cost(scored, prompt_tokens, block_size, model, costs)
+
+
+def stall_cost(scored: Scored, prompt_tokens: int, block_size: int, model: CostModel, costs: PdCosts) -> float:
+    """The prompt's prefill there delays every sequence decoding there by its own time (vLLM
+    computes its chunks in the decodes' steps), weighed by ``costs.decode_weight``."""
     prefill_s = model.params(scored.candidate.worker_id).per_token_s * own_tokens(scored, prompt_tokens, block_size)
-    return scored.cost + prefill_s * decodes_running(scored)
+    return costs.decode_weight * prefill_s * decodes_running(scored)
 
 
 def split_cost(

@@ -10,7 +10,7 @@ import pytest
 
 from kvindex.types import WorkerLoad
 from router.routing.choice import choose
-from router.routing.pd import Baseline, DecodeLegs, PdCosts, SplitMode, decode_load, plan
+from router.routing.pd import Baseline, DecodeLegs, PdCosts, SplitMode, WholeOn, decode_load, plan
 from router.routing.scoring import Candidate, ScoringWeights
 from router.routing.ttft import CostModel
 from router.shared.shared_load import InflightLoad
@@ -28,8 +28,11 @@ def worker(name: str, matched: int = 0, running: int = 0, waiting: int = 0, usag
     return Candidate(name, f"http://{name}", matched, engine=WorkerLoad(running, waiting, usage))
 
 
-def pd_plan(scored, roles, prompt_tokens=64 * BS, mode=SplitMode.AUTO, baseline=None):
-    return plan(scored, roles, prompt_tokens, BS, MODEL, PdCosts(mode), random.Random(1), baseline)
+def pd_plan(scored, roles, prompt_tokens=64 * BS, mode=SplitMode.AUTO, baseline=None, **costs):
+    """The plan with whole requests on decode workers only and stalls weighed in full, unless
+    ``costs`` says otherwise: the split decision's terms one at a time."""
+    costs = {"whole_on": WholeOn.DECODE, "decode_weight": 1.0} | costs
+    return plan(scored, roles, prompt_tokens, BS, MODEL, PdCosts(mode, **costs), random.Random(1), baseline)
 
 
 ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
@@ -90,6 +93,38 @@ def test_a_complete_engine_decodes_split_requests_and_a_lone_prefill_worker_serv
 def test_pd_costs_refuse_negative_times():
     with pytest.raises(ValueError, match="--pd-transfer-ms"):
         PdCosts(transfer_ms_per_1k=-1)
+    with pytest.raises(ValueError, match="--pd-decode-weight"):
+        PdCosts(decode_weight=float("nan"))
+
+
+def test_by_default_an_idle_prefill_worker_serves_a_prompt_whole_rather_than_split_it():
+    """Complete engines (vLLM's NIXL ones are): split, the same prefill worker would compute the
+    prompt and then pay the transfer, the hop and a decode step on top."""
+    scored = ranked(worker("p1"), worker("d1", running=8), worker("d2", running=8))
+    found = pd_plan(scored, ROLES, whole_on=WholeOn.ANY, decode_weight=0.5)
+    assert not found.split and found.whole[0].candidate.worker_id == "p1"
+    assert pd_plan(scored, ROLES).split  # prefill workers kept off whole requests: split beside the decodes
+
+
+def test_whole_requests_go_where_they_stall_fewest_decodes():
+    """Among the workers that serve it whole, a long cold prompt goes where its prefill stalls the
+    fewest streams, though its TTFT is a little longer there; weighed at 0 (TTFT alone), it goes
+    where its first token comes soonest."""
+    quiet = worker("d2", running=1, waiting=1)  # a sequence queued: a slightly later first token
+    scored = ranked(worker("p1", running=30), worker("d1", running=30), quiet)
+    assert pd_plan(scored, ROLES, whole_on=WholeOn.ANY).whole[0].candidate.worker_id == "d2"
+    assert pd_plan(scored, ROLES, whole_on=WholeOn.ANY, decode_weight=0.0).whole[0].candidate.worker_id != "d2"
+
+
+def test_a_prefill_worker_that_serves_whole_requests_splits_none_that_it_could_serve():
+    """Split, the request pays the same prefill on the prefill worker, the same stall on the streams
+    decoding there, and the decode leg on top: serving it whole there is always cheaper. Kept off
+    whole requests (whole on decode), its prefill stalls nothing and the busy decoders' cost splits."""
+    busy = ranked(worker("p1", running=20), worker("d1", running=40), worker("d2", running=40))
+    anywhere = pd_plan(busy, ROLES, whole_on=WholeOn.ANY, decode_weight=0.5)
+    assert not anywhere.split and anywhere.whole[0].candidate.worker_id == "p1"
+    assert anywhere.split_s is not None and anywhere.split_s > anywhere.whole_s
+    assert pd_plan(busy, ROLES, decode_weight=0.5).split
 
 
 def test_the_prefill_leg_asks_for_one_token_and_a_remote_decode():
@@ -157,7 +192,8 @@ def test_decode_legs_that_take_longer_than_predicted_raise_the_next_splits_cost(
     assert legs.residual_s("m") == pytest.approx(0.020)  # half-life of one leg
     scored = ranked(worker("p1"), worker("d1", running=20))
     plain = pd_plan(scored, ROLES)
-    slow = plan(scored, ROLES, 64 * BS, BS, MODEL, PdCosts(), random.Random(1), None, residual_s=10.0)
+    costs = PdCosts(whole_on=WholeOn.DECODE, decode_weight=1.0)
+    slow = plan(scored, ROLES, 64 * BS, BS, MODEL, costs, random.Random(1), None, residual_s=10.0)
     assert plain.split and not slow.split and slow.split_s == pytest.approx(plain.split_s + 10.0)
 
 

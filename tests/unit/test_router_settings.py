@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.main import build_parser
-from router.routing.pd import PdCosts, SplitMode
+from router.routing.pd import PdCosts, SplitMode, WholeOn
 from router.settings import RouterSettings, settings_from_args
 from router.workers import worker_settings
 
@@ -39,6 +39,9 @@ def test_the_prefill_decode_settings_come_from_flags_else_variables():
     env = {"KVROUTE_PD_SPLIT": "Always", "KVROUTE_PD_TRANSFER_MS": "2.5"}
     assert _settings([], env).pd == PdCosts(SplitMode.ALWAYS, 2.5)
     assert _settings(["--pd-split", "off", "--pd-hop-ms", "0"], env).pd == PdCosts(SplitMode.OFF, 2.5, 0.0)
+    env = {"KVROUTE_PD_WHOLE_ON": "decode", "KVROUTE_PD_DECODE_WEIGHT": "1"}
+    assert _settings([], env).pd == PdCosts(whole_on=WholeOn.DECODE, decode_weight=1.0)
+    assert _settings(["--pd-whole-on", "any", "--pd-decode-weight", "0"], env).pd == PdCosts(decode_weight=0.0)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +58,8 @@ def test_the_prefill_decode_settings_come_from_flags_else_variables():
         ([], {"KVROUTE_PD_SPLIT": "sometimes"}, "KVROUTE_PD_SPLIT must be one of auto, always, never, off"),
         (["--pd-transfer-ms", "-1"], {}, "--pd-transfer-ms and --pd-hop-ms must be >= 0"),
         ([], {"KVROUTE_PD_HOP_MS": "x"}, "KVROUTE_PD_HOP_MS must be a number, got 'x'"),
+        ([], {"KVROUTE_PD_WHOLE_ON": "all"}, "KVROUTE_PD_WHOLE_ON must be one of any, decode, got 'all'"),
+        (["--pd-decode-weight", "-0.5"], {}, "--pd-decode-weight must be >= 0"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_setting(argv, env, message):
