@@ -3,7 +3,8 @@
 * ``both``: a complete engine (the default, and every worker of an aggregated fleet). It serves
   whole requests, and either leg of a split one.
 * ``prefill``: it computes prompts for other engines to decode (a split request's first leg,
-  answered with one token and the ``kv_transfer_params`` that name its KV blocks).
+  answered with one token and the ``kv_transfer_params`` that name its KV blocks). Whether it also
+  serves whole requests is the router's setting (--pd-whole-on): a vLLM engine is complete.
 * ``decode``: it decodes from KV computed elsewhere (a split request's second leg). Such an engine
   is complete too (vLLM's disaggregated engines run with ``kv_role`` ``kv_both``), so it also
   serves whole requests that are cheaper unsplit (short, or mostly cached where they land).
@@ -32,7 +33,8 @@ def role_of_kv_role(kv_role: str) -> str:
 
 
 def serves_whole(role: str) -> bool:
-    """Whether a worker of ``role`` takes unsplit requests."""
+    """Whether a worker of ``role`` takes unsplit requests where prefill workers are kept to
+    prefill legs (the router's --pd-whole-on decode)."""
     return role != PREFILL
 
 

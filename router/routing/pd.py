@@ -15,17 +15,20 @@ the running decodes, so each step that carries it takes that much longer.
   requests booked there, whichever is more), the busy ones (KV cache nearly full) last; among
   equals, the one that holds more of the prompt (a connector such as NIXL loads only what the
   decode side does not hold), then at random.
-* Split or not, per request, by predicted time:
+* Split or not, per request, by predicted time, where a prefill stalls each sequence decoding on
+  its worker by its own time, weighed by ``decode_weight`` (:data:`DEFAULT_DECODE_WEIGHT`):
 
-      split = TTFT on the prefill worker + the KV's transfer (the tokens the decode worker does not
-              hold, at --pd-transfer-ms per 1k) + the extra hop + the decode worker's first step
-              (after the prefill queued there: the decode leg waits in the same queue)
-      whole = TTFT on the best worker that serves whole requests
-              + its own prefill's time x the sequences decoding there (the delay it adds to each)
+      whole = TTFT there + weight x its prefill time x the sequences decoding there, on the cheapest
+              worker that takes whole requests (any, or decode and both ones: :class:`WholeOn`)
+      split = TTFT on the prefill worker + its stall there + the KV's transfer (the tokens the
+              decode worker does not hold, at --pd-transfer-ms per 1k) + the extra hop + the
+              decode worker's first step (after the prefill queued there) + the learned residual
 
-  A short or mostly cached prompt is cheaper whole (little to prefill, little to delay); a long
-  uncached one on a busy decode worker is cheaper split. llm-d decides this by a fixed threshold
-  on the uncached tokens; this is that threshold, moving with the queues and the caches.
+  Split pays all that whole on its prefill worker would, and more: where prefill workers take
+  whole requests, a request is split only when its prefill worker cannot take it whole. Kept off
+  them, a short or mostly cached prompt is cheaper whole on a decode worker and a long uncached one
+  beside busy decodes is split: llm-d's fixed threshold on the uncached tokens, moving with the
+  queues and the caches.
 """
 
 from __future__ import annotations

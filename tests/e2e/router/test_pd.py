@@ -1,8 +1,9 @@
 """Prefill/decode fleets through routers (router/routing/pd.py, router/upstream/split.py): simulated
 engines with a KV connector (--kv-transfer), two prefill and two decode workers (their agents'
 --role), two router replicas. A split request is prefilled on a prefill worker, its KV pulled by a
-decode worker that streams the reply; whole requests never land on a prefill worker; a prefill
-worker that is gone is replaced; the client's fields reach both legs."""
+decode worker that streams the reply; a whole request lands on a prefill worker that holds its
+prefix (the default) or, with --pd-whole-on decode, never on a prefill worker; a leg's worker that
+is gone is replaced; the client's fields reach both legs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import aiohttp
 import pytest
 
 from router.main import RunningRouter
-from router.routing.pd import PdCosts, SplitMode
+from router.routing.pd import PdCosts, SplitMode, WholeOn
 from tests.support import SimFleet, wait_for_workers, wait_until
 from tests.support.cluster import index_credits
 from tests.support.router import PREFIX, start_router
@@ -30,11 +31,11 @@ async def pd_fleet(redis_server) -> AsyncIterator[SimFleet]:
 
 
 async def routers(
-    fleet: SimFleet, redis_url: str, mode: SplitMode, count: int = 2
+    fleet: SimFleet, redis_url: str, mode: SplitMode, count: int = 2, whole_on: WholeOn = WholeOn.ANY
 ) -> list[tuple[object, RunningRouter]]:
     started = []
     for _ in range(count):
-        context, running = await start_router(redis_url, pd=PdCosts(mode))
+        context, running = await start_router(redis_url, pd=PdCosts(mode, whole_on=whole_on))
         await wait_for_workers(running, fleet.count)
         started.append((context, running))
     return started
@@ -91,10 +92,45 @@ async def test_a_split_request_is_prefilled_on_one_worker_and_decoded_on_another
         await stop(started)
 
 
-async def test_whole_requests_never_reach_a_prefill_worker(pd_fleet, redis_server):
+async def test_a_prompt_the_workers_hold_is_served_whole_on_a_prefill_worker_too(pd_fleet, redis_server):
+    """The default (--pd-whole-on any): a prefill worker is a complete engine. Split, a request is
+    prefilled where its prefix is held anyway and pays the transfer and the hop on top, so a prompt
+    held by the workers is served whole, and cold prompts on an idle fleet too, on either role."""
+    (splitting,) = await routers(pd_fleet, redis_server.url, SplitMode.ALWAYS, count=1)
+    (deciding,) = await routers(pd_fleet, redis_server.url, SplitMode.AUTO, count=1)
+    try:
+        body = {"model": "tiny", "prompt": [*PREFIX, 1], "max_tokens": 2}
+        status, headers, reply = await post(splitting[1].url, body)
+        assert status == 200, reply
+        holders = {headers["x-kvroute-prefill-worker"], headers["x-kvroute-worker"]}  # the decoder pulled it
+
+        async def indexed() -> bool:
+            async with aiohttp.ClientSession() as session:
+                credits = await index_credits(session, deciding[1].url, "tiny", [*PREFIX, 2])
+            return all(credits.get(worker) == len(PREFIX) // 16 for worker in holders)
+
+        await wait_until(indexed, 10)
+        status, headers, reply = await post(deciding[1].url, {**body, "prompt": [*PREFIX, 2], "max_tokens": 3})
+        assert status == 200 and headers["x-kvroute-worker"] in holders, reply
+        assert "x-kvroute-prefill-worker" not in headers  # whole: not split
+        usage = reply["usage"]
+        assert usage["completion_tokens"] == 3 and usage["prompt_tokens_details"]["cached_tokens"] == 160
+        # cold prompts on an idle fleet: every worker as cheap, each served whole where the tie falls,
+        # prefill workers included (all 16 on decode workers: one chance in 65,536)
+        served = set()
+        for n in range(16):
+            status, headers, reply = await post(deciding[1].url, {**body, "prompt": [100 + n] * 40})
+            assert status == 200 and "x-kvroute-prefill-worker" not in headers, reply
+            served.add(headers["x-kvroute-worker"])
+        assert served & ids(pd_fleet, "prefill")
+    finally:
+        await stop([splitting, deciding])
+
+
+async def test_with_whole_on_decode_whole_requests_never_reach_a_prefill_worker(pd_fleet, redis_server):
     """Idle decode workers: a request is cheaper whole (no decode there to delay), so auto serves
     it whole; and never on a prefill worker."""
-    started = await routers(pd_fleet, redis_server.url, SplitMode.AUTO, count=1)
+    started = await routers(pd_fleet, redis_server.url, SplitMode.AUTO, count=1, whole_on=WholeOn.DECODE)
     (_, router) = started[0]
     try:
         for tail in range(6):
