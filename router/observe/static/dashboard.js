@@ -135,6 +135,24 @@ function renderAccounting(acc) {
     " · window: " + num(total.accounted) + " requests, " + num(total.cacheable) + " cacheable tokens, predicted " +
     num(total.reported_predicted) + " vs reported " + num(total.reported_cached) + " cached tokens";
   renderChart(acc.series);
+  renderRoles(acc.by_role);
+}
+
+// Shown for a prefill/decode fleet only: an aggregated fleet's requests are all charged to "both".
+function renderRoles(byRole) {
+  const roles = Object.keys(byRole);
+  $("by-role").hidden = roles.length === 0 || (roles.length === 1 && roles[0] === "both");
+  const body = $("by-role").querySelector("tbody");
+  body.replaceChildren();
+  for (const role of roles) {
+    const r = byRole[role];
+    const row = el("tr");
+    row.dataset.role = role;
+    row.append(el("td", role), el("td", num(r.accounted), "num"), el("td", pct(r.hit_rate), "num hit"));
+    row.append(el("td", pct(r.predicted_hit_rate), "num"));
+    for (const reason of REASONS) row.append(el("td", pct(r.lost_share[reason]), "num"));
+    body.append(row);
+  }
 }
 
 function renderPrefixes(data) {

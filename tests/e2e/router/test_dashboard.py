@@ -8,7 +8,6 @@ page's screenshot there (docs/img/dashboard.png is made this way).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -23,15 +22,11 @@ from kvservice.logs import FIELDS
 from router.main import RunningRouter
 from router.routing.scoring import Policy
 from tests.support import wait_for_workers, wait_until
+from tests.support.browser import NO_BROWSER, chromium, find_browser
 from tests.support.router import PREFIX, complete, start_router, wait_indexed
 
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"
 SPLIT_FIELDS = ("best_match_tokens", "lost_load_tokens", "lost_stale_tokens", "cold_tokens")
-
-
-def _browser() -> str | None:
-    return next((path for name in BROWSERS if (path := shutil.which(name))), None)
 
 
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -181,44 +176,24 @@ async def test_the_page_loads_nothing_from_elsewhere(router):
             assert not re.search(r"(https?:)?//[a-z0-9]", text, re.IGNORECASE), name  # same origin only
 
 
-async def _chromium(browser: str, *args: str) -> str:
-    # The router runs in this event loop: the browser must be awaited, never waited on blocking.
-    # Any host but the router's resolves to nothing: the page may fetch nothing from the network.
-    process = await asyncio.create_subprocess_exec(
-        browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-dev-shm-usage",
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        "--virtual-time-budget=10000",  # lets the page's fetches and rendering finish first
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 120)
-    assert process.returncode == 0, err.decode(errors="replace")[-2000:]
-    return out.decode()
-
-
 async def test_a_real_browser_renders_the_workers_and_the_hit_rate(router, tmp_path):
-    browser = _browser()
+    browser = find_browser()
     if browser is None:
-        pytest.skip("no chromium, chromium-browser or google-chrome on PATH (apt-get install chromium)")
+        pytest.skip(NO_BROWSER)
     await _shared_prefix_traffic(router, 6)
     page = router.url + "/dashboard"
-    dom = await _chromium(browser, "--dump-dom", page)
+    dom = await chromium(browser, "--dump-dom", page)
     assert 'data-rendered="yes"' in dom, dom[-3000:]
     for worker in router.state.fleet.alive("tiny"):
         assert worker.worker_id in dom
     assert dom.count('<td class="role">both</td>') == len(router.state.fleet.alive("tiny"))
+    assert '<section id="by-role" hidden="">' in dom  # an aggregated fleet: no table by role
     hit_rate = re.search(r'id="hit-rate"[^>]*>([^<]*)<', dom)
     assert hit_rate and re.fullmatch(r"\d{1,3}\.\d%", hit_rate.group(1)), hit_rate
     regret = re.search(r'id="regret"[^>]*>([^<]*)<', dom)  # every request went to the owner: none regretted
     assert regret and regret.group(1) == "0.0%", regret
     shot = tmp_path / "dashboard.png"
-    await _chromium(browser, "--hide-scrollbars", "--window-size=1280,1000", f"--screenshot={shot}", page)
+    await chromium(browser, "--hide-scrollbars", "--window-size=1280,1000", f"--screenshot={shot}", page)
     assert shot.stat().st_size > 10_000
     if target := os.environ.get("KVROUTE_DASHBOARD_SCREENSHOT"):
         shutil.copyfile(shot, Path(target))

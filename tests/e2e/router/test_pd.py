@@ -17,6 +17,7 @@ import pytest
 from router.main import RunningRouter
 from router.routing.pd import PdCosts, SplitMode, WholeOn
 from tests.support import SimFleet, wait_for_workers, wait_until
+from tests.support.browser import NO_BROWSER, chromium, find_browser
 from tests.support.cluster import index_credits
 from tests.support.router import PREFIX, start_router
 
@@ -200,3 +201,31 @@ async def upstream_errors(router: RunningRouter, worker: str) -> float:
 async def _text(url: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         return await response.text()
+
+
+async def test_the_dashboard_shows_the_accounting_by_role(pd_fleet, redis_server):
+    """Split requests are charged to their prefill worker's role: the JSON says so, and a real
+    browser renders the table by role (hidden for an aggregated fleet: tests/e2e/router/test_dashboard.py)."""
+    (started,) = await routers(pd_fleet, redis_server.url, SplitMode.ALWAYS, count=1)
+    router = started[1]
+    try:
+        for tail in range(3):
+            status, _, reply = await post(router.url, {"model": "tiny", "prompt": [*PREFIX, tail], "max_tokens": 2})
+            assert status == 200, reply
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(router.url + "/dashboard/api/accounting") as response,
+        ):
+            by_role = (await response.json())["by_role"]
+        assert list(by_role) == ["prefill"] and by_role["prefill"]["accounted"] == 3
+        browser = find_browser()
+        if browser is None:
+            pytest.skip(NO_BROWSER)
+        dom = await chromium(browser, "--dump-dom", router.url + "/dashboard")
+        assert 'data-rendered="yes"' in dom and '<section id="by-role">' in dom, dom[-3000:]
+        row = re.search(
+            r'<tr data-role="prefill"><td>prefill</td><td class="num">(\d+)</td><td class="num hit">([^<]*)<', dom
+        )
+        assert row and row.group(1) == "3" and re.fullmatch(r"\d{1,3}\.\d%", row.group(2)), dom[-3000:]
+    finally:
+        await stop([started])
