@@ -12,4 +12,8 @@ COPY worker_agent worker_agent
 COPY sim_engine sim_engine
 COPY lua lua
 RUN pip install --no-cache-dir .
+# The services run as a user of their own, not root: they read their compose secrets (mode 644,
+# secrets/create.sh) and write nothing but their home's caches.
+RUN useradd --system --create-home --uid 10001 kvroute
+USER kvroute
 ENTRYPOINT []

@@ -192,3 +192,13 @@ def test_the_image_copies_every_package_the_wheel_ships():
         if line.startswith("COPY ") and len(line.split()) == 3
     }
     assert set(shipped["packages"]) | set(shipped["force-include"]) <= copied
+
+
+def test_the_image_runs_as_a_user_of_its_own():
+    """No USER line: every service ran as root, though secrets/create.sh says they read their
+    secrets as their own users. The last USER wins, after the install, and is not root."""
+    lines = [line.split() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    users = [n for n, words in enumerate(lines) if words[:1] == ["USER"]]
+    install = max(n for n, words in enumerate(lines) if words[:3] == ["RUN", "pip", "install"])
+    assert users and users[-1] > install, "the Dockerfile has no USER after the install"
+    assert lines[users[-1]][1] not in {"root", "0"}
