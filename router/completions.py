@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtokens.sampling import SamplingError, check_sampling
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
 from router.outcomes import account, log_fields, on_failure, record_usage, reported_cached
@@ -38,7 +39,11 @@ async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
         raise ApiError(exc.status, str(exc)) from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' must be a non-empty string")
+        raise ApiError(400, "'model' must be a non-empty string", param="model")
+    try:
+        check_sampling(body)
+    except SamplingError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     return body
 
 
@@ -58,7 +63,7 @@ async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: 
     except PromptTooLong as exc:
         raise ApiError(413, str(exc)) from None
     except BadPrompt as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
     except RecursionError:
         raise ApiError(400, TOO_DEEP) from None
     except (OSError, TokenizeFailed) as exc:  # ConnectionError, TimeoutError, a refused or failed /tokenize

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvtokens.sampling import SamplingError, check_sampling
 from kvtokens.tokenizer import ModelPrompts, PromptError
 from sim_engine.block_pool import CacheKeys
 from sim_engine.lora import LoraAdapter, LoraAdapters
@@ -63,6 +64,10 @@ def _int_param(body: dict[str, Any], name: str, default: int) -> int:
 
 
 def _common(body: dict[str, Any], lora: LoraAdapter | None, chat: bool, prompts: list[list[int]]) -> Generation:
+    try:
+        check_sampling(body)  # vLLM answers 400 for these; the simulated engine samples nothing
+    except SamplingError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
@@ -115,10 +120,12 @@ def parse_completion(body: Any, model: str, prompts: ModelPrompts, adapters: Lor
     raw = body.get("prompt")
     add_special = body.get("add_special_tokens", True)
     vocab = prompts.vocab_size
+    if raw is None or raw == "" or raw == []:
+        raise ApiError(400, "'prompt' is missing or empty", "prompt")
     single = raw if isinstance(raw, str) else _token_list(raw, vocab)
     if single is not None:
         items: list[Any] = [single]
-    elif isinstance(raw, list) and raw:
+    elif isinstance(raw, list):
         items = raw
     else:
         raise ApiError(400, "'prompt' must be a string, an array of token ids, or an array of those", "prompt")

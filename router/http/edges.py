@@ -42,15 +42,21 @@ class ApiError(Exception):
     """An answer in OpenAI's error shape; ``headers`` go with it (a 405's ``Allow``)."""
 
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
         self.headers = headers or {}
+        self.param = param  # the request field at fault, where one is
 
 
-def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_headers(exc: ApiError) -> dict[str, str]:

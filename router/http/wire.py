@@ -57,7 +57,7 @@ def encode_head(status: int, headers: Mapping[str, str], framing: bytes, keep_al
 
 def error_reply(exc: ApiError, keep_alive: bool) -> bytes:
     """The whole reply of an API error, in OpenAI's shape."""
-    body = json.dumps(error_body(exc.status, exc.message, exc.kind)).encode()
+    body = json.dumps(error_body(exc.status, exc.message, exc.kind, exc.param)).encode()
     headers = {"Content-Type": JSON, **error_headers(exc)}
     return encode_head(exc.status, headers, b"Content-Length: %d\r\n" % len(body), keep_alive) + body
 

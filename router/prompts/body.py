@@ -13,6 +13,7 @@ commas. A batch of prompts is routed by its first one, so only that one is decod
 from __future__ import annotations
 
 import asyncio
+import re
 from array import array
 from typing import Any
 
@@ -43,6 +44,21 @@ class Fields(msgspec.Struct):
     stream: Any = msgspec.UNSET
     add_special_tokens: Any = msgspec.UNSET
     add_generation_prompt: Any = msgspec.UNSET
+    # the sampling fields (kvtokens.sampling), checked before a request is routed
+    n: Any = msgspec.UNSET
+    best_of: Any = msgspec.UNSET
+    max_tokens: Any = msgspec.UNSET
+    max_completion_tokens: Any = msgspec.UNSET
+    min_tokens: Any = msgspec.UNSET
+    temperature: Any = msgspec.UNSET
+    top_p: Any = msgspec.UNSET
+    top_k: Any = msgspec.UNSET
+    min_p: Any = msgspec.UNSET
+    presence_penalty: Any = msgspec.UNSET
+    frequency_penalty: Any = msgspec.UNSET
+    repetition_penalty: Any = msgspec.UNSET
+    seed: Any = msgspec.UNSET
+    stop: Any = msgspec.UNSET
 
 
 class TokenizeAnswer(msgspec.Struct):
@@ -67,7 +83,7 @@ async def decode_body(raw: bytes, max_prompt_tokens: int, memo: TokenIdMemo | No
     except msgspec.ValidationError:  # every field takes any value: only the top level can mismatch
         raise BodyError("the request body must be a JSON object") from None
     except msgspec.DecodeError as exc:
-        raise BodyError(f"the request body is not valid JSON: {exc}") from None
+        raise BodyError(not_json(exc, raw)) from None
     except RecursionError:
         raise BodyError(TOO_DEEP) from None
     body = {f: getattr(fields, f) for f in Fields.__struct_fields__ if f != "prompt"}
@@ -173,6 +189,23 @@ def _decode(decoder: msgspec.json.Decoder[Any], raw: bytes) -> Any:
     try:
         return decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BodyError(f"the request body is not valid JSON: {exc}") from None
+        raise BodyError(not_json(exc, raw)) from None
     except RecursionError:
         raise BodyError(TOO_DEEP) from None
+
+
+# \uD800-\uDBFF not followed by \uDC00-\uDFFF, or \uDC00-\uDFFF not after one: half a character
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+def not_json(exc: Exception, raw: bytes) -> str:
+    """The one-line error for a body msgspec could not decode. A lone surrogate escape gets its
+    own words: msgspec's ("Input data was truncated", "unexpected end of hex escape") mislead."""
+    lone = _LONE_SURROGATE.search(raw)
+    if lone is not None:
+        escape = lone.group().decode()
+        return f"the request body is not valid JSON: {escape} is half of a UTF-16 surrogate pair, not a character"
+    return f"the request body is not valid JSON: {exc}"

@@ -74,7 +74,9 @@ class Tokenization:
                 return array("I", prompt)
             except (TypeError, OverflowError):
                 raise BadPrompt("token ids must be integers in 0..4294967295") from None
-        if not isinstance(prompt, str) or not prompt:
+        if prompt is None or prompt == "" or (isinstance(prompt, list | array) and not prompt):
+            raise BadPrompt("'prompt' is missing or empty")
+        if not isinstance(prompt, str):
             raise BadPrompt("'prompt' must be a string, an array of token ids, or an array of those")
         add_special = bool(body.get("add_special_tokens", True))
         prompts = self._models.get(model)

@@ -115,7 +115,7 @@ async def test_chat_streaming_opens_with_the_role(sim):
     ("body", "status", "message"),
     [
         ({"model": "other", "prompt": "x"}, 404, "does not exist"),
-        ({"model": "tiny"}, 400, "'prompt' must be"),
+        ({"model": "tiny"}, 400, "'prompt' is missing or empty"),
         ({"model": "tiny", "prompt": [1, 99999]}, 400, "out of vocabulary"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be a positive integer"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 600}, 400, "maximum context length is 512"),

@@ -124,16 +124,26 @@ async def test_a_client_that_goes_away_cancels_the_upstream_request(router, flee
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "message"),
+    ("body", "status", "message", "param"),
     [
-        (b"{not json", 400, "not valid JSON"),
-        (json.dumps({"model": "tiny"}).encode(), 400, "'prompt' must be"),
-        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "does not exist"),
-        (json.dumps({"prompt": "x"}).encode(), 400, "'model'"),
-        (json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode(), 413, "exceeds"),
+        (b"{not json", 400, "not valid JSON", None),
+        (json.dumps({"model": "tiny"}).encode(), 400, "'prompt' is missing or empty", "prompt"),
+        (json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, "'prompt' is missing or empty", "prompt"),
+        (b'{"model": "tiny", "prompt": "a\\ud800"}', 400, "\\ud800 is half of a UTF-16 surrogate pair", None),
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "does not exist", None),
+        (json.dumps({"prompt": "x"}).encode(), 400, "'model'", "model"),
+        (json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode(), 413, "exceeds", None),
+        # vLLM answers these 400; the router says so before routing
+        (
+            json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(),
+            400,
+            "'temperature'",
+            "temperature",
+        ),
+        (json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "'n' must be an integer", "n"),
     ],
 )
-async def test_bad_requests_get_openai_errors(fleet, redis_server, body, status, message):
+async def test_bad_requests_get_openai_errors(fleet, redis_server, body, status, message, param):
     context, router = await start_router(redis_server.url, max_body_bytes=4096)
     try:
         await wait_for_workers(router, fleet.count)
@@ -142,7 +152,7 @@ async def test_bad_requests_get_openai_errors(fleet, redis_server, body, status,
         async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=headers) as response:
             assert response.status == status
             error = (await response.json())["error"]
-        assert message in error["message"] and error["code"] == status
+        assert message in error["message"] and error["code"] == status and error["param"] == param
         assert (await complete(router.url, "still serving"))[0] == 200
     finally:
         await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
