@@ -14,6 +14,7 @@ import json
 from importlib import metadata
 from typing import Any
 
+from kvtokens.sampling import NUMBERS
 from router.observe.dashboard import DASHBOARD_SCHEMAS
 
 JSON = "application/json"
@@ -47,7 +48,24 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": 4294967295}}
+
+
+def _sampling_fields() -> dict[str, Any]:
+    """The sampling fields the router checks (kvtokens.sampling), as their rules say."""
+    fields: dict[str, Any] = {}
+    for name, bound in NUMBERS.items():
+        schema: dict[str, Any] = {"type": "integer" if bound.integer else "number", "nullable": True}
+        if bound.low is not None:  # OpenAPI 3.0: exclusiveMinimum is a flag on minimum
+            schema |= {"minimum": bound.low, "exclusiveMinimum": True} if bound.open_low else {"minimum": bound.low}
+        if bound.high is not None:
+            schema["maximum"] = bound.high
+        fields[name] = schema
+    fields["stop"] = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}], "nullable": True}
+    return fields
+
+
 COMMON_FIELDS: dict[str, Any] = {
+    **_sampling_fields(),
     "model": {
         "type": "string",
         "minLength": 1,
@@ -55,7 +73,6 @@ COMMON_FIELDS: dict[str, Any] = {
     },
     "stream": {"type": "boolean", "default": False},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
     "cache_salt": {
         "type": "string",
         "minLength": 1,
