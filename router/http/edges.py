@@ -126,7 +126,8 @@ def check_key(headers: Mapping[str, str] | CIMultiDict[str], path: str, settings
     # RFC 7235: the scheme is case-insensitive. Every key is compared in constant time.
     known = [hmac.compare_digest(key.strip().encode(), k.encode()) for k in settings.api_keys]
     if scheme.lower() != "bearer" or not any(known):
-        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error")
+        message = "a valid API key is required (Authorization: Bearer <key>)"
+        raise ApiError(401, message, "authentication_error", {"WWW-Authenticate": 'Bearer realm="kvroute"'})
 
 
 def log_access(method: str, path: str, status: int, seconds: float, fields: dict[str, Any]) -> None:

@@ -46,6 +46,8 @@ HOP_BY_HOP = frozenset(
 SET_BY_THE_HOP = frozenset({"host", "content-length"})  # written for each hop
 # The router's key; its own id is sent; the body is sent whole (no 100-continue upstream).
 NOT_FORWARDED = frozenset({"authorization", "x-request-id", "expect"})
+# An engine's software and version are not the client's business (a reverse proxy's custom).
+NOT_RELAYED = frozenset({"server"})
 MAX_TRIES = 2  # the chosen worker, then the next best if the first fails before replying
 MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this is not read
 
@@ -162,7 +164,7 @@ async def _relay(
     extra_headers: dict[str, str],
     on_first_byte: Callable[[], None],
 ) -> dict | None:
-    headers = end_to_end(upstream.headers)  # Content-Encoding stays: the body is relayed as sent
+    headers = end_to_end(upstream.headers, NOT_RELAYED)  # Content-Encoding stays: the body is relayed as sent
     headers.update(extra_headers)  # replaces the worker's X-Request-Id, whatever its case
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     length = upstream.content_length

@@ -162,11 +162,13 @@ async def test_api_keys(fleet, redis_server):
     context, router = await start_router(redis_server.url, api_keys=frozenset({"k1"}))
     try:
         await wait_for_workers(router, fleet.count)
-        assert (await complete(router.url, "hi"))[0] == 401
+        status, headers, _ = await complete(router.url, "hi")
+        assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer ")  # RFC 9110: a 401 names its scheme
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer k1"}) as session:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
             async with session.post(router.url + "/v1/completions", json=body) as response:
                 assert response.status == 200
+                assert "Server" not in response.headers  # the engine's (aiohttp's, with versions) is not relayed
             async with session.get(router.url + "/health") as response:
                 assert response.status == 200
     finally:
