@@ -6,8 +6,10 @@ variable (not the flag: the user set the variable), in one line.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -54,3 +56,30 @@ def flag_or_env(
 def typed(kind: Callable[[str], T]) -> Callable[[str, str], T]:
     """A ``parse`` for :func:`flag_or_env` of a plain type."""
     return lambda variable, text: parse_as(kind, variable, text)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes are one line: ``PROG: error: MESSAGE`` and where the
+    options are listed, exit status 2 (argparse printed the whole usage first, ~30 lines for a
+    router, above the line that mattered). Subcommands' parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
+_LEADING_FLAG = re.compile(r"--([a-z0-9][a-z0-9-]*)")
+
+
+def naming_the_variable(message: str, args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """A setting's error names its flag; when the flag was not given and its ``KVROUTE_*``
+    variable was (the value came from there), it names the variable instead: the user set that."""
+    flag = _LEADING_FLAG.match(message)
+    if flag is None or getattr(args, flag.group(1).replace("-", "_"), None) is not None:
+        return message
+    variable = "KVROUTE_" + flag.group(1).replace("-", "_").upper()
+    return variable + message[flag.end() :] if env.get(variable) else message
+
+
+def fail_settings(parser: argparse.ArgumentParser, exc: ValueError, args: argparse.Namespace) -> NoReturn:
+    """A setting's mistake as the parser's one line (exit 2), naming the variable it came from."""
+    parser.error(naming_the_variable(str(exc), args, os.environ))

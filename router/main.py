@@ -14,6 +14,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
+from kvservice.options import Parser, fail_settings
 from router.app import count_request, create_routes, edge_settings, new_admission
 from router.http.server import HttpServer, ServerRules
 from router.observe.metrics import StateCollector, new_metrics
@@ -154,7 +155,7 @@ def _announce(settings: RouterSettings) -> Callable[[RunningRouter], None]:
 
 
 def build_parser(prog: str = "kvroute router") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="A KV-cache-aware OpenAI-compatible router.")
+    parser = Parser(prog=prog, description="A KV-cache-aware OpenAI-compatible router.")
     add_arguments(parser)
     return parser
 
@@ -164,7 +165,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         settings = settings_from_args(args)
         logging_settings = LogSettings.from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        fail_settings(parser, exc, args)
     configure_logging(logging_settings)
     # Prompts are tokenized a piece at a time (router.prompts.token_memo): a thread pool per call only
     # spun idle threads (sched_yield) between them, on cores that --workers' processes share.

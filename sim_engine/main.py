@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from kvservice.lifecycle import run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
+from kvservice.options import Parser, fail_settings
 from sim_engine.server import RunningEngine, running_engine
 from sim_engine.settings import SimEngineSettings, add_arguments, settings_from_args
 
@@ -17,7 +18,7 @@ DESCRIPTION = "A simulated vLLM engine: OpenAI API, prefix caching with vLLM's s
 
 
 def build_parser(prog: str = "kvroute sim-engine") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser = Parser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
     return parser
 
@@ -53,7 +54,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         settings = settings_from_args(args)
         log_settings = LogSettings.from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        fail_settings(parser, exc, args)
     configure_logging(log_settings)
     return run_service(parser.prog, lambda: serve(settings))
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
 from kvservice.lifecycle import EXIT_BAD_SETTINGS, listening, on_signals, run_service
 from kvservice.logs import LogSettings, configure_logging
+from kvservice.options import Parser, naming_the_variable
 from worker_agent.agent import Agent
 from worker_agent.engine import EngineClient
 from worker_agent.events import subscribe
@@ -38,7 +40,7 @@ log = logging.getLogger("worker_agent")
 
 
 def build_parser(prog: str = "kvroute agent") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog,
         description="Bridge one vLLM engine's KV-cache events into the shared index in Redis.",
     )
@@ -124,7 +126,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         settings = settings_from_args(args)
         log_settings = LogSettings.from_args(args)
     except ValueError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {naming_the_variable(str(exc), args, os.environ)}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     configure_logging(log_settings)
     return run_service(parser.prog, lambda: run_agent(settings))

@@ -15,22 +15,35 @@ from collections.abc import Sequence
 from kvroute import __version__
 from kvroute.cli import agent, bench, demo, index, redis_users, router, sim
 from kvservice.lifecycle import EXIT_BAD_SETTINGS, EXIT_INTERRUPTED, StartupError
+from kvservice.options import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvroute", description="KV-cache-aware routing for LLM inference fleets, with a shared index in Redis."
     )
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (demo, index, agent, sim, router, bench, redis_users):
         module.add_parser(commands)
+    for command in commands.choices.values():  # the innermost parser given, for its own errors
+        _own_parser_below(command)
     return parser
+
+
+def _own_parser_below(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _own_parser_below(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # told by the subcommand's parser: its name, its --help
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.handler(args) or 0)
     except StartupError as exc:
