@@ -270,7 +270,7 @@ class Agent:
         if restarted is not None:
             await self._engine_restarted(restarted)
         if self.engine_up:
-            self.watch.engine_up(metrics.work)
+            self.watch.engine_up(metrics.work, metrics.computed(self.pipeline.block_size))
             self.watch.check()
         if metrics.load is not None and self.writer.registered:
             await self.writer.report_load(metrics.load)

@@ -28,8 +28,11 @@ START_TIME = "process_start_time_seconds"
 # Counters that grow as the engine serves requests (so its KV events should be arriving); one
 # that goes back means a new process.
 WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:request_success_total")
+# What the engine computed rather than found cached: new KV blocks, so KV events, come only from these.
+PROMPT_TOKENS, FINISHED = WORK_COUNTERS
+CACHED_TOKENS, GENERATED_TOKENS = "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total"
 LOAD_GAUGES = (RUNNING, WAITING, KV_USAGE)
-READ = (*LOAD_GAUGES, CACHE_CONFIG, START_TIME, *WORK_COUNTERS)
+READ = (*LOAD_GAUGES, CACHE_CONFIG, START_TIME, *WORK_COUNTERS, CACHED_TOKENS, GENERATED_TOKENS)
 MAX_REQUESTS = 2**31  # more running or waiting requests than any engine holds: garbage
 MAX_PAGE_BYTES = 16 << 20  # vLLM's page is ~50 KB; a bigger answer is not a metrics page
 
@@ -41,17 +44,40 @@ class BadValue:
 
 
 @dataclass(frozen=True)
+class ComputedTokens:
+    """The engine's computed tokens (prompt tokens not found cached, and generated ones: what new
+    KV blocks are made of), the requests it finished (both counters, so far), the requests in
+    flight now, and its block size."""
+
+    tokens: float
+    finished: float
+    in_flight: int
+    block_size: int
+
+
+@dataclass(frozen=True)
 class EngineMetrics:
     load: WorkerLoad | None  # None when the page lacks (valid) load gauges
     block_size: int | None  # from vllm:cache_config_info, when present
-    counters: Mapping[str, float] = field(default_factory=dict)  # the valid WORK_COUNTERS
+    counters: Mapping[str, float] = field(default_factory=dict)  # the valid counters (WORK_COUNTERS and more)
     start_time: float | None = None  # process_start_time_seconds, when present and valid
     bad: tuple[BadValue, ...] = ()
 
     @property
     def work(self) -> float | None:
         """The sum of the WORK_COUNTERS present; None when the page has none."""
-        return sum(self.counters.values()) if self.counters else None
+        present = [self.counters[name] for name in WORK_COUNTERS if name in self.counters]
+        return sum(present) if present else None
+
+    def computed(self, block_size: int | None) -> ComputedTokens | None:
+        """What the engine computed (None: the page lacks a counter it takes, or the block size is unknown)."""
+        names = (PROMPT_TOKENS, CACHED_TOKENS, GENERATED_TOKENS, FINISHED)
+        if block_size is None or not all(name in self.counters for name in names):
+            return None
+        c = self.counters
+        tokens = c[PROMPT_TOKENS] - c[CACHED_TOKENS] + c[GENERATED_TOKENS]
+        in_flight = self.load.running + self.load.waiting if self.load is not None else 0
+        return ComputedTokens(tokens, c[FINISHED], in_flight, block_size)
 
 
 def root_url(engine_url: str) -> str:
@@ -123,7 +149,8 @@ class _Page:
         load = None
         if running is not None and waiting is not None and usage is not None:
             load = WorkerLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0), self.capacity)
-        counters = {name: value for name in WORK_COUNTERS if (value := self.valid(name)) is not None}
+        counted = (*WORK_COUNTERS, CACHED_TOKENS, GENERATED_TOKENS)
+        counters = {name: value for name in counted if (value := self.valid(name)) is not None}
         bad = tuple(BadValue(name, reason) for name, reason in self.spoiled.items())
         return EngineMetrics(load, self.block_size, counters, self.valid(START_TIME), bad)
 

@@ -12,6 +12,13 @@ keep growing for ``--events-warn-after`` seconds and no message arrives meanwhil
 warning and the agent shows it (``events_silent`` in /health, ``kvroute_agent_events_silent`` in /metrics). An
 engine whose /metrics has neither counter cannot say whether it is working: then any silence of
 that length while it is up counts.
+
+A busy engine may rightly publish nothing: short or fully cached prompts fill no new block. So
+where the engine counts its cached prompt tokens and its generated ones (vLLM's
+``prompt_tokens_cached`` and ``generation_tokens``), the watch warns only once a block must have
+been filled: a request's computed tokens start at a block boundary (a hit is whole blocks), so
+one that computed ``block_size`` of them filled one, and when the requests since the last message
+computed more than ``(block_size - 1)`` each, one of them did.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvservice.lifecycle import StartupError, listening
+from worker_agent.engine import ComputedTokens
 from worker_agent.metrics import AgentCounters
 
 log = logging.getLogger(__name__)
@@ -109,12 +117,15 @@ class EventsWatch:
         # the counters, never makes it warn).
         self._first_work: float | None = None
         self._latest_work: float | None = None
+        self._since: ComputedTokens | None = None  # the engine's computed tokens at the first look since a message
+        self._filled_a_block = False  # whether they since prove a block filled (True: no such counters)
 
     def message(self) -> None:
         """A message arrived (any: even one that fails to decode shows the endpoint is right)."""
         self._last_message = self._clock()
         self.last_message_time = time.time()
-        self._first_work = self._latest_work = None
+        self._first_work = self._latest_work = self._since = None
+        self._filled_a_block = False
         if self.silent:
             self.silent = False
             log.info("KV events arrive again from %s", self.endpoint, extra={"fields": {"endpoint": self.endpoint}})
@@ -122,19 +133,29 @@ class EventsWatch:
     def seconds_since_message(self) -> float | None:
         return None if self._last_message is None else self._clock() - self._last_message
 
-    def engine_up(self, work: float | None) -> None:
+    def engine_up(self, work: float | None, computed: ComputedTokens | None = None) -> None:
         """The engine answered /metrics; ``work`` is its work counters' sum (None: it has none, and
-        being up is all it can say)."""
+        being up is all it can say), ``computed`` its computed tokens (None: it does not count them)."""
         grew = work is None or (self._work is not None and work > self._work)
         self._work = work
+        self._filled_a_block = computed is None or self._proves_a_block(computed)
         if grew:
             now = self._clock()
             self._first_work = now if self._first_work is None else self._first_work
             self._latest_work = now
 
+    def _proves_a_block(self, computed: ComputedTokens) -> bool:
+        since = self._since
+        if since is None or computed.tokens < since.tokens or computed.finished < since.finished:
+            self._since = computed  # the first look since a message, or a new process's counters
+            return False
+        requests = computed.finished - since.finished + computed.in_flight
+        return computed.tokens - since.tokens > requests * (computed.block_size - 1)
+
     def engine_down(self) -> None:
         """The engine is down: nothing to expect from it (a new process starts its counters at 0)."""
-        self._work = self._first_work = self._latest_work = None
+        self._work = self._first_work = self._latest_work = self._since = None
+        self._filled_a_block = False
         self.silent = False
 
     def check(self) -> bool:
@@ -142,6 +163,8 @@ class EventsWatch:
         True while that lasts (until a message arrives or the engine goes down)."""
         if self.silent or self.warn_after_s <= 0 or self._first_work is None or self._latest_work is None:
             return self.silent
+        if not self._filled_a_block:  # working, but on cached or short prompts: nothing to publish
+            return False
         waited = self._latest_work - self._first_work
         if waited < self.warn_after_s:
             return False

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
 from tests.conftest import CAPTURES
-from worker_agent.engine import EngineMetrics, parse_metrics, root_url
+from worker_agent.engine import ComputedTokens, EngineMetrics, parse_metrics, root_url
 from worker_agent.events import EventsWatch
 from worker_agent.inbox import Inbox
 from worker_agent.metrics import AgentCollector, AgentCounters, Gauges, new_registry
@@ -179,6 +179,46 @@ def test_without_work_counters_silence_while_the_engine_is_up_counts():
     assert watch.check()
     watch.engine_down()  # a new engine process: start over
     assert not watch.silent and not watch.check()
+
+
+def test_a_busy_engine_whose_prompts_fill_no_new_block_is_no_reason_to_warn(caplog):
+    """Fully cached or short prompts publish nothing: 100 requests of 10 computed tokens each (a
+    block is 16) is silence a healthy engine keeps; a request that computed a block's worth is
+    not."""
+    watch, clock = watch_for()
+    prompt = finished = 0.0
+    for _ in range(100):  # 25 s of requests: 160 prompt tokens, 150 of them cached, 0 generated
+        prompt, finished = prompt + 160, finished + 1
+        watch.engine_up(prompt + finished, ComputedTokens(prompt - 150 * finished, finished, 1, 16))
+        clock.now += 0.25
+        assert not watch.check()
+    with caplog.at_level(logging.WARNING, logger="worker_agent.events"):
+        for _ in range(30):  # now each request computes 40 tokens: some block was filled
+            prompt, finished = prompt + 160, finished + 1
+            computed = prompt - 150 * finished + 30 * (finished - 100)
+            watch.engine_up(prompt + finished, ComputedTokens(computed, finished, 1, 16))
+            clock.now += 0.25
+            if watch.check():
+                break
+    assert watch.silent and len(caplog.records) == 1
+
+
+def test_metrics_say_what_the_engine_computed_when_they_count_it():
+    page = "\n".join(
+        [
+            "vllm:num_requests_running 2",
+            "vllm:num_requests_waiting 1",
+            "vllm:kv_cache_usage_perc 0.5",
+            "vllm:prompt_tokens_total 1000",
+            "vllm:prompt_tokens_cached_total 800",
+            "vllm:generation_tokens_total 50",
+            "vllm:request_success_total 7",
+        ]
+    )
+    metrics = parse_metrics(page)
+    assert metrics.computed(16) == ComputedTokens(250, 7, 3, 16) and metrics.work == 1007
+    assert metrics.computed(None) is None  # the block size unknown
+    assert parse_metrics(page.replace("generation_tokens", "other")).computed(16) is None
 
 
 def test_a_zero_delay_turns_the_watch_off():
