@@ -83,6 +83,7 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         dp_rank: int = 0,
+        bind: bool = False,
     ) -> None:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
@@ -91,8 +92,8 @@ class KVEventPublisher:
         try:
             self._pub.setsockopt(zmq.SNDHWM, 100_000)
             self._pub.setsockopt(zmq.LINGER, 0)
-            # vLLM's rule: bind wildcards, connect to a named host
-            bind = "*" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            # vLLM's rule (unless told to bind): bind wildcards, connect to a named host
+            bind = bind or "*" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
             _attach(self._pub, endpoint, bind, "KV events", "--events-endpoint")
             if replay_endpoint is not None:
                 self._router = context.socket(zmq.ROUTER)

@@ -322,6 +322,7 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
                 settings.topic,
                 settings.buffer_steps,
                 settings.dp_rank,
+                settings.events_bind,
             )
             stack.push_async_callback(publisher.close)
             publisher.start()

@@ -34,24 +34,27 @@ SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
-def default_events_endpoint(port: int) -> str:
-    """``tcp://*:<port - 2443>`` (``tcp://*:*``, a free port, for ``--port 0``)."""
+def default_events_endpoint(port: int, host: str = "127.0.0.1") -> str:
+    """``tcp://<host>:<port - 2443>`` (a free port for ``--port 0``), bound on the HTTP address:
+    loopback unless ``--host`` says otherwise (a wildcard host: ``tcp://*:...``)."""
+    address = "*" if host in WILDCARD_HOSTS else f"[{host}]" if ":" in host else host
     if port == 0:
-        return "tcp://*:*"
+        return f"tcp://{address}:*"
     events_port = port - EVENTS_PORT_OFFSET
     if events_port < FIRST_EVENTS_PORT:
         raise ValueError(
             f"--port {port} has no default KV-event port (--port - {EVENTS_PORT_OFFSET} is below "
             f"{FIRST_EVENTS_PORT}): pass --events-endpoint tcp://*:PORT, or none"
         )
-    return f"tcp://*:{events_port}"
+    return f"tcp://{address}:{events_port}"
 
 
 @dataclass(frozen=True)
 class SimEngineSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    events_endpoint: str | None = AUTO  # AUTO becomes default_events_endpoint(port); None: no events
+    events_endpoint: str | None = AUTO  # AUTO becomes default_events_endpoint(port, host); None: no events
+    events_bind: bool = False  # bind events_endpoint whatever it names (the default's); else vLLM's rule
     replay_endpoint: str | None = None
     topic: str = ""
     model: str = "tiny"
@@ -102,8 +105,9 @@ class SimEngineSettings:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be within 0..65535, got {self.port}")
-        if self.events_endpoint == AUTO:
-            object.__setattr__(self, "events_endpoint", default_events_endpoint(self.port))
+        if self.events_endpoint == AUTO:  # bound, whatever its host: vLLM's rule is for given endpoints
+            object.__setattr__(self, "events_endpoint", default_events_endpoint(self.port, self.host))
+            object.__setattr__(self, "events_bind", True)
         if self.num_blocks < 2:
             raise ValueError(f"--num-blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
         if self.block_size < 1 or self.max_model_len < 1 or self.buffer_steps < 1:
@@ -176,8 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--events-endpoint",
         default=AUTO,
         help="ZMQ PUB endpoint for KV events; bound when it is a wildcard like tcp://*:5557, connected otherwise "
-        f"(as vLLM); 'none' turns events off; default auto: tcp://*:<--port - {EVENTS_PORT_OFFSET}> "
-        "(tcp://*:5557 for port 8000, a free port for --port 0)",
+        f"(as vLLM); 'none' turns events off; default auto: bound on --host, tcp://<host>:<--port - "
+        f"{EVENTS_PORT_OFFSET}> (tcp://127.0.0.1:5557 for port 8000, a free port for --port 0; tcp://*:... for "
+        "--host 0.0.0.0)",
     )
     parser.add_argument("--replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay (default off)")
     parser.add_argument("--topic", default=d.topic, help='KV-event topic (default "")')

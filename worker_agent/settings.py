@@ -50,7 +50,7 @@ class AgentSettings:
     block_size: int | None = None  # None: the engine's /metrics, else the first BlockStored
     dp_rank: int = 0
     worker_id: str | None = None  # None: "<engine root url>#<dp rank>"
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # as the router's: listening beyond this host is the operator's choice
     metrics_port: int = 0  # 0: no HTTP server
     heartbeat_interval_s: float = 1.0
     ttl_ms: int = 5_000
@@ -142,7 +142,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--dp-rank", int, "data-parallel rank this agent follows (default 0)"),
     ("--worker-id", str, "worker id in the index (default <engine url>#<rank>)"),
     ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),
-    ("--metrics-host", str, "address for /health and /metrics (default 0.0.0.0)"),
+    ("--metrics-host", str, "address for /health and /metrics (default 127.0.0.1; 0.0.0.0 for a scraper elsewhere)"),
     ("--tiers", str, "cache tiers to index, of GPU,CPU,DISK,REMOTE (default all the engine reports; GPU always)"),
     ("--role", str, "the worker's part in a prefill/decode split: both, prefill or decode (default both)"),
     (

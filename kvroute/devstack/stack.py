@@ -28,6 +28,7 @@ from kvindex.settings import RedisSettings
 from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
 from kvroute.devstack.embedded_redis import free_port
+from kvroute.devstack.ports import LOWEST, claim, usable
 from kvroute.devstack.processes import (
     agent_command,
     exited,
@@ -40,7 +41,7 @@ from kvroute.devstack.processes import (
 from kvservice.metrics_page import read_metrics
 from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
-from sim_engine.settings import TINY_MODEL_DIR
+from sim_engine.settings import EVENTS_PORT_OFFSET, TINY_MODEL_DIR
 
 MODEL = "tiny"
 TINY_PROMPT = [7, 8, 9]  # a request that publishes an engine's pending KV events
@@ -215,11 +216,23 @@ class Stack:
         self._logs.append(log)
         return Child(name, process, log)
 
+    def _engine_port(self) -> int:
+        """A free HTTP port whose default KV-event port is free too: the engine binds that one on
+        loopback (a given endpoint is bound only as a wildcard, vLLM's rule)."""
+        while True:
+            port = self._port()
+            events = port - EVENTS_PORT_OFFSET
+            if events >= LOWEST and events not in self._ports and usable(events):
+                claim(events)
+                self._ports.add(events)
+                return port
+
     def _start_engine(self, number: int) -> EngineProcess:
-        port, events, replay = self._port(), self._port(), self._port()
+        port, replay = self._engine_port(), self._port()
+        events = port - EVENTS_PORT_OFFSET
         t = self._timing
         command = [sys.executable, "-m", "kvroute", "sim-engine", "--port", str(port), "--model", MODEL]
-        command += ["--events-endpoint", f"tcp://*:{events}", "--replay-endpoint", f"tcp://*:{replay}"]
+        command += ["--replay-endpoint", f"tcp://127.0.0.1:{replay}"]  # events: the default, on loopback
         command += ["--topic", "kv", "--num-blocks", str(self._num_blocks), "--block-size", str(self._block_size)]
         command += ["--max-model-len", str(self._max_model_len), *scheduler_flags(t)]
         command += ["--prefill-ms-per-1k-tokens", str(t.prefill_ms_per_1k_tokens)]

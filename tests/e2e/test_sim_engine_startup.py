@@ -131,7 +131,7 @@ def test_two_engines_with_default_event_ports_both_serve_and_log_json(tmp_path):
     for port, log in zip(ports, logs, strict=True):
         records = json_log(log)  # every line is one JSON object
         (started,) = [r for r in records if r["message"].startswith("simulated engine")]
-        assert f"events tcp://0.0.0.0:{port - EVENTS_PORT_OFFSET}," in started["message"], started
+        assert f"events tcp://127.0.0.1:{port - EVENTS_PORT_OFFSET}," in started["message"], started  # loopback
         paths = [r["path"] for r in records if r["logger"] == "sim_engine.access"]
         assert "/v1/completions" in paths and "/metrics" not in paths and "/health" not in paths, paths
 
@@ -165,9 +165,19 @@ async def test_a_failed_start_closes_what_it_started_and_the_first_engine_serves
 
 
 @pytest.mark.parametrize(
-    ("port", "endpoint"), [(8000, "tcp://*:5557"), (8001, "tcp://*:5558"), (9100, "tcp://*:6657"), (0, "tcp://*:*")]
+    ("port", "endpoint"),
+    [
+        (8000, "tcp://127.0.0.1:5557"),
+        (8001, "tcp://127.0.0.1:5558"),
+        (9100, "tcp://127.0.0.1:6657"),
+        (0, "tcp://127.0.0.1:*"),
+    ],
 )
-def test_the_default_event_endpoint_follows_the_http_port(port, endpoint):
-    assert SimEngineSettings(port=port).events_endpoint == endpoint
-    assert SimEngineSettings(port=port, events_endpoint="tcp://*:7000").events_endpoint == "tcp://*:7000"
+def test_the_default_event_endpoint_follows_the_http_address_and_port_and_is_bound(port, endpoint):
+    default = SimEngineSettings(port=port)
+    assert default.events_endpoint == endpoint and default.events_bind  # loopback: bound, not connected
+    assert SimEngineSettings(port=port, host="0.0.0.0").events_endpoint == endpoint.replace("127.0.0.1", "*")
+    assert SimEngineSettings(port=port, host="::1").events_endpoint == endpoint.replace("127.0.0.1", "[::1]")
+    given = SimEngineSettings(port=port, events_endpoint="tcp://*:7000")
+    assert given.events_endpoint == "tcp://*:7000" and not given.events_bind  # vLLM's rule
     assert SimEngineSettings(port=port, events_endpoint=None).events_endpoint is None
