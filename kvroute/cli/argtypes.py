@@ -44,3 +44,16 @@ def token_ids(text: str) -> list[int]:
     if not isinstance(values, list) or not all(isinstance(v, int) and 0 <= v <= 0xFFFFFFFF for v in values):
         raise argparse.ArgumentTypeError("token ids must be integers in 0..4294967295")
     return values
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that states each option's default where it has one worth saying (argparse's
+    ArgumentDefaultsHelpFormatter also says "default: None" for every option without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "%(default)" in help_text or "default" in help_text or not action.option_strings:
+            return action.help
+        if action.default in (None, False, argparse.SUPPRESS) or action.required:
+            return action.help
+        return f"{help_text} (default: %(default)s)" if help_text else "default: %(default)s"

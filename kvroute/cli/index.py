@@ -1,5 +1,9 @@
 """``kvroute index ...``: the index as a person sees it (the same views as docs/index-schema.md's
-redis-cli recipes), as tables or, with --json, as stable JSON for machines."""
+redis-cli recipes), as tables or, with --json, as stable JSON for machines.
+
+Exit status: 0 answered (an empty answer too, with a hint on stderr naming where it looked); 2 a
+mistake, one line on stderr: a bad flag, a Redis that cannot be used or refuses the user (NOPERM),
+a model with no registered worker."""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import json
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from kvindex.errors import KVIndexError
 from kvindex.hashing import sequence_hashes
@@ -20,9 +25,10 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings, add_redis_arguments, redact_url, redis_security_overrides
 from kvindex.types import WorkerRecord
 from kvroute.bench.common import text_table
-from kvroute.cli.argtypes import positive_int, token_ids
+from kvroute.cli.argtypes import DefaultsShown, positive_int, token_ids
 from kvroute.devstack.embedded_redis import redis_unusable, usable_redis_url
 from kvservice.lifecycle import StartupError
+from kvtokens.tokenizer import ModelPrompts, PromptError
 
 WORKER_COLUMNS = ["model", "id", "tier", "role", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch"]
 WORKER_COLUMNS += ["heartbeat_age_ms"]
@@ -31,11 +37,13 @@ STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "
 
 
 def add_parser(commands: Any) -> None:
-    index = commands.add_parser("index", help="inspect the shared index", description=__doc__)
+    index = commands.add_parser(
+        "index", help="inspect the shared index", description=__doc__.split("\n\n")[0].replace("``", "'")
+    )
     sub = index.add_subparsers(dest="index_command", metavar="VIEW", required=True)
 
     def view(name: str, help_text: str, handler: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsShown)
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         p.set_defaults(handler=handler, prog=p.prog)
         return p
@@ -44,17 +52,25 @@ def add_parser(commands: Any) -> None:
         add_redis_arguments(p)
 
     def identity(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--tokens", type=token_ids, required=True, help="token ids: 1,2,3 or [1,2,3]")
+        prompt = p.add_mutually_exclusive_group(required=True)
+        prompt.add_argument(
+            "--tokens",
+            type=token_ids,
+            help="the prompt's token ids: 1,2,3 or [1,2,3] (an engine's POST /tokenize gives them: "
+            "'tokens' in its answer); or --text",
+        )
+        prompt.add_argument("--text", help="the prompt as text, tokenized with --tokenizer (special tokens added)")
+        p.add_argument("--tokenizer", metavar="DIR", help="a model directory with tokenizer.json, for --text")
         p.add_argument("--salt", help="the request's cache_salt")
         p.add_argument("--lora", help="the LoRA adapter name")
 
     p = view("hash", "block hashes of a token sequence (no Redis needed)", _run_hash)
     identity(p)
-    p.add_argument("--block-size", type=positive_int, required=True)
+    p.add_argument("--block-size", type=positive_int, required=True, help="tokens per block (the engine's)")
 
     p = view("lookup", "who holds each block of a prompt, and each alive worker's match", _run_lookup)
     with_redis(p)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the model whose workers to look in")
     identity(p)
     p.add_argument("--block-size", type=positive_int, help="default: the model's registered block size")
 
@@ -68,9 +84,21 @@ def add_parser(commands: Any) -> None:
 
     p = view("gc", "collect dead workers' entries now", _run_gc)
     with_redis(p)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the model whose dead workers to collect")
     p.add_argument("--budget", type=positive_int, default=100_000, help="most entries to remove")
     p.add_argument("--grace-ms", type=int, default=30_000, help="how long past its TTL a worker counts as gone")
+
+
+def _prompt_tokens(args: argparse.Namespace) -> list[int]:
+    """--tokens, or --text tokenized with --tokenizer (a mistake: one line, exit 2)."""
+    if args.text is None:
+        return list(args.tokens)
+    if args.tokenizer is None:
+        raise StartupError("--text needs --tokenizer DIR (the model's directory with tokenizer.json)")
+    try:
+        return ModelPrompts(args.tokenizer).encode(args.text)
+    except (OSError, ValueError, PromptError) as exc:
+        raise StartupError(f"--tokenizer {args.tokenizer}: {exc}") from None
 
 
 def _emit(args: argparse.Namespace, data: Any, table: Callable[[Any], str]) -> int:
@@ -91,8 +119,8 @@ def _where(settings: RedisSettings) -> str:
 
 
 def _run_with_index(args: argparse.Namespace, body: Callable[[RedisIndex, RedisSettings], Awaitable[Any]]) -> Any:
-    """Run ``body`` against the index. A Redis that cannot be used is a :class:`StartupError` (one
-    line, exit status 2); an index that cannot answer (an unknown model) one line, exit status 1."""
+    """Run ``body`` against the index. A Redis that cannot be used or refuses the user, and an
+    index that cannot answer (an unknown model), are a :class:`StartupError` (one line, exit 2)."""
     settings = _settings(args)
     usable_redis_url(settings.url, settings)
 
@@ -105,11 +133,25 @@ def _run_with_index(args: argparse.Namespace, body: Callable[[RedisIndex, RedisS
 
     try:
         return asyncio.run(run())
+    except ResponseError as exc:
+        if not _denied(exc):
+            raise redis_unusable(settings.url, exc) from None
+        user = urlsplit(settings.url).username or "default"  # reached and logged in: this user may not do this
+        raise StartupError(
+            f"Redis refused user {user!r}: {exc} ({args.prog} needs a user allowed to run the index's "
+            "scripts: the agent's or the admin one, docs/security.md)"
+        ) from None
     except RedisError as exc:  # it went away while we read
         raise redis_unusable(settings.url, exc) from None
     except KVIndexError as exc:
-        print(f"{args.prog}: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise StartupError(str(exc)) from None
+
+
+def _denied(error: ResponseError) -> bool:
+    """Whether Redis refused a command for the user's rights (NOPERM, or a script's command that
+    the calling user may not run), not for something else."""
+    text = str(error)
+    return isinstance(error, NoPermissionError) or "NOPERM" in text or "The user executing the script can't" in text
 
 
 def _hint_if_empty(found: bool, what: str, settings: RedisSettings) -> None:
@@ -119,13 +161,16 @@ def _hint_if_empty(found: bool, what: str, settings: RedisSettings) -> None:
 
 
 def _run_hash(args: argparse.Namespace) -> int:
-    hashes = sequence_hashes(args.tokens, args.block_size, lora_name=args.lora, cache_salt=args.salt)
-    data = {"block_size": args.block_size, "hashes": hashes}
+    hashes = sequence_hashes(_prompt_tokens(args), args.block_size, lora_name=args.lora, cache_salt=args.salt)
+    # the hashes are uint64: as numbers they lose precision in jq and JavaScript, hence hex strings too
+    data = {"block_size": args.block_size, "hashes": hashes, "hashes_hex": [f"{h:016x}" for h in hashes]}
     rows = [[i, h, f"{h:016x}"] for i, h in enumerate(hashes)]
     return _emit(args, data, lambda _: text_table(["index", "hash", "hex"], rows))
 
 
 def _run_lookup(args: argparse.Namespace) -> int:
+    tokens = _prompt_tokens(args)
+
     async def body(index: RedisIndex, settings: RedisSettings) -> dict[str, Any]:
         block_size = args.block_size or await index.block_size(args.model)
         if block_size is None:
@@ -133,7 +178,7 @@ def _run_lookup(args: argparse.Namespace) -> int:
                 f"model {args.model!r} has no registered workers; pass --block-size "
                 f"(looked {_where(settings)}: is this the right --redis-url / --prefix?)"
             )
-        chain = sequence_hashes(args.tokens, block_size, lora_name=args.lora, cache_salt=args.salt)
+        chain = sequence_hashes(tokens, block_size, lora_name=args.lora, cache_salt=args.salt)
         owners = await index.owners_of_chain(args.model, chain)
         matches = await index.match(args.model, chain)
         _hint_if_empty(bool(await index.workers(args.model)), f"workers of model {args.model!r}", settings)
@@ -144,7 +189,14 @@ def _run_lookup(args: argparse.Namespace) -> int:
             "model": args.model,
             "block_size": block_size,
             "blocks": [
-                {"index": i, "hash": h, "key": segments[i], "page": i // PAGE_BLOCKS, "owners": sorted(owners[i])}
+                {
+                    "index": i,
+                    "hash": h,
+                    "hash_hex": f"{h:016x}",  # uint64: exact in jq and JavaScript, where the number is not
+                    "key": segments[i],
+                    "page": i // PAGE_BLOCKS,
+                    "owners": sorted(owners[i]),
+                }
                 for i, h in enumerate(chain)
             ],
             "workers": [

@@ -13,7 +13,9 @@ from kvservice.lifecycle import StartupError
 
 
 def add_parser(commands: Any) -> None:
-    redis = commands.add_parser("redis", help="Redis set-up: least-privilege users", description=__doc__)
+    redis = commands.add_parser(
+        "redis", help="Redis set-up: least-privilege users", description=__doc__.replace("``", "'")
+    )
     sub = redis.add_subparsers(dest="redis_command", metavar="ACTION", required=True)
     p = sub.add_parser(
         "acl",

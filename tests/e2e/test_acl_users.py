@@ -5,6 +5,8 @@ router's user cannot write a worker record, neither by a plain command nor throu
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from kvindex.settings import RedisSettings
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_cluster import LocalCluster
 from kvroute.devstack.embedded_redis import RedisServer, default_server_binary
-from tests.support import SimFleet, wait_until
+from tests.support import ROOT, SimFleet, wait_until
 from tests.support.cluster import (
     PROMPT_BLOCKS,
     index_credits,
@@ -176,3 +178,15 @@ async def test_the_router_user_cannot_write_a_worker_record(deployment, users, f
         assert (await router.hget(record, "url")).decode() == fleet.engines[0].url
     finally:
         await router.aclose()
+
+
+def test_index_gc_as_the_router_user_says_the_user_is_refused(deployment, users, unique_name):
+    """The router's user may read the index, not run its scripts: kvroute index gc as that user is
+    one line naming the user and whom to log in as, not a connectivity problem."""
+    user, password_file = users["router"]
+    command = [sys.executable, "-m", "kvroute", "index", "gc", "--model", unique_name]
+    command += ["--redis-url", deployment.url_as(user), "--redis-password-file", str(password_file)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"Redis refused user '{user}'" in lines[0] and "the agent's or the admin one" in lines[0]

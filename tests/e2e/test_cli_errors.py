@@ -131,9 +131,9 @@ def test_the_hint_redacts_the_password(password_server, unique_name):
 
 def test_a_lookup_of_an_unknown_model_says_what_to_do(redis_server, unique_name):
     common = ["--redis-url", redis_server.url, "--prefix", unique_name]
-    line = one_line(kvroute("index", "lookup", *common, "--model", "m1", "--tokens", "1,2"), 1)
+    line = one_line(kvroute("index", "lookup", *common, "--model", "m1", "--tokens", "1,2"), 2)
     assert line == (
-        f"kvroute index lookup: model 'm1' has no registered workers; pass --block-size "
+        f"kvroute index lookup: error: model 'm1' has no registered workers; pass --block-size "
         f"(looked under prefix '{unique_name}' on {redis_server.url}: is this the right --redis-url / --prefix?)"
     )
 

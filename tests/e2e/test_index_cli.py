@@ -14,6 +14,8 @@ from kvindex.hashing import sequence_hashes
 from kvindex.keys import bucket_of
 from kvindex.redis_index import RedisIndex
 from kvindex.types import StoredRun, WorkerInfo
+from kvtokens.tokenizer import ModelPrompts
+from sim_engine.settings import TINY_MODEL_DIR
 
 TOKENS = list(range(1, 129))  # 4 blocks of 32
 
@@ -43,11 +45,27 @@ async def populate(url: str, model: str) -> None:
 def test_hash_prints_the_public_json_shape():
     result = kvroute("index", "hash", "--tokens", "1,2,3,4", "--block-size", "4", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"block_size": 4, "hashes": [14643705804678351452]}
+    assert json.loads(result.stdout) == {
+        "block_size": 4,
+        "hashes": [14643705804678351452],
+        "hashes_hex": ["cb38e4d7fb2dca5c"],
+    }
     salted = json.loads(
         kvroute("index", "hash", "--tokens", "[1,2,3,4]", "--block-size", "4", "--salt", "s", "--json").stdout
     )
     assert salted["hashes"] == sequence_hashes([1, 2, 3, 4], 4, cache_salt="s")
+
+
+def test_a_prompt_given_as_text_is_tokenized_with_the_models_tokenizer():
+    """No token ids at hand: --text with --tokenizer gives the same hashes as the ids it tokenizes to."""
+    text = kvroute("index", "hash", "--text", "hello world", "--tokenizer", str(TINY_MODEL_DIR), "--block-size", "1")
+    ids = ModelPrompts(TINY_MODEL_DIR).encode("hello world")
+    by_ids = kvroute("index", "hash", "--tokens", ",".join(map(str, ids)), "--block-size", "1")
+    assert text.returncode == 0 and text.stdout == by_ids.stdout, text.stderr
+    alone = kvroute("index", "hash", "--text", "hello", "--block-size", "1")
+    assert alone.returncode == 2 and "--text needs --tokenizer DIR" in alone.stderr
+    both = kvroute("index", "hash", "--text", "x", "--tokens", "1", "--block-size", "1")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 async def populate_tiers(url: str, model: str) -> None:
@@ -111,6 +129,8 @@ def test_lookup_workers_and_stats_show_the_index(redis_server, unique_name):
     assert (model_stats["workers"], model_stats["alive_workers"], model_stats["entries"]) == (3, 2, 9)
     assert (model_stats["pages"], model_stats["block_keys"]) == (1, 0) and stats["redis"]["used_memory"] > 0
 
+    found = json.loads(kvroute("index", "lookup", *common, "--model", unique_name, "--tokens", tokens, "--json").stdout)
+    assert all(block["hash_hex"] == f"{block['hash']:016x}" for block in found["blocks"])  # exact in jq
     table = kvroute("index", "lookup", *common, "--model", unique_name, "--tokens", tokens)
     assert table.returncode == 0 and "w-long" in table.stdout and "matched_blocks" in table.stdout
 
