@@ -82,28 +82,40 @@ class Fleet:
     async def refresh(self) -> None:
         models = await self._index.models()
         listed: dict[str, list[WorkerRecord]] = {}
+        recorded: dict[str, set[str]] = {}
         tier_blocks: dict[tuple[str, str], dict[str, int]] = {}
         for model in models:
             workers = await self._index.workers(model)
+            recorded[model] = {w.worker_id for w in workers if w.tier == GPU}
             for holder in workers:
                 if holder.alive and holder.tier != GPU and holder.tier_of is not None:
                     tier_blocks.setdefault((model, holder.tier_of), {})[holder.tier] = holder.blocks
             # a worker's lower cache tiers are registrations of their own (kvindex/tiers.py), not workers
             listed[model] = [w for w in workers if w.alive and w.tier == GPU and self._allow.admits(w.worker_id, w.url)]
-        self.apply_listing(listed, time.monotonic())
+        self.apply_listing(listed, time.monotonic(), recorded)
         self._groups = {model: groups for model, workers in listed.items() if (groups := _hybrid_groups(workers))}
         self._tier_blocks = tier_blocks
         self._tiered_models = {model for model, _ in tier_blocks}
         self.last_error = None
 
-    def apply_listing(self, listed: dict[str, list[WorkerRecord]], now: float) -> None:
-        """Take Redis's listing, retaining the last known workers of a model it lists none for."""
+    def apply_listing(
+        self, listed: dict[str, list[WorkerRecord]], now: float, recorded: Mapping[str, set[str]] | None = None
+    ) -> None:
+        """Take Redis's listing, retaining the last known workers of a model it lists none for.
+        ``recorded``: per listed model, the workers that have a record, alive or not. A worker
+        whose record is gone from a model Redis still lists deregistered (its agent stopped, or
+        gc retired it): it left, and is not retained; a whole model gone is lost data, and is."""
         alive = {model: workers for model, workers in listed.items() if workers}
         for model in set(self._alive) | set(self._missing_since):
             if model in alive:
                 self._missing_since.pop(model, None)  # back in Redis
                 continue
             workers = self._alive.get(model, [])
+            if recorded is not None and model in recorded:
+                workers = [w for w in workers if w.worker_id in recorded[model]]
+                if not workers:  # every one of them left: nothing to wait for
+                    self._missing_since.pop(model, None)
+                    continue
             if model not in self._missing_since:
                 if not workers:
                     continue  # none before either: nothing to retain
@@ -124,7 +136,9 @@ class Fleet:
         # read by every decision: kept with the listing, not rebuilt per request
         self._roles = {model: {w.worker_id: w.role for w in workers} for model, workers in alive.items()}
         self._split_models = {model for model, roles in self._roles.items() if PREFILL in roles.values()}
-        self._known_models = set(listed) | set(self._missing_since)
+        # a model is known while some worker of it has a record (503 while none is alive), else 404
+        with_records = set(listed) if recorded is None else {m for m in listed if recorded.get(m)}
+        self._known_models = with_records | set(self._missing_since)
         self.refreshed_at = now
 
     async def try_refresh(self) -> bool:

@@ -66,3 +66,20 @@ def test_other_models_are_not_affected_and_retain_zero_forgets_at_once():
     fleet.apply_listing({"m": [_worker("a")], "n": [_worker("x", "n")]}, now=0)
     fleet.apply_listing({"n": [_worker("x", "n")]}, now=1)
     assert _ids(fleet) == [] and _ids(fleet, "n") == ["x"] and not fleet.known("m")
+
+
+def test_workers_that_deregistered_are_not_retained_and_their_model_is_forgotten():
+    """The last worker's agent stopped cleanly: its record is gone while Redis still lists the
+    model, so it left (no retention, no request sent to it) and the model is unknown (404). A
+    worker whose record stays but whose heartbeat is late may be a failover's lost writes: kept."""
+    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=0, recorded={"m": {"a", "b"}})
+    fleet.apply_listing({"m": [_worker("b")]}, now=1, recorded={"m": {"b"}})  # a left
+    assert _ids(fleet) == ["b"]
+    fleet.apply_listing({"m": []}, now=2, recorded={"m": set()})  # b left too
+    assert _ids(fleet) == [] and fleet.retained_models() == [] and not fleet.known("m")
+    fleet.apply_listing({"m": [_worker("c")]}, now=3, recorded={"m": {"c"}})
+    fleet.apply_listing({"m": []}, now=4, recorded={"m": {"c"}})  # c's heartbeat late, its record there
+    assert _ids(fleet) == ["c"] and fleet.retained_models() == ["m"] and fleet.known("m")
+    fleet.apply_listing({"m": []}, now=5, recorded={"m": set()})  # then gc retired it: it is gone
+    assert _ids(fleet) == [] and not fleet.known("m")
