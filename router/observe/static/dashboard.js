@@ -85,11 +85,14 @@ function svg(tag, attrs) {
 function renderChart(series) {
   const chart = $("chart");
   chart.replaceChildren();
-  const width = 900, height = 220, pad = 6;
-  const step = (width - 2 * pad) / Math.max(series.length, 1);
+  const width = 900, height = 220, pad = 6, left = 38;  // left: room for the y axis's labels
+  const step = (width - left - pad) / Math.max(series.length, 1);
   const y = (share) => height - pad - share * (height - 2 * pad);
-  for (const frac of [0.25, 0.5, 0.75]) {
-    chart.append(svg("line", { x1: 0, x2: width, y1: y(frac), y2: y(frac), stroke: "#eee" }));
+  for (const frac of [0, 0.25, 0.5, 0.75, 1]) {
+    chart.append(svg("line", { x1: left, x2: width, y1: y(frac), y2: y(frac), stroke: "#eee" }));
+    const label = svg("text", { x: left - 4, y: y(frac) + 4, "text-anchor": "end", "font-size": 11, fill: "#889", class: "y-label" });
+    label.textContent = Math.round(frac * 100) + "%";
+    chart.append(label);
   }
   series.forEach((bucket, i) => {
     let base = 0;
@@ -97,27 +100,32 @@ function renderChart(series) {
       const share = bucket.lost_share[reason] || 0;
       if (share > 0) {
         const top = y(base + share);
-        chart.append(svg("rect", { x: pad + i * step + 1, y: top, width: Math.max(step - 2, 1), height: y(base) - top, fill: COLORS[reason] }));
+        chart.append(svg("rect", { x: left + i * step + 1, y: top, width: Math.max(step - 2, 1), height: y(base) - top, fill: COLORS[reason] }));
       }
       base += share;
     }
   });
-  // The prediction is drawn last, dashed: where it equals the engines' figure both stay visible.
-  const lines = [["hit_rate", "var(--hit)", ""], ["predicted_hit_rate", "var(--pred)", "5 3"], ["regret_share", "var(--regret)", "2 2"]];
-  for (const [field, color, dash] of lines) {
+  // The engines' hit rate is drawn wide and solid, the prediction thin, dashed and hollow on top:
+  // where they are equal (the index is exact) both stay visible, the hit rate around the prediction.
+  const lines = [
+    ["hit_rate", "var(--hit)", "", 4, 4.5, true],
+    ["predicted_hit_rate", "var(--pred)", "5 3", 1.5, 2.5, false],
+    ["regret_share", "var(--regret)", "2 2", 1.5, 2.5, true],
+  ];
+  for (const [field, color, dash, widthPx, radius, filled] of lines) {
     const points = series
-      .map((bucket, i) => (bucket[field] === null ? null : (pad + (i + 0.5) * step).toFixed(1) + "," + y(bucket[field]).toFixed(1)))
+      .map((bucket, i) => (bucket[field] === null ? null : (left + (i + 0.5) * step).toFixed(1) + "," + y(bucket[field]).toFixed(1)))
       .filter((p) => p !== null);
     if (points.length) {
-      chart.append(svg("polyline", { points: points.join(" "), fill: "none", stroke: color, "stroke-width": 2, "stroke-dasharray": dash }));
+      chart.append(svg("polyline", { points: points.join(" "), fill: "none", stroke: color, "stroke-width": widthPx, "stroke-dasharray": dash, class: "line-" + field }));
     }
     for (const point of points) {  // a bucket alone draws no line: its point shows
       const [cx, cy] = point.split(",");
-      chart.append(svg("circle", { cx, cy, r: 3, fill: color }));
+      chart.append(svg("circle", { cx, cy, r: radius, fill: filled ? color : "#fff", stroke: color, "stroke-width": 1.5 }));
     }
   }
   const minutes = series.length ? Math.round(series[0].started_s_ago / 60) : 0;
-  for (const [x, anchor, text] of [[pad, "start", "-" + minutes + " min"], [width - pad, "end", "now"]]) {
+  for (const [x, anchor, text] of [[left + 2, "start", "-" + minutes + " min"], [width - pad, "end", "now"]]) {
     const label = svg("text", { x, y: 14, "text-anchor": anchor, "font-size": 11, fill: "#889" });
     label.textContent = text;
     chart.append(label);

@@ -188,6 +188,14 @@ async def test_a_real_browser_renders_the_workers_and_the_hit_rate(router, tmp_p
         assert worker.worker_id in dom
     assert dom.count('<td class="role">both</td>') == len(router.state.fleet.alive("tiny"))
     assert '<section id="by-role" hidden="">' in dom  # an aggregated fleet: no table by role
+    labels = re.findall(r'<text[^>]*class="y-label"[^>]*>([^<]*)</text>', dom)
+    assert labels == ["0%", "25%", "50%", "75%", "100%"], labels  # the chart's y axis says what it shows
+    # the hit rate is drawn wide under the thin dashed prediction: equal, both stay visible
+    hit, predicted = (
+        re.search(rf'<polyline[^>]*class="line-{f}"[^>]*>', dom) for f in ("hit_rate", "predicted_hit_rate")
+    )
+    assert hit and predicted and hit.start() < predicted.start(), dom[-3000:]
+    assert 'stroke-width="4"' in hit.group() and 'stroke-dasharray="5 3"' in predicted.group()
     hit_rate = re.search(r'id="hit-rate"[^>]*>([^<]*)<', dom)
     assert hit_rate and re.fullmatch(r"\d{1,3}\.\d%", hit_rate.group(1)), hit_rate
     regret = re.search(r'id="regret"[^>]*>([^<]*)<', dom)  # every request went to the owner: none regretted
