@@ -117,7 +117,10 @@ async def test_chat_streaming_opens_with_the_role(sim):
         ({"model": "other", "prompt": "x"}, 404, "does not exist"),
         ({"model": "tiny"}, 400, "'prompt' is missing or empty"),
         ({"model": "tiny", "prompt": [1, 99999]}, 400, "out of vocabulary"),
-        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be a positive integer"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be an integer of at least 1"),
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "'temperature' must be a number"),
+        ({"model": "tiny", "prompt": "x", "n": 0}, 400, "'n' must be an integer of at least 1"),
+        ({"model": "tiny", "prompt": ""}, 400, "'prompt' is missing or empty"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 600}, 400, "maximum context length is 512"),
         ({"model": "tiny", "prompt": "x", "cache_salt": 3}, 400, "cache_salt"),
         ([1, 2], 400, "JSON object"),
@@ -126,6 +129,8 @@ async def test_chat_streaming_opens_with_the_role(sim):
 async def test_bad_requests_get_openai_errors_and_the_engine_keeps_serving(sim, body, status, message):
     got, error = await post(sim.url, body)
     assert got == status and message in error["error"]["message"] and error["error"]["code"] == status
+    if status == 400 and "'" in message:  # a field at fault is named in param, as vLLM's errors do
+        assert error["error"]["param"] == message.split("'")[1]
     ok, _ = await post(sim.url, {"model": "tiny", "prompt": "fine", "max_tokens": 1})
     assert ok == 200
 
