@@ -64,6 +64,9 @@ MAX_TOKENS = 24
 BLOCK_SIZE = 16  # the stack's engines' block size
 COLUMNS = ["policy", "hit rate", "TTFT mean ms", "TTFT p99 ms", "req/s", "duplication", "prediction exact"]
 COLUMNS += ["busiest worker / mean", "turns moved", "lost load/stale/cold"]
+# printed as two tables that fit an 80-column terminal: what a user sees, then why
+SEEN_COLUMNS = COLUMNS[:6]
+WHY_COLUMNS = ["policy", "prediction exact", "busiest / mean", "turns moved", "lost load/stale/cold"]
 KEEP_THINK_S = 2.0  # with --keep: a user reads each answer this long before the next turn
 
 
@@ -232,12 +235,26 @@ async def _progress(policy: Policy, results: list[dict[str, Any]], total: int) -
 
 
 def render(results: list[PolicyResult]) -> str:
-    def row(r: PolicyResult) -> list[str]:
-        timing = [f"{r.ttft_mean_ms:.1f}", f"{r.ttft_p99_ms:.1f}", f"{r.requests_per_s:.1f}"]
-        shares = [f"{r.duplication:.1%}", f"{r.prediction_accuracy:.1%}", f"{r.max_worker_share:.2f}"]
-        return [r.policy, f"{r.hit_rate:.1%}", *timing, *shares, f"{r.turns_moved:.1%}", shares_text(r.lost_share)]
+    """Two tables (what a user sees; why), and kv against round robin in ratios: what holds from
+    machine to machine, where the absolute figures move with its speed and its load."""
 
-    return text_table(COLUMNS, [row(r) for r in results])
+    def seen(r: PolicyResult) -> list[str]:
+        timing = [f"{r.ttft_mean_ms:.1f}", f"{r.ttft_p99_ms:.1f}", f"{r.requests_per_s:.1f}"]
+        return [r.policy, f"{r.hit_rate:.1%}", *timing, f"{r.duplication:.1%}"]
+
+    def why(r: PolicyResult) -> list[str]:
+        shares = [f"{r.prediction_accuracy:.1%}", f"{r.max_worker_share:.2f}", f"{r.turns_moved:.1%}"]
+        return [r.policy, *shares, shares_text(r.lost_share)]
+
+    tables = [text_table(SEEN_COLUMNS, [seen(r) for r in results]), text_table(WHY_COLUMNS, [why(r) for r in results])]
+    by_policy = {r.policy: r for r in results}
+    kv, rr = by_policy.get("kv"), by_policy.get("round_robin")
+    if kv is not None and rr is not None and rr.ttft_mean_ms > 0 and rr.duplication > 0:
+        tables.append(
+            f"kv against round robin: hit rate {100 * (kv.hit_rate - rr.hit_rate):+.1f} points, mean TTFT\n"
+            f"{kv.ttft_mean_ms / rr.ttft_mean_ms:.2f}x, duplication {kv.duplication / rr.duplication:.2f}x"
+        )
+    return "\n\n".join(tables)
 
 
 def chart(results: list[PolicyResult], path: Path, engines: int) -> None:
