@@ -20,6 +20,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvservice.http_runner import OpenAIErrorsRunner
 from kvservice.lifecycle import StartupError, listening
 from kvservice.logs import access_log_middleware
 from kvtokens.tokenizer import ModelPrompts
@@ -279,7 +280,7 @@ def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts
 async def _serve_http(stack: contextlib.AsyncExitStack, state: _State) -> int:
     """Bind the HTTP port (a clean :class:`StartupError` when it cannot); returns the port."""
     settings = state.settings
-    runner = web.AppRunner(create_app(state), access_log=None)
+    runner = OpenAIErrorsRunner(create_app(state), access_log=None)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     address = f"{settings.host}:{settings.port}"

@@ -25,6 +25,7 @@ from aiohttp import web
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
+from kvservice.http_runner import OpenAIErrorsRunner
 from kvservice.lifecycle import EXIT_BAD_SETTINGS, listening, on_signals, run_service
 from kvservice.logs import LogSettings, configure_logging
 from kvservice.options import Parser, naming_the_variable
@@ -49,7 +50,7 @@ def build_parser(prog: str = "kvroute agent") -> argparse.ArgumentParser:
 
 
 async def _serve_http(stack: contextlib.AsyncExitStack, app: web.Application, settings: AgentSettings) -> None:
-    runner = web.AppRunner(app, access_log=None)
+    runner = OpenAIErrorsRunner(app, access_log=None)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     address = f"{settings.metrics_host}:{settings.metrics_port}"

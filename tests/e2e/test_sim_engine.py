@@ -301,3 +301,31 @@ async def test_minimal_metrics_export_only_the_three_gauges():
 def test_a_metrics_mode_that_does_not_exist_is_named():
     with pytest.raises(ValueError, match="--metrics must be one of full, minimal"):
         settings(metrics="some")
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", "Invalid header value char"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", "Got more than"),
+    ],
+    ids=["nul-in-header", "bad-chunk", "100kb-header"],
+)
+async def test_malformed_http_gets_an_openai_400_and_one_quiet_log_line(sim, raw, reason, caplog):
+    """aiohttp answered these itself: text/plain echoing the client's bytes, an ERROR with a traceback."""
+    host, port = sim.url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(raw)
+        await writer.drain()
+        reply = await reader.read()  # the connection is closed after the answer
+        writer.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0].endswith(b"400 Bad Request") and b"application/json" in head
+    error = json.loads(body)["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and reason in error["message"]
+    assert b"aaaa" not in body and b"\\x00" not in body  # the client's bytes are not echoed
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records
+    ok, _ = await post(sim.url, {"model": "tiny", "prompt": "fine", "max_tokens": 1})
+    assert ok == 200
