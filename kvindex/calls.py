@@ -108,7 +108,7 @@ def _spec(name: str, keys: str, args: str, parse: Callable[[Any], R], read_only:
 REGISTER = _spec(
     "register",
     "meta workers gids alive retired record alive_version",
-    "worker_id url model block_size dp_rank ttl_ms gid adapters? tier? tier_of? role?",
+    "worker_id url model block_size dp_rank ttl_ms gid adapters? tier? tier_of? role? max_model_len?",
     _status_and_ints,
 )
 ADAPTERS = _spec("adapters", "record", "gid adapters kv_groups?", _status)
@@ -174,13 +174,16 @@ def register(
     tier: str = "",
     tier_of: str = "",
     role: str = "both",
+    max_model_len: int = 0,
 ) -> ScriptCall[tuple[str, ...]]:
     """``tier`` and ``tier_of``: a tier holder's tier and worker ('' for a worker's own GPU blocks);
-    ``role`` its part in a prefill/decode split (kvindex.roles)."""
+    ``role`` its part in a prefill/decode split (kvindex.roles); ``max_model_len`` its engine's
+    context length (0: unknown)."""
     record = keys.worker(worker_id)
+    identity = [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid]
     return REGISTER.call(
         [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record, keys.alive_version],
-        [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid, adapter_lines(adapters), tier, tier_of, role],
+        [*identity, adapter_lines(adapters), tier, tier_of, role, max_model_len],
     )
 
 

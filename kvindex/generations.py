@@ -53,6 +53,7 @@ async def register_worker(
                 "" if worker.tier == "GPU" else worker.tier,
                 worker.tier_of or "",
                 worker.role,
+                worker.max_model_len,
             )
         )
         if status == "ok":

@@ -22,10 +22,13 @@ class WorkerInfo:
     tier: str = "GPU"  # a tier holder's tier (kvindex/tiers.py); GPU: the worker's own blocks
     tier_of: str | None = None  # a tier holder's worker
     role: str = "both"  # its part in a prefill/decode split (kvindex/roles.py)
+    max_model_len: int = 0  # its engine's context length, prompt and reply (0: unknown)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"a worker's role is one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"a worker's max_model_len is 0 (unknown) or more, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class WorkerRecord:
     tier_of: str | None = None
     role: str = "both"  # its part in a prefill/decode split (kvindex/roles.py)
     kv_groups: str = ""  # a hybrid model's KV-cache groups (kvindex.groups.format_groups; '' for one group)
+    max_model_len: int | None = None  # its engine's context length (None: not known)
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,26 @@ def _shown(value: object) -> str:
     """The value as the client sent it, cut short: an error message is one line."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_context_length(body: Mapping[str, Any], prompt_tokens: int, max_model_len: int | None) -> None:
+    """vLLM's refusal, before the request reaches an engine: a prompt longer than the model's
+    context, or a prompt and the reply it asks for (``max_tokens`` or ``max_completion_tokens``)
+    that do not fit in it. ``max_model_len`` None: not known, nothing checked."""
+    if not max_model_len:
+        return
+    if prompt_tokens > max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_tokens} tokens. Please reduce the length of the prompt."
+        )
+        raise SamplingError(message, "messages" if "messages" in body else "prompt")
+    for name in ("max_completion_tokens", "max_tokens"):
+        asked = body.get(name)
+        if isinstance(asked, int) and not isinstance(asked, bool) and prompt_tokens + asked > max_model_len:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + asked} tokens ({prompt_tokens} in the prompt, {asked} in the completion). "
+                "Please reduce the length of the prompt or completion."
+            )
+            raise SamplingError(message, name)

@@ -22,6 +22,7 @@
 --         holder's worker id
 -- ARGV[11] optional: the worker's role in a prefill/decode split: 'both' (or '' / absent),
 --         'prefill' or 'decode' (kvindex/roles.py)
+-- ARGV[12] optional: the engine's context length, max_model_len ('' / absent / 0: unknown)
 -- Returns {'ok', gid, epoch} or {'taken', gid, 0}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
 -- differs from the one the model's other alive workers use.
 local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
@@ -32,6 +33,10 @@ local gid = ARGV[7]
 local adapters = ARGV[8] or ''
 local tier, tier_of = ARGV[9] or '', ARGV[10] or ''
 local role = ARGV[11] or ''
+local max_model_len = ARGV[12] or ''
+if max_model_len == '' then
+  max_model_len = '0'
+end
 if role == '' then
   role = 'both'
 end
@@ -63,6 +68,10 @@ end
 -- Canonical decimal only: scripts compare gids as strings, and Lua prints big numbers as 4.5e+15.
 if gid == nil or not string.match(gid, '^[1-9]%d*$') or #gid > 16 or tonumber(gid) >= 2 ^ 53 then
   return redis.error_reply('ERR kvroute: gid must be a decimal integer in 1..2^53-1, got ' .. tostring(gid))
+end
+if not string.match(max_model_len, '^%d+$') or #max_model_len > 12 then
+  return redis.error_reply('ERR kvroute: max_model_len must be a non-negative integer, got '
+    .. string.sub(max_model_len, 1, 64))
 end
 if #adapters > 65536 then
   return redis.error_reply('ERR kvroute: adapters must be a list of at most 65536 bytes')
@@ -102,7 +111,8 @@ end
 local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
 redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'block_size', block_size,
   'dp_rank', dp_rank, 'gid', gid, 'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms,
-  'blocks', 0, 'adapters', adapters, 'tier', tier, 'tier_of', tier_of, 'role', role)
+  'blocks', 0, 'adapters', adapters, 'tier', tier, 'tier_of', tier_of, 'role', role,
+  'max_model_len', max_model_len)
 redis.call('HDEL', record_key, 'pending')  -- a re-assert's stage is void
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtokens.sampling import SamplingError, check_sampling
+from kvtokens.sampling import SamplingError, check_context_length, check_sampling
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
 from router.outcomes import account, log_fields, on_failure, record_usage, reported_cached
@@ -70,9 +70,13 @@ async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: 
         # The detail names the worker's address: the log's, not the client's.
         log.warning("tokenizing through worker %s failed: %s", workers[0].worker_id, exc)
         raise ApiError(502, "could not tokenize the prompt through a worker", "upstream_error") from None
+    try:
+        check_context_length(body, len(tokens), state.fleet.context_length(model))
+    except SamplingError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ApiError(400, "'cache_salt' must be a non-empty string")
+        raise ApiError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
     try:
         decision = await state.decider.decide(model, tokens, salt, dry_run, adapter)
     except NoWorkers as exc:

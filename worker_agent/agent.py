@@ -85,6 +85,7 @@ class Agent:
         self._stop = stop or asyncio.Event()
         self._model = settings.model
         self._adapters: tuple[str, ...] = ()  # the LoRA adapters the engine serves, as last listed
+        self._max_model_len = 0  # the engine's context length, from its listing (0: not said)
         self._health_failures = 0
         self._bad_metrics_said: set[str] = set()  # metrics whose bad values were logged (once each)
         self._last_error_log = 0.0
@@ -152,12 +153,15 @@ class Agent:
         """The model to index: --model, else the engine's one base model (its LoRA adapters are
         listed beside it and are not models of their own: their blocks are the base model's,
         hashed with the adapter's name)."""
+        served = await self.engine.served_models()
+        if served is not None:  # its context length too, which routers check prompts against
+            self._max_model_len = served.max_model_len.get(self._model or "", 0)
         if self._model is not None:
             return True
-        served = await self.engine.served_models()
         if served is not None and len(served.bases) == 1:
             self._model = served.bases[0]
             self._adapters = served.adapters_of(self._model)
+            self._max_model_len = served.max_model_len.get(self._model, 0)
             return True
         if served is not None and served.bases:
             log.error("the engine serves %s: pass --model", list(served.bases))
@@ -178,6 +182,7 @@ class Agent:
             settings.dp_rank,
             self._adapters,
             role=settings.role,
+            max_model_len=self._max_model_len,
         )
         while not await self.writer.register(info):
             if await self._sleep(settings.heartbeat_interval_s):

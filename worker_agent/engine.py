@@ -234,6 +234,8 @@ class ServedModels:
 
     bases: tuple[str, ...] = ()
     adapters: Mapping[str, str] = field(default_factory=dict)  # adapter -> its base model
+    # base model -> its context length, where the listing says (vLLM's model card: max_model_len)
+    max_model_len: Mapping[str, int] = field(default_factory=dict)
 
     def adapters_of(self, base: str) -> tuple[str, ...]:
         return tuple(sorted(name for name, parent in self.adapters.items() if parent == base))
@@ -242,10 +244,12 @@ class ServedModels:
 def parse_models(body: object) -> ServedModels:
     """An OpenAI model listing -> :class:`ServedModels`. Entries without a string ``id`` are left
     out; an entry with a string ``parent`` is an adapter (vLLM's LoRA modules), any other a base
-    model. An adapter whose name is not one line is left out (the index keeps one per line)."""
+    model. An adapter whose name is not one line is left out (the index keeps one per line). A
+    base model's ``max_model_len`` is kept where it is a positive integer."""
     data = body.get("data") if isinstance(body, dict) else None
     bases: list[str] = []
     adapters: dict[str, str] = {}
+    lengths: dict[str, int] = {}
     for entry in data if isinstance(data, list) else []:
         name = entry.get("id") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not name:
@@ -256,4 +260,7 @@ def parse_models(body: object) -> ServedModels:
                 adapters[name] = parent
         else:
             bases.append(name)
-    return ServedModels(tuple(bases), adapters)
+            length = entry.get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and 0 < length < 1 << 40:
+                lengths[name] = length
+    return ServedModels(tuple(bases), adapters, lengths)

@@ -239,6 +239,7 @@ def _record_json(record: WorkerRecord) -> dict[str, Any]:
         "role": record.role,  # both, prefill or decode (kvindex/roles.py)
         # a hybrid model's KV-cache groups (kvindex/groups.py), '' for one group
         "kv_groups": record.kv_groups,
+        "max_model_len": record.max_model_len,  # its engine's context length (null: not known)
     }
 
 

@@ -212,6 +212,12 @@ class Fleet:
         """Whether a worker of ``model`` was listed as a prefill worker: its requests may be split."""
         return model in self._split_models
 
+    def context_length(self, model: str) -> int | None:
+        """The shortest max_model_len its alive workers registered (None: none said): a longer
+        request fails on every engine that has the smaller one."""
+        lengths = [w.max_model_len for w in self._alive.get(model, ()) if w.max_model_len]
+        return min(lengths) if lengths else None
+
     def adapters(self, model: str) -> list[str]:
         """The adapters of ``model`` that an alive worker serves."""
         return sorted({a for w in self._alive.get(model, ()) for a in w.adapters})

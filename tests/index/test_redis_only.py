@@ -149,6 +149,8 @@ async def test_bad_register_arguments_get_clear_errors(redis_client, unique_name
     keys = index.keys(unique_name)
     with pytest.raises(ScriptArgumentError, match="role must be both, prefill or decode, got boss"):
         await index.scripts.run(lua.register(keys, "a", "http://a", 16, 0, LONG_TTL, 1 << 40, role="boss"))
+    with pytest.raises(ScriptArgumentError, match="max_model_len must be a non-negative integer, got -5"):
+        await index.scripts.run(lua.register(keys, "a", "http://a", 16, 0, LONG_TTL, 1 << 40, max_model_len=-5))
     assert await model_keys(redis_client, unique_name) == {}
 
 

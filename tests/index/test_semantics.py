@@ -277,3 +277,14 @@ async def test_a_workers_role_is_registered_and_read_back(index, unique_name):
     assert {r.worker_id: r.role for r in await index.workers(unique_name)}["p"] == "both"
     with pytest.raises(ValueError, match="role is one of both, prefill, decode, got 'boss'"):
         WorkerInfo("x", unique_name, "http://x", 4, role="boss")
+
+
+async def test_a_workers_context_length_is_registered_and_read_back(index, unique_name):
+    """The engine's max_model_len, where its agent learned it (routers refuse prompts longer than
+    it): what a worker registers every reader sees; 0 is unknown (None), as records before it."""
+    await index.register(WorkerInfo("a", unique_name, "http://a", 4, max_model_len=4096), LONG_TTL)
+    await index.register(worker(unique_name, "b"), LONG_TTL)
+    lengths = {record.worker_id: record.max_model_len for record in await index.workers(unique_name)}
+    assert lengths == {"a": 4096, "b": None}
+    with pytest.raises(ValueError, match=r"max_model_len is 0 \(unknown\) or more, got -1"):
+        WorkerInfo("x", unique_name, "http://x", 4, max_model_len=-1)

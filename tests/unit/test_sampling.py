@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtokens.sampling import NUMBERS, SamplingError, check_sampling
+from kvtokens.sampling import NUMBERS, SamplingError, check_context_length, check_sampling
 
 
 @pytest.mark.parametrize(
@@ -57,3 +57,16 @@ def test_any_value_is_taken_or_refused_with_a_sampling_error(body):
         check_sampling(body)
     except SamplingError as exc:
         assert exc.param in body
+
+
+def test_a_request_longer_than_the_models_context_is_refused_as_vllm_does():
+    with pytest.raises(SamplingError) as error:
+        check_context_length({"prompt": "x"}, 5000, 4096)
+    assert error.value.param == "prompt" and "maximum context length is 4096 tokens" in str(error.value)
+    assert "your prompt has 5000 tokens" in str(error.value)
+    with pytest.raises(SamplingError) as error:
+        check_context_length({"messages": [], "max_completion_tokens": 200}, 4000, 4096)
+    assert error.value.param == "max_completion_tokens"
+    assert "requested 4200 tokens (4000 in the prompt" in str(error.value)
+    check_context_length({"prompt": "x", "max_tokens": 96}, 4000, 4096)  # fits exactly
+    check_context_length({"prompt": "x"}, 10**6, None)  # the length not known: the engine judges

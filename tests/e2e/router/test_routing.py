@@ -16,7 +16,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
 from router.shared.shared_load import SharedLoad
-from tests.support import ROOT, wait_for_workers, wait_until
+from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
 from tests.support.router import (
     PREFIX,
     complete,
@@ -262,3 +262,24 @@ def test_bad_router_flags_exit_2_with_a_message():
         timeout=60,
     )
     assert result.returncode == 2 and "--tokenizer takes MODEL=DIR" in result.stderr
+
+
+async def test_a_prompt_longer_than_the_engines_context_is_refused_by_the_router(redis_server):
+    """The agents register their engines' max_model_len (from /v1/models): the router answers
+    vLLM's 400 itself, and no engine is sent the prompt."""
+    fleet = await SimFleet(redis_server.url, count=2, max_model_len=256).start()
+    context, router = await start_router(redis_server.url)
+    try:
+        await wait_for_workers(router, fleet.count)
+        assert router.state.fleet.context_length("tiny") == 256
+        status, headers, reply = await complete(router.url, list(range(1, 301)))
+        assert status == 400 and "x-kvroute-worker" not in headers, reply
+        error = reply["error"]
+        assert "maximum context length is 256 tokens" in error["message"] and error["param"] == "prompt"
+        status, _, reply = await complete(router.url, list(range(1, 201)), max_tokens=100)
+        assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+        assert sum(e.engine.stats.requests_finished for e in fleet.engines) == 0  # none reached an engine
+        assert (await complete(router.url, list(range(1, 201)), max_tokens=8))[0] == 200
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
+        await fleet.stop()
