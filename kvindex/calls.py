@@ -180,7 +180,7 @@ def register(
     ``role`` its part in a prefill/decode split (kvindex.roles); ``max_model_len`` its engine's
     context length (0: unknown)."""
     record = keys.worker(worker_id)
-    identity = [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid]
+    identity: list[str | int] = [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid]
     return REGISTER.call(
         [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record, keys.alive_version],
         [*identity, adapter_lines(adapters), tier, tier_of, role, max_model_len],
