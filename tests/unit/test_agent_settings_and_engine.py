@@ -367,3 +367,18 @@ def test_a_model_listing_separates_base_models_from_their_lora_adapters():
     assert served.bases == ("tiny",)
     assert served.adapters_of("tiny") == ("chat-lora", "sql-lora") and served.adapters_of("big") == ("other-base-lora",)
     assert parse_models({"data": "nope"}) == ServedModels() and parse_models(["x"]) == ServedModels()
+
+
+def test_a_base_models_context_length_is_read_from_its_model_card():
+    """vLLM's model card has max_model_len (an adapter's is null): the agent registers it."""
+    from worker_agent.engine import parse_models
+
+    listing = {
+        "data": [
+            {"id": "tiny", "parent": None, "max_model_len": 2048},
+            {"id": "sql-lora", "parent": "tiny", "max_model_len": None},
+            {"id": "odd", "max_model_len": True},
+            {"id": "neg", "max_model_len": -4},
+        ]
+    }
+    assert parse_models(listing).max_model_len == {"tiny": 2048}
