@@ -70,8 +70,8 @@ async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: 
         # The detail names the worker's address: the log's, not the client's.
         log.warning("tokenizing through worker %s failed: %s", workers[0].worker_id, exc)
         raise ApiError(502, "could not tokenize the prompt through a worker", "upstream_error") from None
-    try:
-        check_context_length(body, len(tokens), state.fleet.context_length(model))
+    try:  # /debug/route (dry_run) shows the routing of any prompt; a real one is refused here
+        check_context_length(body, len(tokens), None if dry_run else state.fleet.context_length(model))
     except SamplingError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
     salt = body.get("cache_salt")
