@@ -9,9 +9,11 @@ import argparse
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
+from enum import StrEnum
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+E = TypeVar("E", bound=StrEnum)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -56,6 +58,20 @@ def flag_or_env(
 def typed(kind: Callable[[str], T]) -> Callable[[str, str], T]:
     """A ``parse`` for :func:`flag_or_env` of a plain type."""
     return lambda variable, text: parse_as(kind, variable, text)
+
+
+def choice(kind: type[E]) -> Callable[[str, str], E]:
+    """A ``parse`` for :func:`flag_or_env` of one of an enum's values (any case), a ValueError
+    naming the variable and the values otherwise."""
+
+    def parse(variable: str, text: str) -> E:
+        try:
+            return kind(text.strip().lower())
+        except ValueError:
+            names = ", ".join(m.value for m in kind)
+            raise ValueError(f"{variable} must be one of {names}, got {text!r}") from None
+
+    return parse
 
 
 class Parser(argparse.ArgumentParser):

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from kvservice.options import flag_or_env, typed
+from kvservice.options import choice, flag_or_env, typed
 from router.routing.pd import (
     DEFAULT_DECODE_WEIGHT,
     DEFAULT_HOP_MS,
@@ -69,26 +69,14 @@ def pd_costs(args: argparse.Namespace, env: Mapping[str, str]) -> PdCosts:
         ),
         env,
         [
-            ("mode", "KVROUTE_PD_SPLIT", _choice(SplitMode)),
+            ("mode", "KVROUTE_PD_SPLIT", choice(SplitMode)),
             ("transfer_ms_per_1k", "KVROUTE_PD_TRANSFER_MS", typed(float)),
             ("hop_ms", "KVROUTE_PD_HOP_MS", typed(float)),
-            ("whole_on", "KVROUTE_PD_WHOLE_ON", _choice(WholeOn)),
+            ("whole_on", "KVROUTE_PD_WHOLE_ON", choice(WholeOn)),
             ("decode_weight", "KVROUTE_PD_DECODE_WEIGHT", typed(float)),
         ],
     )
-    if isinstance(given.get("mode"), str):
-        given["mode"] = SplitMode(given["mode"])
-    if isinstance(given.get("whole_on"), str):
-        given["whole_on"] = WholeOn(given["whole_on"])
+    for name, kind in (("mode", SplitMode), ("whole_on", WholeOn)):
+        if name in given:  # a flag's text (argparse checked it), or the variable's value
+            given[name] = kind(given[name])
     return PdCosts(**given)
-
-
-def _choice(kind: type[SplitMode] | type[WholeOn]) -> Callable[[str, str], SplitMode | WholeOn]:
-    def parse(variable: str, text: str) -> SplitMode | WholeOn:
-        try:
-            return kind(text.strip().lower())
-        except ValueError:
-            names = ", ".join(m.value for m in kind)
-            raise ValueError(f"{variable} must be one of {names}, got {text!r}") from None
-
-    return parse

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvindex.settings import RedisSettings, add_redis_arguments, read_secret_lines, redis_security_overrides
 from kvservice.logs import add_log_arguments
-from kvservice.options import flag_or_env, parse_switch, typed
+from kvservice.options import choice, flag_or_env, parse_switch, typed
 from router.pd_settings import add_pd_arguments, pd_costs
 from router.routing.allow import WorkerAllowList
 from router.routing.pd import PdCosts
@@ -346,7 +346,7 @@ def _tier_costs(args: argparse.Namespace, env: Mapping[str, str]) -> TierCosts:
         ),
         env,
         [
-            ("mode", "KVROUTE_TIER_COST", _tier_mode),
+            ("mode", "KVROUTE_TIER_COST", choice(TierMode)),
             ("load_ms_per_1k", "KVROUTE_TIER_LOAD_MS", values),
             ("weights", "KVROUTE_TIER_WEIGHTS", values),
         ],
@@ -357,13 +357,6 @@ def _tier_costs(args: argparse.Namespace, env: Mapping[str, str]) -> TierCosts:
     if isinstance(given.get("mode"), str):
         given["mode"] = TierMode(given["mode"])
     return TierCosts(**given)
-
-
-def _tier_mode(variable: str, text: str) -> TierMode:
-    try:
-        return TierMode(text.strip().lower())
-    except ValueError:
-        raise ValueError(f"{variable} must be one of {', '.join(m.value for m in TierMode)}, got {text!r}") from None
 
 
 def _flag_or_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
