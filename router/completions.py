@@ -21,7 +21,7 @@ from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
 from router.routing.booking import Booking
 from router.routing.decide import Decision, NoWorkers
 from router.routing.fleet import Fleet
-from router.routing.pd import Baseline, PdCosts, Plan, SplitMode, plan
+from router.routing.pd import Baseline, Plan, SplitMode, plan
 from router.routing.scoring import Candidate, Policy
 from router.split_completions import proxy_split
 from router.state import RouterState
@@ -172,7 +172,7 @@ def _plan(state: RouterState, decision: Decision) -> Plan:
     if not state.fleet.disaggregated(decision.model) or state.settings.pd.mode is SplitMode.OFF:
         return Plan(False, list(decision.choice.ranked), [], [])  # the common case, at no cost
     roles = state.fleet.roles(decision.model)
-    costs = state.settings.pd if not decision.degraded else PdCosts(SplitMode.NEVER)
+    costs = state.settings.pd.unsplit() if decision.degraded else state.settings.pd
     model = state.decider.learner_for(decision.model).model
     policy = state.settings.policy
     baseline = None

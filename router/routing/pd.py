@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kvindex.roles import BOTH, PREFILL, serves_decode_leg, serves_prefill_leg, serves_whole
@@ -81,6 +81,11 @@ class PdCosts:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.transfer_ms_per_1k / 1e6
+
+    def unsplit(self) -> PdCosts:
+        """The same settings, never splitting (a degraded decision: it read no match); whole
+        requests still go only where ``whole_on`` says."""
+        return replace(self, mode=SplitMode.NEVER)
 
 
 @dataclass(frozen=True)

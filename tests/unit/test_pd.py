@@ -200,3 +200,13 @@ def test_decode_legs_that_take_longer_than_predicted_raise_the_next_splits_cost(
 def test_a_store_connectors_prefill_reply_names_no_params_and_the_decode_leg_goes_as_sent():
     body = {"model": "m", "prompt": [1, 2], "max_tokens": 9}
     assert json.loads(decode_body(body, None)) == body
+
+
+def test_a_degraded_decision_is_never_split_and_keeps_the_operators_whole_on():
+    """It read no match: whole only, and still only where --pd-whole-on says (P2P NCCL producers
+    cannot answer alone)."""
+    costs = PdCosts(SplitMode.AUTO, 2.5, 0.0, WholeOn.DECODE, 1.0).unsplit()
+    assert costs == PdCosts(SplitMode.NEVER, 2.5, 0.0, WholeOn.DECODE, 1.0)
+    scored = ranked(worker("p1"), worker("d1", running=40), worker("d2", running=40))
+    found = plan(scored, ROLES, 64 * BS, BS, MODEL, costs, random.Random(1), None)
+    assert not found.split and {s.candidate.worker_id for s in found.whole} == {"d1", "d2"}
