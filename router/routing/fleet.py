@@ -61,6 +61,7 @@ class Fleet:
         self._groups: dict[str, tuple[GroupSpec, ...]] = {}  # hybrid models' KV-cache groups
         self._roles: dict[str, dict[str, str]] = {}  # model -> worker id -> role, as last listed
         self._split_models: set[str] = set()  # models with a prefill worker
+        self._context_lengths: dict[str, int] = {}  # model -> the shortest max_model_len registered
         self._known_models: set[str] = set()
         # model -> monotonic time since when Redis has listed no alive worker for a model whose
         # last known workers are still offered (retained).
@@ -136,6 +137,11 @@ class Fleet:
         # read by every decision: kept with the listing, not rebuilt per request
         self._roles = {model: {w.worker_id: w.role for w in workers} for model, workers in alive.items()}
         self._split_models = {model for model, roles in self._roles.items() if PREFILL in roles.values()}
+        self._context_lengths = {
+            model: min(lengths)
+            for model, workers in alive.items()
+            if (lengths := [w.max_model_len for w in workers if w.max_model_len])
+        }
         # a model is known while some worker of it has a record (503 while none is alive), else 404
         with_records = set(listed) if recorded is None else {m for m in listed if recorded.get(m)}
         self._known_models = with_records | set(self._missing_since)
@@ -213,10 +219,9 @@ class Fleet:
         return model in self._split_models
 
     def context_length(self, model: str) -> int | None:
-        """The shortest max_model_len its alive workers registered (None: none said): a longer
-        request fails on every engine that has the smaller one."""
-        lengths = [w.max_model_len for w in self._alive.get(model, ()) if w.max_model_len]
-        return min(lengths) if lengths else None
+        """The shortest max_model_len its workers registered, as last listed (None: none said): a
+        longer request fails on every engine that has the smaller one."""
+        return self._context_lengths.get(model)
 
     def adapters(self, model: str) -> list[str]:
         """The adapters of ``model`` that an alive worker serves."""
