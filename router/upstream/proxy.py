@@ -86,6 +86,11 @@ def end_to_end(
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
+def reply_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
+    """A worker's reply headers as the client gets them: end to end, without the engine's ``Server``."""
+    return end_to_end(headers, NOT_RELAYED)
+
+
 def request_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], request_id: str) -> CIMultiDict[str]:
     forwarded = end_to_end(headers, NOT_FORWARDED)
     forwarded["X-Request-Id"] = request_id
@@ -164,7 +169,7 @@ async def _relay(
     extra_headers: dict[str, str],
     on_first_byte: Callable[[], None],
 ) -> dict | None:
-    headers = end_to_end(upstream.headers, NOT_RELAYED)  # Content-Encoding stays: the body is relayed as sent
+    headers = reply_headers(upstream.headers)  # Content-Encoding stays: the body is relayed as sent
     headers.update(extra_headers)  # replaces the worker's X-Request-Id, whatever its case
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     length = upstream.content_length

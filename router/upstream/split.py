@@ -39,12 +39,11 @@ from router.upstream.pool import UpstreamPool
 from router.upstream.proxy import (
     MAX_JSON_SNIFF,
     MAX_TRIES,
-    NOT_RELAYED,
     Downstream,
     Outgoing,
     UpstreamFailed,
-    end_to_end,
     failure_text,
+    reply_headers,
     request_headers,
 )
 from router.upstream.usage import usage_from_json
@@ -122,7 +121,7 @@ async def prefill(
             last = exc
         else:
             if 400 <= reply.status < 500:
-                raise ClientMistake(reply.status, end_to_end(reply.headers, NOT_RELAYED), body)
+                raise ClientMistake(reply.status, reply_headers(reply.headers), body)
             if reply.status == 200:
                 booking.prefilled(candidate)
                 usage = usage_from_json(body)
@@ -204,7 +203,7 @@ async def _relay_rewritten(
 ) -> tuple[dict | None, float | None]:
     """Relay the decode worker's reply with the prefill side's cached tokens in its usage: the
     usage, and for a stream when its first byte came (perf_counter)."""
-    headers = end_to_end(upstream.headers, NOT_RELAYED)
+    headers = reply_headers(upstream.headers)
     headers.update(extra_headers)
     encoded = "Content-Encoding" in upstream.headers  # a compressed body is relayed as sent
     rewrite = None if encoded or cached_tokens is None else cached_tokens
