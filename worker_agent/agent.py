@@ -154,14 +154,12 @@ class Agent:
         listed beside it and are not models of their own: their blocks are the base model's,
         hashed with the adapter's name)."""
         served = await self.engine.served_models()
-        if served is not None:  # its context length too, which routers check prompts against
-            self._max_model_len = served.max_model_len.get(self._model or "", 0)
-        if self._model is not None:
-            return True
-        if served is not None and len(served.bases) == 1:
+        if self._model is None and served is not None and len(served.bases) == 1:
             self._model = served.bases[0]
             self._adapters = served.adapters_of(self._model)
-            self._max_model_len = served.max_model_len.get(self._model, 0)
+        if self._model is not None:
+            if served is not None:  # its context length too, which routers check prompts against
+                self._max_model_len = served.max_model_len.get(self._model, 0)
             return True
         if served is not None and served.bases:
             log.error("the engine serves %s: pass --model", list(served.bases))
