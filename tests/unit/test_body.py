@@ -99,3 +99,11 @@ async def test_a_tokenize_answer_without_usable_ids_is_an_error(raw, limit, stat
     with pytest.raises(BodyError) as error:
         await decode_token_answer(raw, limit)
     assert error.value.status == status
+
+
+def test_the_body_reads_every_sampling_field_the_router_checks():
+    """Fields lists them by hand (a msgspec struct); one missing would go unchecked, silently."""
+    from kvtokens.sampling import SAMPLING_FIELDS
+    from router.prompts.body import Fields
+
+    assert set(SAMPLING_FIELDS) <= set(Fields.__struct_fields__)
