@@ -8,7 +8,8 @@ from array import array
 
 import pytest
 
-from router.prompts.body import SLICE_BYTES, TOO_DEEP, BodyError, decode_body, decode_token_answer
+from kvtokens.sampling import SAMPLING_FIELDS
+from router.prompts.body import SLICE_BYTES, TOO_DEEP, BodyError, Fields, decode_body, decode_token_answer
 
 LONG = [(i * 7919) % 200_000 for i in range(3 * SLICE_BYTES // 6)]  # ~3 slices of ids
 
@@ -103,7 +104,4 @@ async def test_a_tokenize_answer_without_usable_ids_is_an_error(raw, limit, stat
 
 def test_the_body_reads_every_sampling_field_the_router_checks():
     """Fields lists them by hand (a msgspec struct); one missing would go unchecked, silently."""
-    from kvtokens.sampling import SAMPLING_FIELDS
-    from router.prompts.body import Fields
-
     assert set(SAMPLING_FIELDS) <= set(Fields.__struct_fields__)
