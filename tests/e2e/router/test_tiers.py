@@ -46,6 +46,15 @@ async def serve_directly(url: str, prompt: list[int]) -> dict:
             return await response.json()
 
 
+async def routed_there_and_predicted(router: RunningRouter, worker: str, prefix: list[int]) -> None:
+    """A prompt of ``prefix`` goes to ``worker``, and the cached tokens predicted (the prefix,
+    loaded from a lower tier) are the engine's report."""
+    status, headers, body = await complete(router.url, [*prefix, 3])
+    assert status == 200 and headers["x-kvroute-worker"] == worker
+    reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
+
+
 async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicted(router, tier_fleet):
     owner = tier_fleet.engines[0]
     worker = tier_fleet.worker_id(0)
@@ -66,10 +75,7 @@ async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicte
 
     await wait_until(only_the_cpu_holds_it, 15)
     await router.state.fleet.refresh()  # the router knows of the worker's CPU tier (within a second)
-    status, headers, body = await complete(router.url, [*prefix, 3])
-    assert status == 200 and headers["x-kvroute-worker"] == worker
-    reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
+    await routed_there_and_predicted(router, worker, prefix)
     await router.state.fleet.refresh()  # the dashboard shows the last listing
 
     async def loads_counted() -> bool:  # counted after the reply went out (the client does not wait for it)
@@ -118,10 +124,7 @@ async def test_a_prefix_only_the_disk_tier_holds_draws_its_prompt_and_is_predict
 
         await wait_until(only_the_disk_holds_it, 15)
         await router.state.fleet.refresh()  # the router knows of the worker's disk tier (within a second)
-        status, headers, body = await complete(router.url, [*prefix, 3])
-        assert status == 200 and headers["x-kvroute-worker"] == worker
-        reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert int(headers["x-kvroute-cached-tokens"]) == reported == len(prefix)
+        await routed_there_and_predicted(router, worker, prefix)
 
         async def loads_counted() -> bool:  # counted after the reply went out
             async with aiohttp.ClientSession() as session:
