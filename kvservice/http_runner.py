@@ -12,7 +12,6 @@ public hook for that, so the runner's server makes handlers of a subclass that a
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -54,9 +53,6 @@ class _OpenAIErrorsServer(web.Server):
 
 class OpenAIErrorsRunner(web.AppRunner):
     """``web.AppRunner`` whose connections answer malformed HTTP in OpenAI's error shape."""
-
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
