@@ -24,6 +24,7 @@ _MEDIA: Final = {
     "DEVICE": GPU,
     "CPU": "CPU",
     "HOST": "CPU",
+    "CPU_PINNED": "CPU",  # SGLang's host memory
     "DRAM": "CPU",
     "DISK": "DISK",
     "LOCALDISK": "DISK",
@@ -34,6 +35,7 @@ _MEDIA: Final = {
     "SSD": "DISK",
     "REMOTE": "REMOTE",
     "OBJ": "REMOTE",
+    "EXTERNAL": "REMOTE",  # SGLang's shared pool (Mooncake)
     "S3": "REMOTE",
 }
 

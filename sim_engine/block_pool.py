@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvevents.vllm import Event
+from kvevents.events import Event
 from sim_engine.kv_events import cleared_event, removed_event, stored_event
 
 NONE_HASH = int.from_bytes(hashlib.sha256(b"kvroute-sim-none-hash").digest()[:8], "little")

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvevents.vllm import Event
+from kvevents.events import Event
 from sim_engine.block_pool import CacheKeys
 from sim_engine.kv_events import removed_event, stored_event
 from sim_engine.types import SimRequest

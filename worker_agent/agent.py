@@ -38,6 +38,7 @@ from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from worker_agent.engine import EngineClient, EngineMetrics
+from worker_agent.engine_kinds import KINDS, PAGED_DEFAULT_BLOCK_SIZE, VLLM
 from worker_agent.events import EventsWatch, stay_connected
 from worker_agent.inbox import Inbox
 from worker_agent.liveness import Liveness
@@ -86,6 +87,7 @@ class Agent:
         self._model = settings.model
         self._adapters: tuple[str, ...] = ()  # the LoRA adapters the engine serves, as last listed
         self._max_model_len = 0  # the engine's context length, from its listing (0: not said)
+        self._listed_kind: str | None = None  # the engine kind its listing names
         self._health_failures = 0
         self._bad_metrics_said: set[str] = set()  # metrics whose bad values were logged (once each)
         self._last_error_log = 0.0
@@ -140,7 +142,8 @@ class Agent:
         if self._stop.is_set():
             return False
         self.engine_up = True
-        metrics = await self.engine.metrics()
+        self._take_engine_kind()
+        metrics = await self.engine.metrics(self.pipeline.block_size)
         if metrics is not None:
             self._take_metrics(metrics)  # the restart evidence's first reading
         if self.pipeline.block_size is None:  # not in the settings: the engine's /metrics may say
@@ -154,6 +157,8 @@ class Agent:
         listed beside it and are not models of their own: their blocks are the base model's,
         hashed with the adapter's name)."""
         served = await self.engine.served_models()
+        if served is not None:
+            self._listed_kind = served.engine_kind
         if self._model is None and served is not None and len(served.bases) == 1:
             self._model = served.bases[0]
             self._adapters = served.adapters_of(self._model)
@@ -164,6 +169,21 @@ class Agent:
         if served is not None and served.bases:
             log.error("the engine serves %s: pass --model", list(served.bases))
         return False
+
+    def _take_engine_kind(self) -> None:
+        """Read the engine as --engine-kind says, else as its listing says, else as vLLM."""
+        name = self.settings.engine_kind or self._listed_kind or VLLM
+        kind = KINDS[name]
+        self.pipeline.set_engine_kind(kind, PAGED_DEFAULT_BLOCK_SIZE)
+        self.engine.names = kind.metrics
+        how = "--engine-kind" if self.settings.engine_kind else "its /v1/models" if self._listed_kind else "the default"
+        log.info(
+            "reading the engine as %s (%s); index block size %s",
+            name,
+            how,
+            self.pipeline.block_size or "from its events",
+            extra={"fields": {"engine_kind": name}},
+        )
 
     async def _register_and_catch_up(self) -> None:
         """Register (retrying while Redis is down) and rebuild from the replay buffer. Needs the
@@ -266,7 +286,7 @@ class Agent:
     async def _engine_step(self) -> None:
         """The engine's /metrics: its load into the index, its work counters into the watch, and
         whether it is a new process."""
-        metrics = await self.engine.metrics()
+        metrics = await self.engine.metrics(self.pipeline.block_size)
         if metrics is None:
             return
         restarted = self._take_metrics(metrics)
@@ -335,7 +355,7 @@ class Agent:
 
     async def _engine_back(self) -> None:
         """/health answers again: a restart only on evidence, then heartbeats resume."""
-        metrics = await self.engine.metrics()
+        metrics = await self.engine.metrics(self.pipeline.block_size)
         restarted = self._take_metrics(metrics) if metrics is not None else None
         if restarted is not None:
             await self._engine_restarted(restarted)

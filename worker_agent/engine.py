@@ -18,21 +18,15 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
+from worker_agent.engine_kinds import VLLM_METRICS, MetricNames, kind_of_listing
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-CACHE_CONFIG = "vllm:cache_config_info"
-# prometheus_client's process collector (vLLM's API server has it): a new value is a new process.
-START_TIME = "process_start_time_seconds"
+# vLLM's names, kept for callers that read one by name (the agent reads by its engine's kind).
+RUNNING, WAITING, KV_USAGE = VLLM_METRICS.load
+CACHE_CONFIG = VLLM_METRICS.cache_config
+START_TIME = VLLM_METRICS.start_time
 # Counters that grow as the engine serves requests (so its KV events should be arriving); one
 # that goes back means a new process.
-WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:request_success_total")
-# What the engine computed rather than found cached: new KV blocks, so KV events, come only from these.
-PROMPT_TOKENS, FINISHED = WORK_COUNTERS
-CACHED_TOKENS, GENERATED_TOKENS = "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total"
-LOAD_GAUGES = (RUNNING, WAITING, KV_USAGE)
-READ = (*LOAD_GAUGES, CACHE_CONFIG, START_TIME, *WORK_COUNTERS, CACHED_TOKENS, GENERATED_TOKENS)
+WORK_COUNTERS = (VLLM_METRICS.prompt_tokens, VLLM_METRICS.finished)
 MAX_REQUESTS = 2**31  # more running or waiting requests than any engine holds: garbage
 MAX_PAGE_BYTES = 16 << 20  # vLLM's page is ~50 KB; a bigger answer is not a metrics page
 
@@ -62,22 +56,24 @@ class EngineMetrics:
     counters: Mapping[str, float] = field(default_factory=dict)  # the valid counters (WORK_COUNTERS and more)
     start_time: float | None = None  # process_start_time_seconds, when present and valid
     bad: tuple[BadValue, ...] = ()
+    names: MetricNames = VLLM_METRICS
 
     @property
     def work(self) -> float | None:
-        """The sum of the WORK_COUNTERS present; None when the page has none."""
-        present = [self.counters[name] for name in WORK_COUNTERS if name in self.counters]
+        """The sum of the work counters present (prompt tokens, finished requests); None when the
+        page has neither."""
+        work = (self.names.prompt_tokens, self.names.finished)
+        present = [self.counters[name] for name in work if name in self.counters]
         return sum(present) if present else None
 
     def computed(self, block_size: int | None) -> ComputedTokens | None:
         """What the engine computed (None: the page lacks a counter it takes, or the block size is unknown)."""
-        names = (PROMPT_TOKENS, CACHED_TOKENS, GENERATED_TOKENS, FINISHED)
-        if block_size is None or not all(name in self.counters for name in names):
+        if block_size is None or not all(name in self.counters for name in self.names.counters):
             return None
-        c = self.counters
-        tokens = c[PROMPT_TOKENS] - c[CACHED_TOKENS] + c[GENERATED_TOKENS]
+        c, n = self.counters, self.names
+        tokens = c[n.prompt_tokens] - c[n.cached_tokens] + c[n.generated_tokens]
         in_flight = self.load.running + self.load.waiting if self.load is not None else 0
-        return ComputedTokens(tokens, c[FINISHED], in_flight, block_size)
+        return ComputedTokens(tokens, c[n.finished], in_flight, block_size)
 
 
 def root_url(engine_url: str) -> str:
@@ -86,34 +82,35 @@ def root_url(engine_url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _problem(name: str, value: float) -> str | None:
+def _problem(name: str, value: float, names: MetricNames) -> str | None:
     """Why ``value`` cannot be a sample of ``name`` (None: it can)."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
-    if value < 0 and name != KV_USAGE:  # the usage is clamped to 0..1 below
+    if value < 0 and name != names.kv_usage:  # the usage is clamped to 0..1 below
         return f"negative ({value:g})"
-    if name in (RUNNING, WAITING) and value > MAX_REQUESTS:
+    if name in (names.running, names.waiting) and value > MAX_REQUESTS:
         return f"out of range ({value:g})"
     return None
 
 
-def _name_of(line: str) -> str | None:
+def _name_of(line: str, read: tuple[str, ...]) -> str | None:
     """The metric a sample line is about, when it is one the agent reads."""
-    if not line.startswith(READ):
+    if not line.startswith(read):
         return None
-    for name in READ:
+    for name in read:
         if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ", "\t", ""):
             return name
     return None
 
 
 class _Page:
-    """Sums of one rank's samples of the metrics in READ, and what was wrong with them."""
+    """Sums of one rank's samples of the metrics the agent reads, and what was wrong with them."""
 
-    def __init__(self, dp_rank: int | None) -> None:
+    def __init__(self, dp_rank: int | None, names: MetricNames) -> None:
         self.dp_rank = dp_rank
+        self.names = names
         self.sums: dict[str, float] = {}
         self.spoiled: dict[str, str] = {}  # metric -> the first reason
         self.block_size: int | None = None
@@ -126,17 +123,17 @@ class _Page:
             self.spoiled.setdefault(name, _unparseable(exc))
             return
         for sample in samples:
-            engine = sample.labels.get("engine")
-            if self.dp_rank is not None and engine is not None and engine != str(self.dp_rank):
+            rank = sample.labels.get(self.names.rank_label)
+            if self.dp_rank is not None and rank is not None and rank != str(self.dp_rank):
                 continue
-            if name == CACHE_CONFIG:
+            if name == self.names.cache_config:
                 self.block_size = _int_label(sample.labels, "block_size", self.block_size)
                 self.capacity = _int_label(sample.labels, "num_gpu_blocks", self.capacity)
                 continue
-            problem = _problem(name, sample.value)
+            problem = _problem(name, sample.value, self.names)
             if problem is not None:
                 self.spoiled.setdefault(name, problem)
-            elif name == START_TIME:
+            elif name == self.names.start_time:
                 self.sums[name] = max(self.sums.get(name, 0.0), sample.value)
             else:
                 self.sums[name] = self.sums.get(name, 0.0) + sample.value
@@ -144,15 +141,18 @@ class _Page:
     def valid(self, name: str) -> float | None:
         return None if name in self.spoiled else self.sums.get(name)
 
-    def result(self) -> EngineMetrics:
-        running, waiting, usage = (self.valid(name) for name in LOAD_GAUGES)
+    def result(self, block_size: int | None) -> EngineMetrics:
+        running, waiting, usage = (self.valid(name) for name in self.names.load)
+        capacity = self.capacity
+        tokens = self.valid(self.names.capacity_tokens) if self.names.capacity_tokens else None
+        if tokens is not None and block_size:  # a cache sized in tokens, in the index's blocks
+            capacity = int(tokens) // block_size or None
         load = None
         if running is not None and waiting is not None and usage is not None:
-            load = WorkerLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0), self.capacity)
-        counted = (*WORK_COUNTERS, CACHED_TOKENS, GENERATED_TOKENS)
-        counters = {name: value for name in counted if (value := self.valid(name)) is not None}
+            load = WorkerLoad(int(running), int(waiting), min(max(usage, 0.0), 1.0), capacity)
+        counters = {name: value for name in self.names.counters if (value := self.valid(name)) is not None}
         bad = tuple(BadValue(name, reason) for name, reason in self.spoiled.items())
-        return EngineMetrics(load, self.block_size, counters, self.valid(START_TIME), bad)
+        return EngineMetrics(load, self.block_size, counters, self.valid(self.names.start_time), bad, self.names)
 
 
 def _unparseable(exc: Exception) -> str:
@@ -163,16 +163,21 @@ def _unparseable(exc: Exception) -> str:
     return f"unparseable ({detail[:80]})"
 
 
-def parse_metrics(text: str, dp_rank: int | None = None) -> EngineMetrics:
-    """vLLM's Prometheus page -> load, block size, work counters and start time. With data
-    parallelism one server labels each rank's series ``engine="<rank>"``; only ``dp_rank``'s count
-    (all when None). Never raises: what cannot be used is in :attr:`EngineMetrics.bad`."""
-    page = _Page(dp_rank)
+def parse_metrics(
+    text: str, dp_rank: int | None = None, names: MetricNames = VLLM_METRICS, block_size: int | None = None
+) -> EngineMetrics:
+    """An engine's Prometheus page (``names`` says which engine's) -> load, block size, work
+    counters and start time. With data parallelism one server labels each rank's series (vLLM
+    ``engine="<rank>"``, SGLang ``dp_rank``); only ``dp_rank``'s count (all when None). A cache
+    sized in tokens is counted in ``block_size`` blocks. Never raises: what cannot be used is in
+    :attr:`EngineMetrics.bad`."""
+    page = _Page(dp_rank, names)
+    read = names.read
     for line in text.splitlines():
-        name = _name_of(line)
+        name = _name_of(line, read)
         if name is not None:
             page.add_line(name, line)
-    return page.result()
+    return page.result(block_size)
 
 
 def _int_label(labels: dict[str, str], name: str, default: int | None) -> int | None:
@@ -190,6 +195,7 @@ class EngineClient:
         self.root = root_url(engine_url)
         self._dp_rank = dp_rank
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.names = VLLM_METRICS  # its kind's metric names, once the agent knows the kind
 
     async def healthy(self) -> bool:
         try:
@@ -198,8 +204,9 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
-    async def metrics(self) -> EngineMetrics | None:
-        """The parsed page; None when the engine does not answer with one."""
+    async def metrics(self, block_size: int | None = None) -> EngineMetrics | None:
+        """The parsed page (a cache sized in tokens counted in ``block_size`` blocks); None when
+        the engine does not answer with one."""
         try:
             async with self._session.get(f"{self.root}/metrics", timeout=self._timeout) as response:
                 if response.status != 200:
@@ -213,7 +220,7 @@ class EngineClient:
             return None
         if len(body) > MAX_PAGE_BYTES:
             return EngineMetrics(None, None, bad=(BadValue("/metrics", f"the page is over {MAX_PAGE_BYTES} bytes"),))
-        return parse_metrics(body.decode("utf-8", errors="replace"), self._dp_rank)
+        return parse_metrics(body.decode("utf-8", errors="replace"), self._dp_rank, self.names, block_size)
 
     async def served_models(self) -> ServedModels | None:
         """/v1/models, parsed; None when the engine does not answer with a listing."""
@@ -236,6 +243,7 @@ class ServedModels:
     adapters: Mapping[str, str] = field(default_factory=dict)  # adapter -> its base model
     # base model -> its context length, where the listing says (vLLM's model card: max_model_len)
     max_model_len: Mapping[str, int] = field(default_factory=dict)
+    engine_kind: str | None = None  # the kind of engine its entries' owned_by names (vllm, sglang)
 
     def adapters_of(self, base: str) -> tuple[str, ...]:
         return tuple(sorted(name for name, parent in self.adapters.items() if parent == base))
@@ -263,4 +271,4 @@ def parse_models(body: object) -> ServedModels:
             length = entry.get("max_model_len")
             if isinstance(length, int) and not isinstance(length, bool) and 0 < length < 1 << 40:
                 lengths[name] = length
-    return ServedModels(tuple(bases), adapters, lengths)
+    return ServedModels(tuple(bases), adapters, lengths, kind_of_listing(body))

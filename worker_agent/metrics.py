@@ -43,6 +43,8 @@ class AgentCounters:
     blocks_over_limit: int = 0  # stores the index refused: the worker held its engine's capacity
     split_batches: int = 0  # engine batches too large for one atomic apply call
     reasserts: Counter[str] = field(default_factory=Counter)  # by reason
+    # blocks the engine stored in a way the router's hash cannot rebuild, by reason (kvevents/sglang.py)
+    unreproducible_blocks: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,15 @@ class AgentCollector(Collector):
         for reason, count in sorted(self._counters.reasserts.items()):
             reasserts.add_metric([reason], count)
         yield reasserts
+        unreproducible = CounterMetricFamily(
+            PREFIX + "unreproducible_blocks",
+            "Blocks the engine stored in a way the router's hash cannot rebuild (EAGLE bigrams, an unnamed "
+            "LoRA), not indexed: the worker is routed by load for them",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._counters.unreproducible_blocks.items()):
+            unreproducible.add_metric([reason], count)
+        yield unreproducible
         translate = self._translate()
         for item in fields(translate):
             value = getattr(translate, item.name)

@@ -15,22 +15,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import xxhash
 from prometheus_client import Histogram
 
-from kvevents.vllm import BlockStored, EventBatch, WireError, decode_message
+from kvevents.events import BlockStored, Event, EventBatch, WireError
 from kvindex.groups import format_groups
 from kvindex.tiers import GPU, TIERS
 from kvindex.types import BlockChange
+from worker_agent.engine_kinds import KINDS, VLLM, EngineKind
 from worker_agent.metrics import AgentCounters
+from worker_agent.pages import PageBlocks
 from worker_agent.replay import ReplayClient
 from worker_agent.sequencer import Action, Sequencer
 from worker_agent.translate import TranslateCounters, Translator
 from worker_agent.writer import WorkerWriter
 
 log = logging.getLogger(__name__)
+_WHY = {
+    "eagle_bigrams": "with EAGLE speculative decoding SGLang keys its cache by token pairs",
+    "unnamed_lora": "a LoRA adapter named only by the engine's internal id",
+}
 
 
 @dataclass
@@ -71,6 +78,9 @@ class EventPipeline:
         self._counters = counters
         self._latency = latency
         self._last_decode_log = 0.0
+        self._unreproducible_said: set[str] = set()
+        self.kind: EngineKind = KINDS[VLLM]
+        self._pages: PageBlocks | None = None  # a paged engine's pages (set_engine_kind)
         self.last_seq = -1
 
     # --- state ----------------------------------------------------------------------------
@@ -97,6 +107,15 @@ class EventPipeline:
                     return True
         return False
 
+    def set_engine_kind(self, kind: EngineKind, paged_block_size: int) -> None:
+        """Read ``kind``'s dialect from now on; a paged engine's pages are re-blocked into blocks of
+        the block size set (else ``paged_block_size``), which its pages never tell."""
+        self.kind = kind
+        if kind.paged:
+            if self.block_size is None:
+                self.block_size = paged_block_size
+            self._pages = PageBlocks(self.block_size or paged_block_size, self._translator.counters)
+
     @property
     def translate_counters(self) -> TranslateCounters:
         return self._translator.counters
@@ -110,12 +129,14 @@ class EventPipeline:
         """Forget the stream (translation map and expected seq): the engine's cache is empty, or
         this worker's entries are about to be rebuilt. Counters and the block size stay."""
         self._translator.reset()
+        if self._pages is not None:
+            self._pages.reset()
         self._sequencer.reset()
 
     def decode(self, frames: list[bytes]) -> tuple[EventBatch, int] | None:
         """The batch and its payload digest, or None (counted, logged) when it is not one."""
         try:
-            batch = decode_message(frames)
+            batch = self.kind.decode(frames, self._topic)
         except WireError as exc:
             self._bad_message(str(exc))
             return None
@@ -127,7 +148,23 @@ class EventPipeline:
             return None
         self._counters.unknown_events += batch.unknown_events
         self._counters.unknown_keys += len(batch.unknown_keys)
-        return batch, xxhash.xxh3_64_intdigest(frames[2])
+        if batch.unreproducible:
+            self._unreproducible(batch.unreproducible)
+        return batch, xxhash.xxh3_64_intdigest(frames[-1])
+
+    def _unreproducible(self, blocks: Mapping[str, int]) -> None:
+        """Count blocks the router's hash cannot rebuild, and say so once per reason."""
+        self._counters.unreproducible_blocks.update(blocks)
+        for reason in blocks.keys() - self._unreproducible_said:
+            self._unreproducible_said.add(reason)
+            log.warning(
+                "the engine stores blocks the router cannot hash (%s: %s); they are not indexed, and requests "
+                "are routed to this worker by its load alone for them (counted in "
+                "kvroute_agent_unreproducible_blocks_total; said once)",
+                reason,
+                _WHY.get(reason, "a form this agent cannot rebuild"),
+                extra={"fields": {"reason": reason}},
+            )
 
     def _bad_message(self, reason: str) -> None:
         self._counters.decode_errors += 1
@@ -191,7 +228,10 @@ class EventPipeline:
             await self._repair(0, None)
 
     async def _accept(self, batch: EventBatch, digest: int, received_at: float, pending: _Pending) -> None:
-        translated = self._translator.translate(batch.events)
+        events: tuple[Event, ...] | list[Event] = batch.events
+        if self._pages is not None:
+            events = self._pages.translate(events)
+        translated = self._translator.translate(events)
         if translated.clear:
             pending.tiers.clear()  # the clear wipes them anyway
             await self._flush(pending)

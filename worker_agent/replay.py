@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from kvevents.vllm import REPLAY_END_SEQ
+from kvevents.events import REPLAY_END_SEQ
 
 log = logging.getLogger(__name__)
 END_MARKER_SEQ = REPLAY_END_SEQ.to_bytes(8, "big")
@@ -97,7 +97,8 @@ class ReplayClient:
 
     @staticmethod
     def _take(frames: list[bytes], result: ReplayResult) -> None:
-        if len(frames) == 4 and frames[0] == b"" and frames[2] == END_MARKER_SEQ:
+        # the end marker: [b"", b"", END, b""] (vLLM, SGLang 0.5.23) or [b"", END, b""] (earlier SGLang)
+        if len(frames) in (3, 4) and frames[0] == b"" and frames[-2] == END_MARKER_SEQ and frames[-1] == b"":
             result.complete = True
             return
         result.messages.append(frames[1:] if frames and frames[0] == b"" else frames)

@@ -16,6 +16,7 @@ from kvindex.tiers import TIERS, parse_tiers
 from kvservice.logs import add_log_arguments
 from kvservice.options import flag_or_env, parse_switch, typed
 from worker_agent.engine import root_url
+from worker_agent.engine_kinds import ENGINE_KINDS
 
 # flag dest -> environment variable (flags win over the environment)
 ENV_VARS = {
@@ -34,6 +35,7 @@ ENV_VARS = {
     "tiers": "KVROUTE_TIERS",
     "role": "KVROUTE_ROLE",
     "kv_transfer_config": "KVROUTE_KV_TRANSFER_CONFIG",
+    "engine_kind": "KVROUTE_ENGINE_KIND",
 }
 _INTS = ("block_size", "dp_rank", "metrics_port")
 _FLOATS = ("events_warn_after",)
@@ -76,6 +78,8 @@ class AgentSettings:
     # Its part in a prefill/decode split (kvindex/roles.py): --role, else the kv_role of the
     # engine's --kv-transfer-config, else both.
     role: str = BOTH
+    # vllm or sglang (worker_agent/engine_kinds.py); None: what the engine's /v1/models says, else vllm
+    engine_kind: str | None = None
 
     def __post_init__(self) -> None:
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
@@ -120,6 +124,8 @@ class AgentSettings:
             raise ValueError("--worker-id must not be empty")
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.engine_kind is not None and self.engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
         if not self.events_warn_after_s >= 0:  # NaN too
             raise ValueError(f"--events-warn-after must be >= 0 (0: never warn), got {self.events_warn_after_s}")
 
@@ -138,7 +144,18 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--replay", str, "the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558"),
     ("--topic", str, 'the KV-event topic (default "")'),
     ("--model", str, "served model name (default: ask the engine's /v1/models)"),
-    ("--block-size", int, "tokens per KV block (default: the engine's /metrics, else the first event)"),
+    (
+        "--engine-kind",
+        str,
+        "the engine: vllm or sglang; its KV-event dialect and metric names "
+        "(default: the owned_by of its /v1/models, else vllm)",
+    ),
+    (
+        "--block-size",
+        int,
+        "tokens per index block (default: vLLM's /metrics, else its first event; 16 for SGLang, whose pages are "
+        "re-blocked into the index's blocks)",
+    ),
     ("--dp-rank", int, "data-parallel rank this agent follows (default 0)"),
     ("--worker-id", str, "worker id in the index (default <engine url>#<rank>)"),
     ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 from kvindex.groups import GroupSpec
 from kvindex.hashing import extend_sequence_hashes
 from kvindex.tiers import GPU, TIERS, tier_of

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from kvevents.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 from kvindex.groups import FULL_KINDS, GroupSpec, group_block_hash
 
 

@@ -1,0 +1,140 @@
+"""Engine pages -> the index's blocks, for engines whose cache is paged finer (or coarser) than
+the index's block: SGLang's radix cache publishes one hash per page, ``--page-size`` tokens and 1
+by default, and a node's last page may be shorter.
+
+Each page the engine holds is kept with what its chain has past the index's last block boundary
+(fewer than ``block_size`` tokens) and the blocks it completed. A stored page whose chain crosses a
+boundary completes a block: it comes out as a stored run of the index's block size, under a
+synthetic engine hash (the page's hash and the block's number within it), so that
+:class:`worker_agent.translate.Translator` hashes it, chains it and counts it per tier as any
+engine's block. A page removed from a tier removes the blocks it completed from that tier. A page
+ends a block only when the engine holds every page before it on the chain (a store names its
+parent), so the index never credits a block the engine does not hold whole; the last
+``block_size - 1`` tokens of a chain are not indexed, as the router matches whole blocks only.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from kvindex.tiers import tier_of
+from worker_agent.translate import TranslateCounters
+
+
+@dataclass(slots=True)
+class _Page:
+    tail: tuple[int, ...]  # the chain's tokens past the last block boundary
+    last_block: bytes | None  # the synthetic hash of the chain's last whole block, if any
+    salt: str | None  # the chain's salt (its first block's extra key)
+    stored: BlockStored | None  # the blocks this page completed, as a run (None: none)
+    tiers: set[str] = field(default_factory=set)  # the tiers holding the page (the media's tiers)
+
+
+def _block_id(page: EngineHash, number: int) -> bytes:
+    """The synthetic engine hash of the ``number``-th block a page completed."""
+    raw = page if isinstance(page, bytes) else page.to_bytes(8, "big")
+    return b"p" + raw + number.to_bytes(4, "big")
+
+
+def _tier(medium: str | None) -> str:
+    """The tier a page is held in, as the translator tells them apart (an unknown medium by its name)."""
+    return tier_of(medium) or str(medium)
+
+
+def _first_salt(event: BlockStored) -> str | None:
+    keys = event.extra_keys[0] if event.extra_keys else None
+    return keys[0] if isinstance(keys, list | tuple) and len(keys) == 1 and isinstance(keys[0], str) else None
+
+
+class PageBlocks:
+    """Per-worker re-blocking state: the pages the engine holds."""
+
+    def __init__(self, block_size: int, counters: TranslateCounters | None = None) -> None:
+        self.block_size = block_size
+        # A page is the engine's block: an orphan page, or a removal of one never stored, is
+        # counted as the translator counts an engine block's.
+        self.counters = counters or TranslateCounters()
+        self._pages: dict[EngineHash, _Page] = {}
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def reset(self) -> None:
+        self._pages.clear()
+
+    def translate(self, events: Iterable[Event]) -> list[Event]:
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self._pages.clear()
+                out.append(event)
+            elif isinstance(event, BlockStored):
+                self._stored(event, out)
+            else:
+                self._removed(event, out)
+        return out
+
+    def _stored(self, event: BlockStored, out: list[Event]) -> None:
+        size = event.block_size
+        parent = event.parent_block_hash
+        for number, page_hash in enumerate(event.block_hashes):
+            tokens = tuple(event.token_ids[number * size : (number + 1) * size])
+            page = self._pages.get(page_hash)
+            if page is None:
+                page = self._new_page(event, page_hash, parent, tokens)
+                if page is None:
+                    self.counters.orphan_runs += 1
+                    self.counters.orphan_blocks += len(event.block_hashes) - number
+                    return  # the rest of the run chains on the missing page
+                self._pages[page_hash] = page
+            if _tier(event.medium) not in page.tiers:
+                page.tiers.add(_tier(event.medium))
+                if page.stored is not None:
+                    out.append(msgspec.structs.replace(page.stored, medium=event.medium))
+            parent = page_hash
+
+    def _new_page(
+        self, event: BlockStored, page_hash: EngineHash, parent: EngineHash | None, tokens: tuple[int, ...]
+    ) -> _Page | None:
+        if parent is None:
+            tail, last, salt = tokens, None, _first_salt(event)
+        else:
+            above = self._pages.get(parent)
+            if above is None:
+                return None
+            tail, last, salt = above.tail + tokens, above.last_block, above.salt
+        size = self.block_size
+        whole = len(tail) // size
+        if not whole:
+            return _Page(tail, last, salt, None)
+        ids = tuple(_block_id(page_hash, n) for n in range(whole))
+        stored = BlockStored(
+            block_hashes=ids,
+            parent_block_hash=last,
+            token_ids=tail[: whole * size],
+            block_size=size,
+            lora_name=event.lora_name,
+            extra_keys=([salt], *[None] * (whole - 1)) if salt is not None and last is None else None,
+        )
+        return _Page(tail[whole * size :], ids[-1], salt, stored)
+
+    def _removed(self, event: BlockRemoved, out: list[Event]) -> None:
+        ids: list[EngineHash] = []
+        for page_hash in event.block_hashes:
+            page = self._pages.get(page_hash)
+            if page is None or _tier(event.medium) not in page.tiers:
+                self.counters.unknown_removals += 1
+                continue
+            page.tiers.discard(_tier(event.medium))
+            if page.stored is not None:
+                ids.extend(page.stored.block_hashes)
+            if not page.tiers:
+                del self._pages[page_hash]
+        if ids:
+            out.append(BlockRemoved(block_hashes=tuple(ids), medium=event.medium))
