@@ -112,9 +112,16 @@ class _Batch(msgspec.Struct, array_like=True):
 _ENCODER = msgspec.msgpack.Encoder()
 
 
+# vLLM's media as SGLang names them (StorageMedium)
+_MEDIA: Final = {"CPU": "CPU_PINNED", "REMOTE": "EXTERNAL"}
+
+
 def _salt_of(event: BlockStored) -> str | None:
-    keys = event.extra_keys[0] if event.extra_keys else None
-    return keys[0] if isinstance(keys, list | tuple) and len(keys) == 1 and isinstance(keys[0], str) else None
+    """The salt in a vLLM-shaped first block's extra keys ``[lora_name?, salt?]``."""
+    keys = list(event.extra_keys[0] or ()) if event.extra_keys else []
+    if keys and keys[0] == event.lora_name:
+        keys = keys[1:]
+    return keys[0] if len(keys) == 1 and isinstance(keys[0], str) else None
 
 
 def _wire_event(event: Event) -> _Stored | _Removed | _Cleared:
@@ -125,12 +132,12 @@ def _wire_event(event: Event) -> _Stored | _Removed | _Cleared:
             list(event.token_ids),
             event.block_size,
             None,
-            medium=event.medium,
+            medium=_MEDIA.get(event.medium or "", event.medium),
             cache_salt=_salt_of(event),
             lora_name=event.lora_name,
         )
     if isinstance(event, BlockRemoved):
-        return _Removed(list(event.block_hashes), event.medium)
+        return _Removed(list(event.block_hashes), _MEDIA.get(event.medium or "", event.medium))
     return _Cleared()
 
 

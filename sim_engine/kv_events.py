@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -84,9 +84,11 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         dp_rank: int = 0,
         bind: bool = False,
+        encode: Callable[[Sequence[Event], int], bytes] = encode_payload,
     ) -> None:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
+        self._encode = encode  # the engine's wire: vLLM's, or kvevents.sglang's
         self._pub = context.socket(zmq.PUB)
         self._router: zmq.asyncio.Socket | None = None
         try:
@@ -129,7 +131,7 @@ class KVEventPublisher:
         not send it, as when a subscriber's queue overflows (fault injection for tests)."""
         seq = self._seq
         self._seq += 1
-        payload = encode_payload(events, self.dp_rank)
+        payload = self._encode(events, self.dp_rank)
         self._buffer.append((seq, payload))
         frames = [self.topic, encode_seq(seq), payload]
         if deliver:

@@ -102,6 +102,43 @@ class EngineCollector(Collector):
         return info
 
 
+class SglangCollector(Collector):
+    """The gauges and counters SGLang exports, by SGLang's names (sglang 0.5.23's
+    srt/observability/metrics_collector.py), for a simulated engine that speaks SGLang: its cache
+    in tokens and pages of ``--block-size`` tokens."""
+
+    def __init__(self, engine: SimEngine, labels: dict[str, str]) -> None:
+        self._engine = engine
+        self._labels = labels
+
+    def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, text: str, value: float):
+        family = kind(name, text, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        engine, stats, pool = self._engine, self._engine.stats, self._engine.pool
+        for name, text, value in (
+            ("sglang:num_running_reqs", "The number of running requests.", len(engine.running)),
+            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", engine.num_waiting),
+            ("sglang:token_usage", "The token usage.", pool.usage),
+            (
+                "sglang:max_total_num_tokens",
+                "Maximum total number of tokens in the KV cache.",
+                pool.num_blocks * pool.block_size,
+            ),
+            ("sglang:page_size", "The page size of the KV cache.", pool.block_size),
+        ):
+            yield self._family(GaugeMetricFamily, name, text, value)
+        for name, text, value in (
+            ("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
+            ("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens),
+            ("sglang:cached_tokens", "Number of cached prompt tokens.", stats.prompt_tokens_cached),
+            ("sglang:num_requests", "Number of requests processed.", stats.requests_finished),
+        ):
+            yield self._family(CounterMetricFamily, name, text, value)
+
+
 @dataclass
 class RequestHistograms:
     """vLLM's per-request and per-step histograms: time to first token when the first token is

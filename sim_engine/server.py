@@ -20,6 +20,8 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvevents import sglang
+from kvevents.vllm import encode_payload
 from kvservice.http_runner import OpenAIErrorsRunner
 from kvservice.lifecycle import StartupError, listening
 from kvservice.logs import access_log_middleware
@@ -30,7 +32,7 @@ from sim_engine.faults import EngineFaults
 from sim_engine.kv_events import KVEventPublisher
 from sim_engine.kv_transfer import KVConnector
 from sim_engine.lora import LoraAdapters, LoraError
-from sim_engine.metrics import EngineCollector, RequestHistograms
+from sim_engine.metrics import EngineCollector, RequestHistograms, SglangCollector
 from sim_engine.settings import SimEngineSettings
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -73,7 +75,7 @@ async def _models(request: web.Request) -> web.Response:
         "id": settings.model,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": "vllm",
+        "owned_by": settings.engine_kind,
         "root": settings.model,
         "parent": None,
         "max_model_len": settings.max_model_len,
@@ -271,9 +273,12 @@ def _state(settings: SimEngineSettings, engine: SimEngine, prompts: ModelPrompts
     histograms = RequestHistograms.register(registry, labels)
     engine.on_step = histograms.step
     public = registry
-    if settings.metrics == "minimal":
+    if settings.metrics == "minimal" or settings.engine_kind == "sglang":
         public = CollectorRegistry()
-        public.register(EngineCollector(engine, labels, minimal=True))
+        if settings.engine_kind == "sglang":
+            public.register(SglangCollector(engine, {"model_name": settings.model, "dp_rank": str(settings.dp_rank)}))
+        else:
+            public.register(EngineCollector(engine, labels, minimal=True))
     return _State(settings, engine, prompts, histograms, registry, public, LoraAdapters(settings.lora_modules))
 
 
@@ -324,6 +329,7 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
                 settings.buffer_steps,
                 settings.dp_rank,
                 settings.events_bind,
+                sglang.encode_payload if settings.engine_kind == "sglang" else encode_payload,
             )
             stack.push_async_callback(publisher.close)
             publisher.start()

@@ -22,6 +22,7 @@ AUTO = "auto"
 EVENTS_PORT_OFFSET = 8000 - 5557
 FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
 METRICS_MODES = ("full", "minimal")
+ENGINE_KINDS = ("vllm", "sglang")  # the engine imitated: its KV-event wire, metric names, owned_by
 SLIDING_WINDOW_ENV = "KVROUTE_SIM_SLIDING_WINDOW"  # --sliding-window's default
 DISK_BLOCKS_ENV = "KVROUTE_SIM_DISK_BLOCKS"  # --disk-blocks' default
 DISK_LOAD_MS_ENV = "KVROUTE_SIM_DISK_LOAD_MS_PER_1K_TOKENS"  # --disk-load-ms-per-1k-tokens'
@@ -69,6 +70,9 @@ class SimEngineSettings:
     # "full": vLLM's whole metric set on /metrics; "minimal": only the running, waiting and
     # KV-usage gauges (an engine, or an older vLLM, that reports little). /debug/metrics is full.
     metrics: str = "full"
+    # "vllm", or "sglang": SGLang's KV-event wire (kvevents/sglang.py: a block is a page of
+    # --block-size tokens), its /metrics names and owned_by in /v1/models
+    engine_kind: str = "vllm"
     # LoRA adapters served from the start (NAME, PATH), and whether they may be loaded and
     # unloaded at run time (vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -114,6 +118,10 @@ class SimEngineSettings:
             raise ValueError("--block-size, --max-model-len and --buffer-steps must be positive")
         if self.metrics not in METRICS_MODES:
             raise ValueError(f"--metrics must be one of {', '.join(METRICS_MODES)}, got {self.metrics!r}")
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
+        if self.engine_kind == "sglang" and self.sliding_window:
+            raise ValueError("--sliding-window needs --engine-kind vllm: SGLang's events name no KV-cache group")
         if self.drop_events_every < 0:
             raise ValueError(f"--drop-events-every must be >= 0 (0: drop none), got {self.drop_events_every}")
         if not (Path(self.tokenizer) / "tokenizer.json").is_file():
@@ -214,6 +222,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what /metrics exports: full (vLLM's names, default) or minimal (only vllm:num_requests_running, "
         "vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as an engine that reports little); "
         "/debug/metrics always has the full set",
+    )
+    parser.add_argument(
+        "--engine-kind",
+        choices=ENGINE_KINDS,
+        default=d.engine_kind,
+        help="the engine imitated: its KV-event wire, /metrics names and /v1/models owned_by (default vllm; "
+        "sglang: a block is a page of --block-size tokens)",
     )
     _add_timing_arguments(parser, d.timing)
     _add_kv_transfer_arguments(parser)
@@ -389,6 +404,7 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         drop_events_every=args.drop_events_every,
         timing=timing,
         metrics=args.metrics,
+        engine_kind=args.engine_kind,
         lora_modules=tuple(parse_module(text) for text in args.lora_modules),
         enable_lora=args.enable_lora or bool(args.lora_modules),
         cpu_blocks=args.cpu_blocks,

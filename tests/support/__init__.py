@@ -218,6 +218,11 @@ class SimFleet:
     # Engine i's part in a prefill/decode split: "prefill", "decode" or "both" (its agent's --role);
     # given, every engine runs with --kv-transfer (sim_engine/kv_transfer.py). Empty: no split.
     roles: Sequence[str] = ()
+    # Engine i imitates engine_kinds[i] ("vllm" or "sglang": its KV-event wire, metric names and
+    # owned_by, which its agent reads to tell); empty: vLLM for all.
+    engine_kinds: Sequence[str] = ()
+    # Engine i's block (page) size, where it is not block_size (an SGLang engine's --page-size)
+    block_sizes: Sequence[int] = ()
     engines: list = field(default_factory=list)
     agents: list[AgentProcess] = field(default_factory=list)
     _contexts: list = field(default_factory=list)
@@ -238,7 +243,8 @@ class SimFleet:
                 topic="kv",
                 model=self.model,
                 num_blocks=self.num_blocks,
-                block_size=self.block_size,
+                block_size=self.block_sizes[number] if number < len(self.block_sizes) else self.block_size,
+                engine_kind=self.engine_kinds[number] if number < len(self.engine_kinds) else "vllm",
                 timing=TimingModel(speedup=self.speedup, max_running=self.max_running),
                 metrics=self.engine_metrics,
                 lora_modules=tuple((name, f"/adapters/{name}") for name in served),

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
 from tests.conftest import CAPTURES
-from worker_agent.engine import ComputedTokens, EngineMetrics, parse_metrics, root_url
+from worker_agent.engine import ComputedTokens, EngineMetrics, parse_metrics, parse_models, root_url
+from worker_agent.engine_kinds import SGLANG, SGLANG_METRICS, kind_of_listing
 from worker_agent.events import EventsWatch
 from worker_agent.inbox import Inbox
 from worker_agent.metrics import AgentCollector, AgentCounters, Gauges, new_registry
@@ -382,3 +383,48 @@ def test_a_base_models_context_length_is_read_from_its_model_card():
         ]
     }
     assert parse_models(listing).max_model_len == {"tiny": 2048}
+
+
+def test_the_engine_kind_comes_from_the_flag_or_its_variable_and_must_be_one_known():
+    base = ["--engine-url", "http://e:8000", "--events", "tcp://e:1"]
+    assert settings_from_args(parse(base), {}).engine_kind is None  # the engine's listing says, else vllm
+    assert settings_from_args(parse(base), {"KVROUTE_ENGINE_KIND": "sglang"}).engine_kind == "sglang"
+    assert (
+        settings_from_args(parse([*base, "--engine-kind", "vllm"]), {"KVROUTE_ENGINE_KIND": "sglang"}).engine_kind
+        == "vllm"
+    )
+    with pytest.raises(ValueError, match="--engine-kind must be one of vllm, sglang, got 'tgi'"):
+        settings_from_args(parse([*base, "--engine-kind", "tgi"]), {})
+
+
+def test_a_listing_names_its_engine_in_owned_by():
+    assert kind_of_listing({"data": [{"id": "m", "owned_by": "sglang"}]}) == SGLANG
+    assert kind_of_listing({"data": [{"id": "m", "owned_by": "vllm"}]}) == "vllm"
+    assert kind_of_listing({"data": [{"id": "m", "owned_by": "openai"}]}) is None
+    assert kind_of_listing({"data": "nothing"}) is None and kind_of_listing([]) is None
+    assert parse_models({"data": [{"id": "m", "owned_by": "sglang"}]}).engine_kind == SGLANG
+
+
+SGLANG_PAGE = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 3.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 9.0
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 2.0
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 0.25
+sglang:max_total_num_tokens{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 32768.0
+sglang:page_size{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 1.0
+sglang:prompt_tokens_total{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 1000.0
+sglang:cached_tokens_total{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 600.0
+sglang:generation_tokens_total{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 50.0
+sglang:num_requests_total{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 7.0
+vllm:num_requests_running{engine="0"} 100.0
+"""
+
+
+def test_an_sglang_page_gives_load_capacity_in_index_blocks_and_work_by_sglang_names():
+    metrics = parse_metrics(SGLANG_PAGE, dp_rank=0, names=SGLANG_METRICS, block_size=16)
+    assert metrics.load == WorkerLoad(3, 2, 0.25, 32768 // 16)  # rank 1's series and vLLM's names do not count
+    assert metrics.block_size is None  # a page is not the index's block
+    assert metrics.work == 1007.0
+    assert metrics.computed(16) == ComputedTokens(1000 - 600 + 50, 7.0, 5, 16)
+    assert parse_metrics(SGLANG_PAGE, dp_rank=0).load is None  # read as vLLM's page, it has no load
