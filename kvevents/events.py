@@ -97,6 +97,22 @@ class AllBlocksCleared(_Event, frozen=True):
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+# A BlockRemoved's medium for an engine that does not say the tier (TensorRT-LLM): wherever it is.
+ANY_TIER: Final = "*"
+
+
+class BlockMoved(msgspec.Struct, frozen=True):
+    """Blocks moved from one tier to another (TensorRT-LLM's ``updated`` of ``cache_level``): no
+    wire of vLLM's or SGLang's carries it. Only for paged engines (worker_agent/pages.py), which
+    keep the blocks' tokens to store them again in the other tier."""
+
+    block_hashes: tuple[EngineHash, ...]
+    source: str
+    target: str
+    group_idx: int | None = None
+
+
+AnyEvent = Event | BlockMoved
 KINDS: Final[dict[str, type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared]]] = {
     "BlockStored": BlockStored,
     "BlockRemoved": BlockRemoved,
@@ -117,7 +133,7 @@ class EventBatch:
     topic: str
     seq: int
     ts: float
-    events: tuple[Event, ...]
+    events: tuple[AnyEvent, ...]
     dp_rank: int | None = None
     unknown_events: int = 0
     unknown_keys: frozenset[str] = field(default_factory=frozenset)

@@ -49,7 +49,7 @@ from sim_engine.decode_legs import DecodeLegs
 from sim_engine.faults import EngineFaults
 from sim_engine.hybrid import HybridKVCacheManager, hybrid_groups
 from sim_engine.kv_cache import KVCacheManager
-from sim_engine.kv_events import KVEventPublisher
+from sim_engine.kv_events import EventSink
 from sim_engine.offload import CPU, DISK, LowerTiers
 from sim_engine.types import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -86,7 +86,7 @@ class SimEngine(DecodeLegs):
         num_blocks: int,
         block_size: int,
         timing: TimingModel,
-        publisher: KVEventPublisher | None = None,
+        publisher: EventSink | None = None,
         max_model_len: int = 4096,
         vocab_size: int = 2048,
         on_step: Callable[[StepPlan], None] | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -70,6 +70,16 @@ def removed_event(block_hashes: Sequence[int | bytes], *, medium: str = "GPU", g
 
 def cleared_event() -> AllBlocksCleared:
     return AllBlocksCleared()
+
+
+class EventSink(Protocol):
+    """Where the engine's batches go: a ZMQ publisher (vLLM, SGLang) or an event queue fetched
+    over HTTP (TensorRT-LLM: sim_engine/trtllm_events.py)."""
+
+    @property
+    def next_seq(self) -> int: ...
+
+    async def publish(self, events: Sequence[Event], *, deliver: bool = True) -> list[bytes]: ...
 
 
 class KVEventPublisher:

@@ -34,6 +34,7 @@ from sim_engine.kv_transfer import KVConnector
 from sim_engine.lora import LoraAdapters, LoraError
 from sim_engine.metrics import EngineCollector, RequestHistograms, SglangCollector
 from sim_engine.settings import SimEngineSettings
+from sim_engine.trtllm_events import OWNERS, TrtllmEventQueue, iteration_stats
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # probes and scrapes: logged at DEBUG
@@ -75,7 +76,7 @@ async def _models(request: web.Request) -> web.Response:
         "id": settings.model,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": settings.engine_kind,
+        "owned_by": OWNERS.get(settings.engine_kind, settings.engine_kind),
         "root": settings.model,
         "parent": None,
         "max_model_len": settings.max_model_len,
@@ -179,7 +180,21 @@ def _exposition(state: _State, registry: CollectorRegistry) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.settings.engine_kind == "trtllm":  # trtllm-serve's /metrics: JSON iteration stats
+        return web.json_response([iteration_stats(state.engine)])
     return _exposition(state, state.public)
+
+
+async def _prometheus(request: web.Request) -> web.Response:
+    """trtllm-serve's Prometheus page (TensorRT-LLM's engines only)."""
+    state = request.app[STATE]
+    return _exposition(state, state.public)
+
+
+async def _kv_cache_events(request: web.Request) -> web.Response:
+    """trtllm-serve's: the queued KV events, drained (TensorRT-LLM's engines only)."""
+    queue = request.app[STATE].engine.publisher
+    return web.json_response(queue.drain() if isinstance(queue, TrtllmEventQueue) else [])
 
 
 async def _all_metrics(request: web.Request) -> web.Response:
@@ -207,6 +222,9 @@ def create_app(state: _State) -> web.Application:
     app.router.add_get("/debug/cache", _cached_blocks)
     app.router.add_post("/debug/match", _cached_prefix)
     app.router.add_get("/debug/metrics", _all_metrics)
+    if state.settings.engine_kind == "trtllm":
+        app.router.add_post("/kv_cache_events", _kv_cache_events)
+        app.router.add_get("/prometheus/metrics", _prometheus)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     if state.settings.enable_lora:
@@ -258,7 +276,7 @@ class RunningEngine:
     events_endpoint: str | None
     replay_endpoint: str | None
     engine: SimEngine
-    publisher: KVEventPublisher | None
+    publisher: KVEventPublisher | TrtllmEventQueue | None
 
     @property
     def faults(self) -> EngineFaults:
@@ -319,8 +337,10 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
     async with contextlib.AsyncExitStack() as stack:
         context = zmq.asyncio.Context()
         stack.callback(context.destroy, linger=0)
-        publisher = None
-        if settings.events_endpoint:
+        publisher: KVEventPublisher | TrtllmEventQueue | None = None
+        if settings.engine_kind == "trtllm":  # fetched over HTTP (POST /kv_cache_events), no socket
+            publisher = TrtllmEventQueue(settings.num_blocks, settings.buffer_steps)
+        elif settings.events_endpoint:
             publisher = KVEventPublisher(
                 context,
                 settings.events_endpoint,

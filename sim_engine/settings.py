@@ -22,7 +22,7 @@ AUTO = "auto"
 EVENTS_PORT_OFFSET = 8000 - 5557
 FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
 METRICS_MODES = ("full", "minimal")
-ENGINE_KINDS = ("vllm", "sglang")  # the engine imitated: its KV-event wire, metric names, owned_by
+ENGINE_KINDS = ("vllm", "sglang", "trtllm")  # the engine imitated: its KV-event wire, metric names, owned_by
 SLIDING_WINDOW_ENV = "KVROUTE_SIM_SLIDING_WINDOW"  # --sliding-window's default
 DISK_BLOCKS_ENV = "KVROUTE_SIM_DISK_BLOCKS"  # --disk-blocks' default
 DISK_LOAD_MS_ENV = "KVROUTE_SIM_DISK_LOAD_MS_PER_1K_TOKENS"  # --disk-load-ms-per-1k-tokens'
@@ -120,8 +120,10 @@ class SimEngineSettings:
             raise ValueError(f"--metrics must be one of {', '.join(METRICS_MODES)}, got {self.metrics!r}")
         if self.engine_kind not in ENGINE_KINDS:
             raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
-        if self.engine_kind == "sglang" and self.sliding_window:
-            raise ValueError("--sliding-window needs --engine-kind vllm: SGLang's events name no KV-cache group")
+        if self.engine_kind != "vllm" and (self.sliding_window or self.kv_transfer):
+            raise ValueError("--sliding-window and --kv-transfer need --engine-kind vllm")
+        if self.engine_kind == "trtllm" and (self.cpu_blocks or self.disk_blocks):
+            raise ValueError("--cpu-blocks and --disk-blocks need --engine-kind vllm or sglang")
         if self.drop_events_every < 0:
             raise ValueError(f"--drop-events-every must be >= 0 (0: drop none), got {self.drop_events_every}")
         if not (Path(self.tokenizer) / "tokenizer.json").is_file():
@@ -228,7 +230,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ENGINE_KINDS,
         default=d.engine_kind,
         help="the engine imitated: its KV-event wire, /metrics names and /v1/models owned_by (default vllm; "
-        "sglang: a block is a page of --block-size tokens)",
+        "sglang: a block is a page of --block-size tokens; trtllm: events on POST /kv_cache_events, JSON "
+        "iteration stats on /metrics)",
     )
     _add_timing_arguments(parser, d.timing)
     _add_kv_transfer_arguments(parser)

@@ -38,12 +38,13 @@ from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from worker_agent.engine import EngineClient, EngineMetrics
-from worker_agent.engine_kinds import KINDS, PAGED_DEFAULT_BLOCK_SIZE, VLLM
+from worker_agent.engine_kinds import KINDS, PAGED_DEFAULT_BLOCK_SIZE, TRTLLM, VLLM
 from worker_agent.events import EventsWatch, stay_connected
 from worker_agent.inbox import Inbox
 from worker_agent.liveness import Liveness
 from worker_agent.metrics import AgentCounters, Gauges
 from worker_agent.pipeline import EventPipeline, Received
+from worker_agent.poller import EventPoller
 from worker_agent.replay import ReplayClient
 from worker_agent.restarts import RestartEvidence
 from worker_agent.settings import AgentSettings
@@ -75,7 +76,9 @@ class Agent:
         self.pipeline = EventPipeline(
             self.writer, replay, settings.topic, counters, latency, settings.block_size, settings.tiers
         )
-        self.watch = EventsWatch(settings.events, settings.topic, settings.events_warn_after_s)
+        polled = settings.engine_kind == TRTLLM
+        endpoint = settings.events_url if polled or settings.events is None else settings.events
+        self.watch = EventsWatch(endpoint, settings.topic, settings.events_warn_after_s)
         self.liveness = Liveness(settings, index, self.writer, counters)
         self.restarts = RestartEvidence()
         self.inbox = Inbox(settings.max_queued_messages, settings.max_queued_bytes, counters)
@@ -103,10 +106,19 @@ class Agent:
         # may take up to --replay-deadline, and the worker must stay alive meanwhile.
         tasks = [asyncio.create_task(self._every(self.settings.heartbeat_interval_s, self._heartbeat_step))]
         tasks.append(asyncio.create_task(self.inbox.fill_from(self._subscriber, self.watch.message)))
-        tasks.append(asyncio.create_task(stay_connected(self._subscriber, self.settings.events, self.counters)))
+        if self.settings.events is not None and self.settings.engine_kind != TRTLLM:
+            tasks.append(asyncio.create_task(stay_connected(self._subscriber, self.settings.events, self.counters)))
         try:
             if not await self._start():
                 return self.exit_code
+            if self.pipeline.kind.polled:  # its queue keeps the events until fetched: none is lost meanwhile
+                poller = EventPoller(
+                    self.engine.session,
+                    self.settings.events_url,
+                    self.counters,
+                    max_bytes=self.settings.max_message_bytes,
+                )
+                tasks.append(asyncio.create_task(poller.fill(self.inbox, self.watch.message)))
             loops: list[tuple[float, Step]] = [
                 (self.settings.heartbeat_interval_s, self._liveness_step),
                 (self.settings.load_interval_s, self._engine_step),
@@ -176,6 +188,15 @@ class Agent:
         kind = KINDS[name]
         self.pipeline.set_engine_kind(kind, PAGED_DEFAULT_BLOCK_SIZE)
         self.engine.names = kind.metrics
+        self.engine.iteration_stats = kind.iteration_stats
+        if kind.polled and self.settings.engine_kind != TRTLLM:
+            self.watch.endpoint = self.settings.events_url
+            log.warning(
+                "the engine is TensorRT-LLM, which hands out its KV events over HTTP: polling %s (--events %s is "
+                "not used; pass --engine-kind trtllm to say so)",
+                self.settings.events_url,
+                self.settings.events,
+            )
         how = "--engine-kind" if self.settings.engine_kind else "its /v1/models" if self._listed_kind else "the default"
         log.info(
             "reading the engine as %s (%s); index block size %s",

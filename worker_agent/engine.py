@@ -10,6 +10,7 @@ the agent does not read are not looked at, so garbage there costs nothing.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
 from worker_agent.engine_kinds import VLLM_METRICS, MetricNames, kind_of_listing
+from worker_agent.iteration_stats import parse_iteration_stats
 
 # vLLM's names, kept for callers that read one by name (the agent reads by its engine's kind).
 RUNNING, WAITING, KV_USAGE = VLLM_METRICS.load
@@ -192,10 +194,13 @@ class EngineClient:
 
     def __init__(self, session: aiohttp.ClientSession, engine_url: str, dp_rank: int, timeout_s: float = 2.0):
         self._session = session
+        self.session = session  # for the agent's other HTTP calls to the engine (worker_agent/poller.py)
         self.root = root_url(engine_url)
         self._dp_rank = dp_rank
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.names = VLLM_METRICS  # its kind's metric names, once the agent knows the kind
+        self.iteration_stats = False  # its load is TensorRT-LLM's JSON iteration stats, not Prometheus text
+        self._last_usage = 0.0
 
     async def healthy(self) -> bool:
         try:
@@ -220,7 +225,20 @@ class EngineClient:
             return None
         if len(body) > MAX_PAGE_BYTES:
             return EngineMetrics(None, None, bad=(BadValue("/metrics", f"the page is over {MAX_PAGE_BYTES} bytes"),))
+        if self.iteration_stats:
+            return self._from_iteration_stats(bytes(body), block_size)
         return parse_metrics(body.decode("utf-8", errors="replace"), self._dp_rank, self.names, block_size)
+
+    def _from_iteration_stats(self, body: bytes, block_size: int | None) -> EngineMetrics:
+        try:
+            stats = json.loads(body)
+        except (ValueError, RecursionError):
+            return EngineMetrics(None, None, bad=(BadValue("/metrics", "not JSON"),))
+        load, problem = parse_iteration_stats(stats, block_size, self._last_usage)
+        if load is None:
+            return EngineMetrics(None, None, bad=(BadValue("/metrics", problem),))
+        self._last_usage = load.kv_usage
+        return EngineMetrics(load, None)
 
     async def served_models(self) -> ServedModels | None:
         """/v1/models, parsed; None when the engine does not answer with a listing."""

@@ -4,9 +4,13 @@ its blocks are pages to re-block into the index's, and the names of its Promethe
 * ``vllm``: kvevents/vllm.py; blocks are the index's; ``vllm:`` metrics, ranks labelled ``engine``.
 * ``sglang``: kvevents/sglang.py; blocks are radix-cache pages (worker_agent/pages.py); ``sglang:``
   metrics, ranks labelled ``dp_rank``; the cache's size in tokens (``sglang:max_total_num_tokens``).
+* ``trtllm``: kvevents/trtllm.py, fetched from ``POST /kv_cache_events`` (worker_agent/poller.py);
+  blocks re-blocked as SGLang's pages; load from the JSON iteration stats of ``GET /metrics``
+  (worker_agent/iteration_stats.py).
 
 An engine that does not say which it is is taken for vLLM; :func:`kind_of_listing` reads the
-``owned_by`` of the models an engine lists (vLLM says ``vllm``, SGLang ``sglang``).
+``owned_by`` of the models an engine lists (vLLM says ``vllm``, SGLang ``sglang``, trtllm-serve
+``tensorrt_llm``).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from kvevents import sglang, vllm
+from kvevents import sglang, trtllm, vllm
 from kvevents.events import EventBatch
 
 VLLM: Final = "vllm"
 SGLANG: Final = "sglang"
-ENGINE_KINDS: Final = (VLLM, SGLANG)
+TRTLLM: Final = "trtllm"
+ENGINE_KINDS: Final = (VLLM, SGLANG, TRTLLM)
+_OWNERS: Final = {VLLM: VLLM, SGLANG: SGLANG, "tensorrt_llm": TRTLLM, TRTLLM: TRTLLM}
 # The index's block size for an engine whose pages are not blocks, unless --block-size says
 # otherwise: vLLM's default block size, so a fleet that mixes engines agrees on it.
 PAGED_DEFAULT_BLOCK_SIZE: Final = 16
@@ -85,7 +91,9 @@ class EngineKind:
     name: str
     decode: Callable[[list[bytes], str], EventBatch]  # (frames, the topic a reply may leave out)
     paged: bool  # its blocks are pages, re-blocked into the index's (worker_agent/pages.py)
-    metrics: MetricNames
+    metrics: MetricNames  # its Prometheus names (unused where iteration_stats)
+    polled: bool = False  # its events are fetched over HTTP (POST /kv_cache_events), not pushed over ZMQ
+    iteration_stats: bool = False  # its load is JSON iteration stats on GET /metrics
 
 
 def _decode_vllm(frames: list[bytes], topic: str) -> EventBatch:
@@ -95,6 +103,7 @@ def _decode_vllm(frames: list[bytes], topic: str) -> EventBatch:
 KINDS: Final = {
     VLLM: EngineKind(VLLM, _decode_vllm, False, VLLM_METRICS),
     SGLANG: EngineKind(SGLANG, sglang.decode_message, True, SGLANG_METRICS),
+    TRTLLM: EngineKind(TRTLLM, trtllm.decode_message, True, VLLM_METRICS, polled=True, iteration_stats=True),
 }
 
 
@@ -103,6 +112,6 @@ def kind_of_listing(body: object) -> str | None:
     data = body.get("data") if isinstance(body, dict) else None
     for entry in data if isinstance(data, list) else []:
         owner = entry.get("owned_by") if isinstance(entry, dict) else None
-        if isinstance(owner, str) and owner.lower() in KINDS:
-            return owner.lower()
+        if isinstance(owner, str) and owner.lower() in _OWNERS:
+            return _OWNERS[owner.lower()]
     return None

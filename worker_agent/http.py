@@ -30,7 +30,7 @@ def health_body(agent: Agent) -> dict[str, object]:
         "last_seq": gauges.last_seq,
         "mirror_blocks": gauges.mirror_blocks,
         "indexed_blocks": gauges.mirror_indexed_blocks,
-        "events_endpoint": agent.settings.events,
+        "events_endpoint": agent.watch.endpoint,
         "events_silent": gauges.events_silent,
         "seconds_since_event": round(since, 3) if since is not None else None,
     }

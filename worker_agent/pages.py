@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from kvevents.events import (
+    ANY_TIER,
+    AllBlocksCleared,
+    AnyEvent,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+)
 from kvindex.tiers import tier_of
 from worker_agent.translate import TranslateCounters
 
@@ -34,6 +43,7 @@ class _Page:
     salt: str | None  # the chain's salt (its first block's extra key)
     stored: BlockStored | None  # the blocks this page completed, as a run (None: none)
     tiers: set[str] = field(default_factory=set)  # the tiers holding the page (the media's tiers)
+    group: int | None = None  # the engine's group (TensorRT-LLM: its attention window)
 
 
 def _block_id(page: EngineHash, number: int) -> bytes:
@@ -68,7 +78,7 @@ class PageBlocks:
     def reset(self) -> None:
         self._pages.clear()
 
-    def translate(self, events: Iterable[Event]) -> list[Event]:
+    def translate(self, events: Iterable[AnyEvent]) -> list[Event]:
         out: list[Event] = []
         for event in events:
             if isinstance(event, AllBlocksCleared):
@@ -76,6 +86,8 @@ class PageBlocks:
                 out.append(event)
             elif isinstance(event, BlockStored):
                 self._stored(event, out)
+            elif isinstance(event, BlockMoved):
+                self._moved(event, out)
             else:
                 self._removed(event, out)
         return out
@@ -112,7 +124,7 @@ class PageBlocks:
         size = self.block_size
         whole = len(tail) // size
         if not whole:
-            return _Page(tail, last, salt, None)
+            return _Page(tail, last, salt, None, group=event.group_idx)
         ids = tuple(_block_id(page_hash, n) for n in range(whole))
         stored = BlockStored(
             block_hashes=ids,
@@ -120,21 +132,41 @@ class PageBlocks:
             token_ids=tail[: whole * size],
             block_size=size,
             lora_name=event.lora_name,
+            group_idx=event.group_idx,
             extra_keys=([salt], *[None] * (whole - 1)) if salt is not None and last is None else None,
         )
-        return _Page(tail[whole * size :], ids[-1], salt, stored)
+        return _Page(tail[whole * size :], ids[-1], salt, stored, group=event.group_idx)
 
     def _removed(self, event: BlockRemoved, out: list[Event]) -> None:
-        ids: list[EngineHash] = []
+        """Remove the pages from the event's tier, or from every tier holding them (ANY_TIER)."""
+        removed: dict[str, list[EngineHash]] = {}
         for page_hash in event.block_hashes:
             page = self._pages.get(page_hash)
-            if page is None or _tier(event.medium) not in page.tiers:
+            tiers = set(page.tiers) if page is not None and event.medium == ANY_TIER else {_tier(event.medium)}
+            if page is None or not tiers & page.tiers:
                 self.counters.unknown_removals += 1
                 continue
-            page.tiers.discard(_tier(event.medium))
-            if page.stored is not None:
-                ids.extend(page.stored.block_hashes)
+            for tier in tiers & page.tiers:
+                page.tiers.discard(tier)
+                if page.stored is not None:
+                    removed.setdefault(tier, []).extend(page.stored.block_hashes)
             if not page.tiers:
                 del self._pages[page_hash]
-        if ids:
-            out.append(BlockRemoved(block_hashes=tuple(ids), medium=event.medium))
+        for tier, ids in removed.items():
+            out.append(BlockRemoved(block_hashes=tuple(ids), medium=tier, group_idx=event.group_idx))
+
+    def _moved(self, event: BlockMoved, out: list[Event]) -> None:
+        """Pages that left one tier for another: their blocks go from one and are stored in the other."""
+        source, target = _tier(event.source), _tier(event.target)
+        for page_hash in event.block_hashes:
+            page = self._pages.get(page_hash)
+            if page is None or source not in page.tiers:
+                self.counters.unknown_removals += 1
+                continue
+            page.tiers.discard(source)
+            if page.stored is not None:
+                out.append(BlockRemoved(page.stored.block_hashes, medium=source, group_idx=page.group))
+            if target not in page.tiers:
+                page.tiers.add(target)
+                if page.stored is not None:
+                    out.append(msgspec.structs.replace(page.stored, medium=target))

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import xxhash
 from prometheus_client import Histogram
@@ -228,9 +229,10 @@ class EventPipeline:
             await self._repair(0, None)
 
     async def _accept(self, batch: EventBatch, digest: int, received_at: float, pending: _Pending) -> None:
-        events: tuple[Event, ...] | list[Event] = batch.events
         if self._pages is not None:
-            events = self._pages.translate(events)
+            events: Sequence[Event] = self._pages.translate(batch.events)
+        else:  # only a paged engine's events move blocks between tiers (kvevents/trtllm.py)
+            events = cast(Sequence[Event], batch.events)
         translated = self._translator.translate(events)
         if translated.clear:
             pending.tiers.clear()  # the clear wipes them anyway

@@ -16,7 +16,7 @@ from kvindex.tiers import TIERS, parse_tiers
 from kvservice.logs import add_log_arguments
 from kvservice.options import flag_or_env, parse_switch, typed
 from worker_agent.engine import root_url
-from worker_agent.engine_kinds import ENGINE_KINDS
+from worker_agent.engine_kinds import ENGINE_KINDS, TRTLLM
 
 # flag dest -> environment variable (flags win over the environment)
 ENV_VARS = {
@@ -44,7 +44,8 @@ _FLOATS = ("events_warn_after",)
 @dataclass(frozen=True)
 class AgentSettings:
     engine_url: str
-    events: str
+    # a ZMQ endpoint; for TensorRT-LLM an http(s) URL it is polled at, or None: the engine's /kv_cache_events
+    events: str | None = None
     redis: RedisSettings = field(default_factory=RedisSettings)
     replay: str | None = None
     topic: str = ""
@@ -78,22 +79,22 @@ class AgentSettings:
     # Its part in a prefill/decode split (kvindex/roles.py): --role, else the kv_role of the
     # engine's --kv-transfer-config, else both.
     role: str = BOTH
-    # vllm or sglang (worker_agent/engine_kinds.py); None: what the engine's /v1/models says, else vllm
+    # vllm, sglang or trtllm (worker_agent/engine_kinds.py); None: what the engine's /v1/models says, else vllm
     engine_kind: str | None = None
 
     def __post_init__(self) -> None:
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
             raise ValueError(f"--engine-url must be an http(s) URL, got {self.engine_url!r}")
-        for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
-            if endpoint is not None and "://" not in endpoint:
-                raise ValueError(f"{name} must be a ZMQ endpoint like tcp://host:5557, got {endpoint!r}")
-        if _is_wildcard(self.events) and not self.events_bind:
+        self._check_events()
+        if self.replay is not None and "://" not in self.replay:
+            raise ValueError(f"--replay must be a ZMQ endpoint like tcp://host:5558, got {self.replay!r}")
+        if self.events is not None and _is_wildcard(self.events) and not self.events_bind:
             raise ValueError(
                 f"--events {self.events} would make the agent listen for KV events from anyone who can reach "
                 "that port; name the engine's host to connect to it (tcp://engine:5557), or pass --events-bind "
                 "(KVROUTE_EVENTS_BIND=1) for an engine told to connect to this agent"
             )
-        if self.events_bind and not _is_wildcard(self.events):
+        if self.events_bind and not (self.events is not None and _is_wildcard(self.events)):
             raise ValueError(
                 f"--events-bind needs a wildcard --events endpoint such as tcp://*:5557, got {self.events}"
             )
@@ -129,6 +130,27 @@ class AgentSettings:
         if not self.events_warn_after_s >= 0:  # NaN too
             raise ValueError(f"--events-warn-after must be >= 0 (0: never warn), got {self.events_warn_after_s}")
 
+    def _check_events(self) -> None:
+        polled = self.engine_kind == TRTLLM
+        if self.events is None:
+            if not polled:
+                raise ValueError("missing required setting(s): --events (or KVROUTE_EVENTS)")
+            return
+        if polled and urlsplit(self.events).scheme not in ("http", "https"):
+            raise ValueError(
+                f"--engine-kind trtllm fetches KV events over HTTP: --events must be the engine's "
+                f"POST /kv_cache_events URL (or left out for {self.engine_root}/kv_cache_events), got {self.events!r}"
+            )
+        if not polled and ("://" not in self.events or self.events.startswith(("http://", "https://"))):
+            raise ValueError(f"--events must be a ZMQ endpoint like tcp://host:5557, got {self.events!r}")
+
+    @property
+    def events_url(self) -> str:
+        """Where a TensorRT-LLM engine's KV events are polled."""
+        if self.events is not None and self.events.startswith(("http://", "https://")):
+            return self.events
+        return f"{self.engine_root}/kv_cache_events"
+
     @property
     def engine_root(self) -> str:
         return root_url(self.engine_url)
@@ -140,15 +162,21 @@ class AgentSettings:
 
 _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--engine-url", str, "the engine's OpenAI base URL, where routers send requests"),
-    ("--events", str, "the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557"),
+    (
+        "--events",
+        str,
+        "the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (TensorRT-LLM: its POST /kv_cache_events URL, "
+        "by default <engine>/kv_cache_events)",
+    ),
     ("--replay", str, "the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558"),
     ("--topic", str, 'the KV-event topic (default "")'),
     ("--model", str, "served model name (default: ask the engine's /v1/models)"),
     (
         "--engine-kind",
         str,
-        "the engine: vllm or sglang; its KV-event dialect and metric names "
-        "(default: the owned_by of its /v1/models, else vllm)",
+        "the engine: vllm, sglang or trtllm; its KV-event dialect and metric names "
+        "(default: the owned_by of its /v1/models, else vllm; trtllm must be named: its events are polled "
+        "over HTTP)",
     ),
     (
         "--block-size",
@@ -253,7 +281,8 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     naming the flag when something is missing or malformed."""
     env = os.environ if env is None else env
     values = flag_or_env(args, env, [(name, variable, _parser(name)) for name, variable in ENV_VARS.items()])
-    missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in ("engine_url", "events") if n not in values]
+    required = ("engine_url",) if values.get("engine_kind") == TRTLLM else ("engine_url", "events")
+    missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in required if n not in values]
     if missing:
         raise ValueError(f"missing required setting(s): {', '.join(missing)} (or their KVROUTE_* variables)")
     if args.ttl_ms is not None:

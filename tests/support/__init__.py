@@ -263,16 +263,15 @@ class SimFleet:
         return self
 
     def agent_for(self, engine) -> AgentProcess:
+        if engine.publisher is not None and engine.events_endpoint is None:  # TensorRT-LLM's: polled over HTTP
+            events = ["--engine-kind", "trtllm"]
+        else:
+            events = ["--events", engine.events_endpoint, "--replay", engine.replay_endpoint, "--topic", "kv"]
         return AgentProcess(
             [
                 "--engine-url",
                 engine.url,
-                "--events",
-                engine.events_endpoint,
-                "--replay",
-                engine.replay_endpoint,
-                "--topic",
-                "kv",
+                *events,
                 "--redis-url",
                 self.redis_url,
                 "--ttl-ms",

@@ -28,7 +28,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -295,12 +295,17 @@ async def open_scene(
     agent_args: list[str] | None = None,
     warmup: int = 60,
     router_redis_url: str | None = None,
+    engine_kinds: Sequence[str] = (),
     **router_settings,
 ) -> AsyncIterator[Scene]:
     """A running scene with warm caches: ``warmup`` requests served and routing quality reached.
-    ``router_redis_url``: where the routers find Redis (a proxy in front of it), if not direct."""
+    ``router_redis_url``: where the routers find Redis (a proxy in front of it), if not direct.
+    ``engine_kinds``: engine i speaks engine_kinds[i]'s KV events ("vllm", "sglang"; its pages are
+    the index's blocks, so its holdings compare block for block)."""
     async with contextlib.AsyncExitStack() as stack:
-        fleet = SimFleet(redis.url, count=engines, num_blocks=num_blocks, agent_args=agent_args or [])
+        fleet = SimFleet(
+            redis.url, count=engines, num_blocks=num_blocks, agent_args=agent_args or [], engine_kinds=engine_kinds
+        )
         stack.push_async_callback(fleet.stop)
         await fleet.start()
         running = []

@@ -19,8 +19,9 @@ from tests.support.traffic import BLOCK
 pytestmark = pytest.mark.faults
 
 
-async def test_dropped_kv_event_messages(redis_server):
-    async with open_scene(redis_server) as scene:
+@pytest.mark.parametrize("kinds", [(), ("vllm", "sglang", "sglang")], ids=["vllm", "vllm_and_sglang"])
+async def test_dropped_kv_event_messages(redis_server, kinds):
+    async with open_scene(redis_server, engine_kinds=kinds) as scene:
         engines = [running.faults for running in scene.fleet.engines]
         for faults in engines:
             faults.drop_events_every = 3
@@ -35,7 +36,11 @@ async def test_dropped_kv_event_messages(redis_server):
         resyncs = [await agent.metric("kvroute_agent_resyncs_total") for agent in scene.fleet.agents]
         dropped = [f.events_dropped for f in engines]
         figures = scene.figures(
-            "zmq_messages_dropped", [recovery], batches_dropped=sum(dropped), gaps=sum(gaps), resyncs=int(sum(resyncs))
+            "zmq_messages_dropped" + ("_sglang" if kinds else ""),
+            [recovery],
+            batches_dropped=sum(dropped),
+            gaps=sum(gaps),
+            resyncs=int(sum(resyncs)),
         )
         assert sum(dropped) > 0 and gaps == dropped  # drops are never consecutive: one gap each
         scene.check(figures, [recovery])
