@@ -19,9 +19,16 @@ from tests.support.traffic import BLOCK
 pytestmark = pytest.mark.faults
 
 
-@pytest.mark.parametrize("kinds", [(), ("vllm", "sglang", "sglang")], ids=["vllm", "vllm_and_sglang"])
-async def test_dropped_kv_event_messages(redis_server, kinds):
-    async with open_scene(redis_server, engine_kinds=kinds) as scene:
+KINDS = {"vllm": (), "vllm_and_sglang": ("vllm", "sglang", "sglang"), "trtllm": ("trtllm",) * 3}
+
+
+@pytest.mark.parametrize("fleet", list(KINDS))
+async def test_dropped_kv_event_messages(redis_server, fleet):
+    """Every third batch lost on the way. vLLM and SGLang replay them: the index ends equal to
+    what the engines hold. TensorRT-LLM cannot (no replay, no snapshot): each gap rebuilds the
+    worker from new events, so the index lists too few (blocks the engine still holds and does not
+    store again are not indexed) and never credits a block the engine does not hold."""
+    async with open_scene(redis_server, engine_kinds=KINDS[fleet]) as scene:
         engines = [running.faults for running in scene.fleet.engines]
         for faults in engines:
             faults.drop_events_every = 3
@@ -33,17 +40,15 @@ async def test_dropped_kv_event_messages(redis_server, kinds):
         await publish_once_more(scene)
         recovery = await scene.recover(since)
         gaps = [int(await agent.metric("kvroute_agent_gaps_total")) for agent in scene.fleet.agents]
-        resyncs = [await agent.metric("kvroute_agent_resyncs_total") for agent in scene.fleet.agents]
+        resyncs = [int(await agent.metric("kvroute_agent_resyncs_total")) for agent in scene.fleet.agents]
         dropped = [f.events_dropped for f in engines]
-        figures = scene.figures(
-            "zmq_messages_dropped" + ("_sglang" if kinds else ""),
-            [recovery],
-            batches_dropped=sum(dropped),
-            gaps=sum(gaps),
-            resyncs=int(sum(resyncs)),
-        )
+        name = "zmq_messages_dropped" if fleet == "vllm" else f"kv_events_dropped_{fleet}"
+        figures = scene.figures(name, [recovery], batches_dropped=sum(dropped), gaps=sum(gaps), resyncs=sum(resyncs))
         assert sum(dropped) > 0 and gaps == dropped  # drops are never consecutive: one gap each
-        scene.check(figures, [recovery])
+        if fleet == "trtllm":
+            assert resyncs == gaps and figures.wrong_credits == 0 and figures.failed == 0, figures.line()
+        else:
+            scene.check(figures, [recovery])
 
 
 async def publish_once_more(scene: Scene) -> None:
