@@ -93,34 +93,30 @@ class PageBlocks:
         return out
 
     def _stored(self, event: BlockStored, out: list[Event]) -> None:
-        size = event.block_size
-        parent = event.parent_block_hash
+        size, tier = event.block_size, _tier(event.medium)
+        above: _Page | None = None  # the page each one chains on: the event's parent, then the page before it
+        if event.parent_block_hash is not None:
+            above = self._pages.get(event.parent_block_hash)
+            if above is None:  # the whole run chains on the missing page
+                self.counters.orphan_runs += 1
+                self.counters.orphan_blocks += len(event.block_hashes)
+                return
+        salt = _first_salt(event) if above is None else above.salt
         for number, page_hash in enumerate(event.block_hashes):
-            tokens = tuple(event.token_ids[number * size : (number + 1) * size])
             page = self._pages.get(page_hash)
             if page is None:
-                page = self._new_page(event, page_hash, parent, tokens)
-                if page is None:
-                    self.counters.orphan_runs += 1
-                    self.counters.orphan_blocks += len(event.block_hashes) - number
-                    return  # the rest of the run chains on the missing page
-                self._pages[page_hash] = page
-            if _tier(event.medium) not in page.tiers:
-                page.tiers.add(_tier(event.medium))
+                tokens = tuple(event.token_ids[number * size : (number + 1) * size])
+                page = self._pages[page_hash] = self._new_page(event, page_hash, above, tokens, salt)
+            if tier not in page.tiers:
+                page.tiers.add(tier)
                 if page.stored is not None:
                     out.append(msgspec.structs.replace(page.stored, medium=event.medium))
-            parent = page_hash
+            above = page
 
     def _new_page(
-        self, event: BlockStored, page_hash: EngineHash, parent: EngineHash | None, tokens: tuple[int, ...]
-    ) -> _Page | None:
-        if parent is None:
-            tail, last, salt = tokens, None, _first_salt(event)
-        else:
-            above = self._pages.get(parent)
-            if above is None:
-                return None
-            tail, last, salt = above.tail + tokens, above.last_block, above.salt
+        self, event: BlockStored, page_hash: EngineHash, above: _Page | None, tokens: tuple[int, ...], salt: str | None
+    ) -> _Page:
+        tail, last = (tokens, None) if above is None else (above.tail + tokens, above.last_block)
         size = self.block_size
         whole = len(tail) // size
         if not whole:

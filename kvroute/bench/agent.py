@@ -2,9 +2,11 @@
 
 A publisher in this process plays a busy engine whose cache is full: every batch stores a run
 of new blocks (a request's prefill chunk, continuing a conversation's chain) and evicts as many
-old ones, tail first, as vLLM does. All batches are encoded before the clock starts, so the
-publisher is not what is measured. The agent is a real ``python -m worker_agent`` process with
-a real Redis; the run ends when the agent reports the last batch applied.
+old ones, tail first, as vLLM does. With ``--sglang-page-size`` it plays SGLang: the same blocks
+as pages of that many tokens on SGLang's wire, which the agent re-blocks. All batches are encoded
+before the clock starts, so the publisher is not what is measured. The agent is a real
+``python -m worker_agent`` process with a real Redis; the run ends when the agent reports the last
+batch applied.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from kvevents import sglang
+from kvevents.events import BlockStored
 from kvevents.vllm import Event, encode_payload
 from kvroute.bench.common import print_fields
 from kvroute.devstack.embedded_redis import free_port, redis_url_or_private
@@ -46,7 +50,24 @@ class Workload:
     block_events: int
 
 
-def build_workload(batches: int, blocks_per_batch: int, cache_blocks: int, block_size: int, seed: int = 3) -> Workload:
+def _as_pages(events: list[Event], block_size: int, page_size: int) -> list[Event]:
+    """The same events with each block as pages of ``page_size`` tokens (SGLang's radix cache):
+    page ``n`` of block ``h`` is hashed ``h * 1000 + n``."""
+    pages = block_size // page_size
+    paged: list[Event] = []
+    for event in events:
+        hashes = [int(h) * 1000 + n for h in event.block_hashes for n in range(pages)]  # type: ignore[union-attr]
+        if isinstance(event, BlockStored):
+            parent = None if event.parent_block_hash is None else int(event.parent_block_hash) * 1000 + pages - 1
+            paged.append(stored_event(hashes, parent, event.token_ids, page_size))
+        else:
+            paged.append(removed_event(hashes))
+    return paged
+
+
+def build_workload(
+    batches: int, blocks_per_batch: int, cache_blocks: int, block_size: int, seed: int = 3, page_size: int | None = None
+) -> Workload:
     rng = random.Random(seed)
     chains: deque[list[int]] = deque()
     held = 0
@@ -71,7 +92,12 @@ def build_workload(batches: int, blocks_per_batch: int, cache_blocks: int, block
         chain.extend(hashes)
         held += blocks_per_batch
         events_total += len(events) - 1 + blocks_per_batch
-        frames.append([b"kv", seq.to_bytes(8, "big"), encode_payload(events)])
+        payload = (
+            encode_payload(events)
+            if page_size is None
+            else sglang.encode_payload(_as_pages(events, block_size, page_size))
+        )
+        frames.append([b"kv", seq.to_bytes(8, "big"), payload])
     return Workload(frames, events_total)
 
 
@@ -102,7 +128,12 @@ async def _subscribed(pub: zmq.asyncio.Socket, within_s: float) -> None:
 
 
 async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, float]:
-    workload = build_workload(args.batches, args.blocks_per_batch, args.cache_blocks, args.block_size)
+    page_size = args.sglang_page_size
+    if page_size is not None and args.block_size % page_size:
+        raise StartupError("--block-size must be a multiple of --sglang-page-size")
+    workload = build_workload(
+        args.batches, args.blocks_per_batch, args.cache_blocks, args.block_size, page_size=page_size
+    )
     http_port, metrics_port = free_port(), free_port()
     runner = await _engine_stand_in(http_port)
     context = zmq.asyncio.Context()
@@ -117,6 +148,8 @@ async def run_benchmark(redis_url: str, args: argparse.Namespace) -> dict[str, f
         block_size=args.block_size,
         metrics_port=metrics_port,
     )
+    if page_size is not None:
+        command += ["--engine-kind", "sglang"]
     agent, log = start_logged(command, "bench-agent")
     try:
         async with aiohttp.ClientSession() as session:

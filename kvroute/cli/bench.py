@@ -105,6 +105,13 @@ def _agent_flags(p: argparse.ArgumentParser) -> None:
         "--cache-blocks", type=positive_int, default=20_000, help="the simulated engine's cache size in blocks"
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    p.add_argument(
+        "--sglang-page-size",
+        type=positive_int,
+        default=None,
+        help="play an SGLang engine with pages of this many tokens (its wire; the agent re-blocks the pages into "
+        "--block-size blocks); default: a vLLM engine",
+    )
 
 
 def _sim_flags(p: argparse.ArgumentParser) -> None:
