@@ -393,7 +393,7 @@ def test_the_engine_kind_comes_from_the_flag_or_its_variable_and_must_be_one_kno
         settings_from_args(parse([*base, "--engine-kind", "vllm"]), {"KVROUTE_ENGINE_KIND": "sglang"}).engine_kind
         == "vllm"
     )
-    with pytest.raises(ValueError, match="--engine-kind must be one of vllm, sglang, got 'tgi'"):
+    with pytest.raises(ValueError, match="--engine-kind must be one of vllm, sglang, trtllm, got 'tgi'"):
         settings_from_args(parse([*base, "--engine-kind", "tgi"]), {})
 
 
@@ -428,3 +428,18 @@ def test_an_sglang_page_gives_load_capacity_in_index_blocks_and_work_by_sglang_n
     assert metrics.work == 1007.0
     assert metrics.computed(16) == ComputedTokens(1000 - 600 + 50, 7.0, 5, 16)
     assert parse_metrics(SGLANG_PAGE, dp_rank=0).load is None  # read as vLLM's page, it has no load
+
+
+def test_a_tensorrt_llm_engine_is_polled_over_http_and_needs_no_zmq_endpoint():
+    polled = settings_from_args(parse(["--engine-url", "http://e:8000/v1", "--engine-kind", "trtllm"]), {})
+    assert polled.events is None and polled.events_url == "http://e:8000/kv_cache_events"
+    other = ["--engine-url", "http://e:8000", "--engine-kind", "trtllm", "--events", "http://proxy:9/kv_cache_events"]
+    assert settings_from_args(parse(other), {}).events_url == "http://proxy:9/kv_cache_events"
+    with pytest.raises(ValueError, match="--events must be the engine's POST /kv_cache_events URL"):
+        settings_from_args(
+            parse(["--engine-url", "http://e:8000", "--engine-kind", "trtllm", "--events", "tcp://e:1"]), {}
+        )
+    with pytest.raises(ValueError, match="--events must be a ZMQ endpoint"):
+        settings_from_args(parse(["--engine-url", "http://e:8000", "--events", "http://e:8000/kv_cache_events"]), {})
+    with pytest.raises(ValueError, match="missing required setting"):
+        settings_from_args(parse(["--engine-url", "http://e:8000"]), {})

@@ -135,3 +135,13 @@ def test_mutated_sglang_frames_decode_or_raise_wire_error_and_every_rejection_is
         accepted += batch is not None
     assert counters.decode_errors == rejected > 0
     assert 0 < accepted < MUTATED_FRAMES
+
+
+def test_the_agent_says_once_per_reason_what_it_cannot_hash_and_counts_every_block(caplog):
+    pipeline, counters = new_pipeline()
+    bigrams = stored(token_ids=[[1, 2], [2, 3]], block_hashes=[1, 2], block_size=1)
+    for _ in range(3):
+        assert pipeline.decode(message(bigrams, stored(lora_id=4))) is not None
+    assert counters.unreproducible_blocks == {sglang.EAGLE_BIGRAMS: 6, sglang.UNNAMED_LORA: 3}
+    said = [r.getMessage() for r in caplog.records if "cannot hash" in r.getMessage()]
+    assert len(said) == 2 and any("EAGLE" in line for line in said) and any("LoRA" in line for line in said)
