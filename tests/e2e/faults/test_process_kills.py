@@ -94,8 +94,10 @@ async def _not(check) -> bool:
     return not await check
 
 
-async def test_an_agent_killed_and_restarted(redis_server):
-    async with open_scene(redis_server) as scene:
+@pytest.mark.parametrize("kinds", [(), ("sglang", "vllm", "sglang")], ids=["vllm", "sglang_first"])
+async def test_an_agent_killed_and_restarted(redis_server, kinds):
+    """The restarted agent rebuilds its worker from the engine's replay buffer (vLLM's, SGLang's)."""
+    async with open_scene(redis_server, engine_kinds=kinds) as scene:
         await scene.prime()
         scene.fleet.agents[0].kill()
         await wait_until(lambda: _not(alive(scene, 0)), 15)  # its heartbeat TTL runs out
@@ -103,7 +105,7 @@ async def test_an_agent_killed_and_restarted(redis_server):
         scene.fleet.agents[0] = scene.fleet.agent_for(scene.fleet.engines[0]).start()
         since = time.monotonic()
         recovery = await scene.recover(since)
-        figures = scene.figures("agent_kill9_restart", [recovery])
+        figures = scene.figures("agent_kill9_restart" + ("_sglang" if kinds else ""), [recovery])
         scene.check(figures, [recovery])
 
 
