@@ -25,6 +25,9 @@ def health_body(agent: Agent) -> dict[str, object]:
         "status": "engine_down" if not agent.engine_up else ("ok" if gauges.registered else "starting"),
         "worker_id": agent.settings.resolved_worker_id,
         "engine_url": agent.settings.engine_root,
+        "engine_kind": agent.pipeline.kind.name,  # how its events and metrics are read
+        "block_size": agent.pipeline.block_size,
+        "unreproducible_blocks": dict(agent.counters.unreproducible_blocks),
         "registered": gauges.registered,
         "engine_up": gauges.engine_up,
         "last_seq": gauges.last_seq,

@@ -96,6 +96,8 @@ async def test_vllm_and_sglang_workers_are_routed_by_prefix_and_predicted_exactl
         assert predicted == reported // BS * BS, outcomes  # whole blocks of what the engine reports
         assert predicted >= 32 and (page == BS) <= (predicted == reported), outcomes
     for agent, kind in zip(fleet.agents, KINDS, strict=True):
+        _, health = await agent.health()
+        assert (health["engine_kind"], health["block_size"], health["unreproducible_blocks"]) == (kind, BS, {})
         metrics = await agent.metrics()
         assert metrics["kvroute_agent_decode_errors_total"] == 0 and metrics["kvroute_agent_orphan_runs_total"] == 0
         assert metrics["kvroute_agent_blocks_stored_total"] > 0, kind
