@@ -67,7 +67,7 @@ async def send(session: aiohttp.ClientSession, router: RunningRouter, prompt: li
     )
 
 
-async def test_vllm_and_sglang_workers_are_routed_by_prefix_and_predicted_exactly(
+async def test_vllm_sglang_and_tensorrt_llm_workers_are_routed_by_prefix_and_predicted_exactly(
     router: RunningRouter, fleet: SimFleet
 ):
     kinds = {fleet.worker_id(number): kind for number, kind in enumerate(KINDS)}
