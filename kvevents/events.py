@@ -173,3 +173,31 @@ def batch_timestamp(value: Any) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise WireError(f"batch timestamp must be a number, got {type(value).__name__}")
     return float(value)
+
+
+def generic_batch(payload: bytes, rank_name: str) -> tuple[float, list[Any], int | None]:
+    """A msgpack batch ``[ts, events, rank]`` read without a schema: (ts, the raw events, the rank)."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"payload is not valid msgpack: {exc}") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise WireError(f"payload must be an array [ts, events, {rank_name}]")
+    rank = batch[2] if len(batch) > 2 else None
+    return batch_timestamp(batch[0]), batch[1], rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+def event_fields(raw: Any, orders: Mapping[str, tuple[str, ...]]) -> tuple[str, dict[Any, Any]]:
+    """An event as (type, {field: value}), from a map tagged by ``type`` or from a positional array
+    ``[type, ...]`` whose fields come in ``orders[type]``'s order."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if not isinstance(kind, str):
+            raise WireError("an event map has no string 'type'")
+        return kind, {k: v for k, v in raw.items() if k != "type"}
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        kind, names = raw[0], orders.get(raw[0], ())
+        if len(raw) - 1 > len(names) and kind in orders:
+            raise WireError(f"positional {kind} has {len(raw) - 1} fields, at most {len(names)} are known")
+        return kind, dict(zip(names, raw[1:], strict=False))
+    raise WireError(f"an event must be a map or a tagged array, got {type(raw).__name__}")

@@ -44,10 +44,11 @@ from kvevents.events import (
     Event,
     EventBatch,
     WireError,
-    batch_timestamp,
     convert_event,
     decode_seq,
     decode_topic,
+    event_fields,
+    generic_batch,
 )
 
 EAGLE_BIGRAMS: Final = "eagle_bigrams"  # token_ids holds [a, b] pairs
@@ -151,21 +152,6 @@ def encode_payload(events: Sequence[Event], dp_rank: int = 0, ts: float | None =
 # --- decoding (the agent) -------------------------------------------------------------------------
 
 
-def _as_fields(raw: Any) -> tuple[str, dict[Any, Any]]:
-    """An event as (type, {field: value}) from either encoding."""
-    if isinstance(raw, dict):
-        kind = raw.get("type")
-        if not isinstance(kind, str):
-            raise WireError("an event map has no string 'type'")
-        return kind, {k: v for k, v in raw.items() if k != "type"}
-    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
-        kind, names = raw[0], _ORDERS.get(raw[0], ())
-        if len(raw) - 1 > len(names) and kind in _ORDERS:
-            raise WireError(f"positional {kind} has {len(raw) - 1} fields, at most {len(names)} are known")
-        return kind, dict(zip(names, raw[1:], strict=False))
-    raise WireError(f"an event must be a map or a tagged array, got {type(raw).__name__}")
-
-
 def _is_bigrams(tokens: Any) -> bool:
     return isinstance(tokens, list) and bool(tokens) and all(isinstance(t, list) and len(t) == 2 for t in tokens)
 
@@ -202,7 +188,7 @@ def _typed_fields(kind: str, fields: dict[Any, Any]) -> tuple[dict[Any, Any], se
 def decode_event(raw: Any) -> tuple[Event | None, set[str], str | None]:
     """One event from its generic msgpack form: (the event or None, the unknown keys, why its blocks
     cannot be reproduced or None). An unknown type is (None, set(), None)."""
-    kind, fields = _as_fields(raw)
+    kind, fields = event_fields(raw, _ORDERS)
     if kind not in _KEPT:
         return None, set(), None
     if kind == "BlockStored" and (reason := _unreproducible(fields)) is not None:
@@ -217,20 +203,12 @@ def decode_event(raw: Any) -> tuple[Event | None, set[str], str | None]:
 
 def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str], dict[str, int]]:
     """(ts, events, attn_dp_rank, unknown event count, unknown keys, unreproducible blocks by reason)."""
-    try:
-        batch = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"payload is not valid msgpack: {exc}") from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise WireError("payload must be an array [ts, events, attn_dp_rank]")
-    ts = batch_timestamp(batch[0])
-    rank = batch[2] if len(batch) > 2 else None
-    dp_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    ts, raws, dp_rank = generic_batch(payload, "attn_dp_rank")
     events: list[Event] = []
     unknown_events = 0
     unknown_keys: set[str] = set()
     unreproducible: Counter[str] = Counter()
-    for raw in batch[1]:
+    for raw in raws:
         event, extra, reason = decode_event(raw)
         unknown_keys |= extra
         if reason is not None:

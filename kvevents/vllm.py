@@ -35,10 +35,11 @@ from kvevents.events import (
     Event,
     EventBatch,
     WireError,
-    batch_timestamp,
     convert_event,
     decode_seq,
     decode_topic,
+    event_fields,
+    generic_batch,
 )
 
 __all__ = [
@@ -83,41 +84,18 @@ def encode_seq(seq: int) -> bytes:
 # --- decoding (the agent) -------------------------------------------------------------------------
 
 
-def _as_fields(raw: Any) -> tuple[str, dict[Any, Any]]:
-    """An event as (type, {field: value}) from either encoding."""
-    if isinstance(raw, dict):
-        kind = raw.get("type")
-        if not isinstance(kind, str):
-            raise WireError("an event map has no string 'type'")
-        return kind, {k: v for k, v in raw.items() if k != "type"}
-    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
-        kind, names = raw[0], FIELDS.get(raw[0], ())
-        if len(raw) - 1 > len(names) and kind in FIELDS:
-            raise WireError(f"positional {kind} has {len(raw) - 1} fields, at most {len(names)} are known")
-        return kind, dict(zip(names, raw[1:], strict=False))
-    raise WireError(f"an event must be a map or a tagged array, got {type(raw).__name__}")
-
-
 def decode_event(raw: Any) -> tuple[Event | None, set[str]]:
     """One event from its generic msgpack form, or None for an unknown type; also the keys this
     schema does not know (skipped)."""
-    return convert_event(*_as_fields(raw))
+    return convert_event(*event_fields(raw, FIELDS))
 
 
 def _decode_leniently(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str]]:
-    try:
-        batch = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"payload is not valid msgpack: {exc}") from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise WireError("payload must be an array [ts, events, data_parallel_rank]")
-    ts = batch_timestamp(batch[0])
-    rank = batch[2] if len(batch) > 2 else None
-    dp_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    ts, raws, dp_rank = generic_batch(payload, "data_parallel_rank")
     events: list[Event] = []
     unknown_events = 0
     unknown_keys: set[str] = set()
-    for raw in batch[1]:
+    for raw in raws:
         event, extra = decode_event(raw)
         unknown_keys |= extra
         if event is None:
