@@ -38,7 +38,7 @@ from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from worker_agent.engine import EngineClient, EngineMetrics
-from worker_agent.engine_kinds import KINDS, PAGED_DEFAULT_BLOCK_SIZE, TRTLLM, VLLM
+from worker_agent.engine_kinds import PAGED_DEFAULT_BLOCK_SIZE, TRTLLM, chosen
 from worker_agent.events import EventsWatch, stay_connected
 from worker_agent.inbox import Inbox
 from worker_agent.liveness import Liveness
@@ -184,11 +184,9 @@ class Agent:
 
     def _take_engine_kind(self) -> None:
         """Read the engine as --engine-kind says, else as its listing says, else as vLLM."""
-        name = self.settings.engine_kind or self._listed_kind or VLLM
-        kind = KINDS[name]
+        kind, how = chosen(self.settings.engine_kind, self._listed_kind)
         self.pipeline.set_engine_kind(kind, PAGED_DEFAULT_BLOCK_SIZE)
-        self.engine.names = kind.metrics
-        self.engine.iteration_stats = kind.iteration_stats
+        self.engine.use_kind(kind)
         if kind.polled and self.settings.engine_kind != TRTLLM:
             self.watch.endpoint = self.settings.events_url
             log.warning(
@@ -197,13 +195,10 @@ class Agent:
                 self.settings.events_url,
                 self.settings.events,
             )
-        how = "--engine-kind" if self.settings.engine_kind else "its /v1/models" if self._listed_kind else "the default"
+        block_size = self.pipeline.block_size or "from its events"
+        fields = {"engine_kind": kind.name}
         log.info(
-            "reading the engine as %s (%s); index block size %s",
-            name,
-            how,
-            self.pipeline.block_size or "from its events",
-            extra={"fields": {"engine_kind": name}},
+            "reading the engine as %s (%s); index block size %s", kind.name, how, block_size, extra={"fields": fields}
         )
 
     async def _register_and_catch_up(self) -> None:

@@ -19,7 +19,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
-from worker_agent.engine_kinds import VLLM_METRICS, MetricNames, kind_of_listing
+from worker_agent.engine_kinds import VLLM_METRICS, EngineKind, MetricNames, kind_of_listing
 from worker_agent.iteration_stats import parse_iteration_stats
 
 # vLLM's names, kept for callers that read one by name (the agent reads by its engine's kind).
@@ -228,6 +228,11 @@ class EngineClient:
         if self.iteration_stats:
             return self._from_iteration_stats(bytes(body), block_size)
         return parse_metrics(body.decode("utf-8", errors="replace"), self._dp_rank, self.names, block_size)
+
+    def use_kind(self, kind: EngineKind) -> None:
+        """Read the metrics of ``kind``'s engine (its names, or TensorRT-LLM's iteration stats)."""
+        self.names = kind.metrics
+        self.iteration_stats = kind.iteration_stats
 
     def _from_iteration_stats(self, body: bytes, block_size: int | None) -> EngineMetrics:
         try:

@@ -107,6 +107,15 @@ KINDS: Final = {
 }
 
 
+def chosen(flag: str | None, listed: str | None) -> tuple[EngineKind, str]:
+    """The kind to read an engine as: --engine-kind's, else its listing's, else vLLM; and why."""
+    if flag is not None:
+        return KINDS[flag], "--engine-kind"
+    if listed is not None:
+        return KINDS[listed], "its /v1/models"
+    return KINDS[VLLM], "the default"
+
+
 def kind_of_listing(body: object) -> str | None:
     """The engine kind a /v1/models listing names in its entries' ``owned_by`` (None: none known)."""
     data = body.get("data") if isinstance(body, dict) else None
