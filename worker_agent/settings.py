@@ -281,7 +281,10 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     naming the flag when something is missing or malformed."""
     env = os.environ if env is None else env
     values = flag_or_env(args, env, [(name, variable, _parser(name)) for name, variable in ENV_VARS.items()])
-    required = ("engine_url",) if values.get("engine_kind") == TRTLLM else ("engine_url", "events")
+    kind = values.get("engine_kind")
+    if kind is not None and kind not in ENGINE_KINDS:  # first: it decides what else is required
+        raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+    required = ("engine_url",) if kind == TRTLLM else ("engine_url", "events")
     missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in required if n not in values]
     if missing:
         raise ValueError(f"missing required setting(s): {', '.join(missing)} (or their KVROUTE_* variables)")

@@ -443,3 +443,8 @@ def test_a_tensorrt_llm_engine_is_polled_over_http_and_needs_no_zmq_endpoint():
         settings_from_args(parse(["--engine-url", "http://e:8000", "--events", "http://e:8000/kv_cache_events"]), {})
     with pytest.raises(ValueError, match="missing required setting"):
         settings_from_args(parse(["--engine-url", "http://e:8000"]), {})
+
+
+def test_an_unknown_engine_kind_is_named_before_what_it_would_require():
+    with pytest.raises(ValueError, match="--engine-kind must be one of vllm, sglang, trtllm, got 'bogus'"):
+        settings_from_args(parse(["--engine-url", "http://e:8000", "--engine-kind", "bogus"]), {})
