@@ -87,7 +87,13 @@ def encode_seq(seq: int) -> bytes:
 def decode_event(raw: Any) -> tuple[Event | None, set[str]]:
     """One event from its generic msgpack form, or None for an unknown type; also the keys this
     schema does not know (skipped)."""
-    return convert_event(*event_fields(raw, FIELDS))
+    kind, fields = event_fields(raw, FIELDS)
+    media = fields.pop("block_mm_infos", None)
+    if isinstance(media, list) and any(media) and "extra_keys" not in fields:
+        # Dynamo's TensorRT-LLM publisher sends vLLM's wire with multimodal blocks described here:
+        # as extra keys (a map, which no prompt's hash reproduces) they are never indexed as text
+        fields["extra_keys"] = [[{"multimodal": True}] if info else None for info in media]
+    return convert_event(kind, fields)
 
 
 def _decode_leniently(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str]]:

@@ -132,3 +132,24 @@ def test_unknown_types_and_keys_are_counted_and_skipped():
 def test_malformed_messages_raise_a_clear_wire_error(frames, message):
     with pytest.raises(WireError, match=message):
         decode_message(frames)
+
+
+def test_dynamo_s_tensorrt_llm_publisher_speaks_vllm_s_wire_and_its_multimodal_blocks_are_not_text():
+    """Dynamo's TensorRT-LLM worker pushes vLLM-shaped events over ZMQ (signed hashes, no medium),
+    with ``block_mm_infos`` for blocks that hold images: those must never match a text prompt."""
+    from kvevents.vllm import decode_payload
+    from worker_agent.translate import Translator
+
+    plain = {
+        "type": "BlockStored",
+        "block_hashes": [-2],
+        "parent_block_hash": None,
+        "token_ids": [1] * 4,
+        "block_size": 4,
+    }
+    image = {**plain, "block_hashes": [-3, 4], "token_ids": [1] * 8, "block_mm_infos": [None, {"mm_hashes": ["ab"]}]}
+    _, events, _, _, unknown = decode_payload(msgpack.packb([1.0, [plain, image], 0]))
+    assert unknown == set() and events[1].extra_keys == (None, [{"multimodal": True}])
+    translator = Translator(4)
+    batch = translator.translate(events)
+    assert len(batch.changes) == 1 and translator.counters.unsupported_extra_keys == 1
