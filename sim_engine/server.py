@@ -34,7 +34,7 @@ from sim_engine.kv_transfer import KVConnector
 from sim_engine.lora import LoraAdapters, LoraError
 from sim_engine.metrics import EngineCollector, RequestHistograms, SglangCollector
 from sim_engine.settings import SimEngineSettings
-from sim_engine.trtllm_events import OWNERS, TrtllmEventQueue, iteration_stats
+from sim_engine.trtllm_events import OWNERS, TrtllmEventQueue
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # probes and scrapes: logged at DEBUG
@@ -180,8 +180,9 @@ def _exposition(state: _State, registry: CollectorRegistry) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.settings.engine_kind == "trtllm":  # trtllm-serve's /metrics: JSON iteration stats
-        return web.json_response([iteration_stats(state.engine)])
+    queue = state.engine.publisher
+    if isinstance(queue, TrtllmEventQueue):  # trtllm-serve's /metrics: JSON iteration stats
+        return web.json_response(queue.iteration_stats(state.engine))
     return _exposition(state, state.public)
 
 

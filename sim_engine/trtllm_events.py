@@ -23,24 +23,6 @@ from sim_engine.engine import SimEngine
 OWNERS = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 
 
-def iteration_stats(engine: SimEngine) -> dict[str, Any]:
-    """The engine now as one of trtllm-serve's iteration stats (worker_agent/iteration_stats.py)."""
-    pool = engine.pool
-    used = round(pool.usage * pool.num_blocks)
-    return {
-        "iter": engine.stats.steps,
-        "numActiveRequests": len(engine.running),
-        "numQueuedRequests": engine.num_waiting,
-        "inflightBatchingStats": {"numPausedRequests": 0},
-        "kvCacheStats": {
-            "maxNumBlocks": pool.num_blocks,
-            "freeNumBlocks": pool.num_blocks - used,
-            "usedNumBlocks": used,
-            "tokensPerBlock": pool.block_size,
-        },
-    }
-
-
 class TrtllmEventQueue:
     """What a KVEventPublisher does for vLLM and SGLang, over HTTP: the engine publishes into it,
     the consumer drains it."""
@@ -49,6 +31,7 @@ class TrtllmEventQueue:
         self._queue: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._next_id = 0
         self._num_blocks = num_blocks
+        self._steps_read = self._finished_read = 0  # the engine's counts at the last GET /metrics
         self.endpoint: str | None = None  # no socket: the events are fetched over HTTP
         self.replay_endpoint: str | None = None
         self._created()
@@ -87,6 +70,31 @@ class TrtllmEventQueue:
             elif isinstance(event, BlockRemoved):
                 self._add(trtllm.removed_json(self._next_id, [int(h) for h in event.block_hashes]), deliver)
         return []
+
+    def iteration_stats(self, engine: SimEngine) -> list[dict[str, Any]]:
+        """trtllm-serve's ``GET /metrics``: the iterations since the last read (drained like the
+        events), here one entry for the engine now when it ran any step since, else none."""
+        stats, pool = engine.stats, engine.pool
+        if stats.steps == self._steps_read:
+            return []
+        completed = stats.requests_finished - self._finished_read
+        self._steps_read, self._finished_read = stats.steps, stats.requests_finished
+        used = round(pool.usage * pool.num_blocks)
+        return [
+            {
+                "iter": stats.steps,
+                "numActiveRequests": len(engine.running),
+                "numQueuedRequests": engine.num_waiting,
+                "numCompletedRequests": completed,
+                "inflightBatchingStats": {"numPausedRequests": 0},
+                "kvCacheStats": {
+                    "maxNumBlocks": pool.num_blocks,
+                    "freeNumBlocks": pool.num_blocks - used,
+                    "usedNumBlocks": used,
+                    "tokensPerBlock": pool.block_size,
+                },
+            }
+        ]
 
     def drain(self) -> list[dict[str, Any]]:
         """Every queued event, oldest first; the queue is empty afterwards."""

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.types import WorkerLoad
 from worker_agent.engine_kinds import VLLM_METRICS, EngineKind, MetricNames, kind_of_listing
-from worker_agent.iteration_stats import parse_iteration_stats
+from worker_agent.iteration_stats import parse_iteration_stats, work_done
 
 # vLLM's names, kept for callers that read one by name (the agent reads by its engine's kind).
 RUNNING, WAITING, KV_USAGE = VLLM_METRICS.load
@@ -201,6 +201,7 @@ class EngineClient:
         self.names = VLLM_METRICS  # its kind's metric names, once the agent knows the kind
         self.iteration_stats = False  # its load is TensorRT-LLM's JSON iteration stats, not Prometheus text
         self._last_usage = 0.0
+        self._iterations = self._completed = 0  # what the iteration stats read so far counted
 
     async def healthy(self) -> bool:
         try:
@@ -243,7 +244,11 @@ class EngineClient:
         if load is None:
             return EngineMetrics(None, None, bad=(BadValue("/metrics", problem),))
         self._last_usage = load.kv_usage
-        return EngineMetrics(load, None)
+        iterations, completed = work_done(stats)
+        self._iterations += iterations
+        self._completed += completed
+        counters = {self.names.prompt_tokens: float(self._iterations), self.names.finished: float(self._completed)}
+        return EngineMetrics(load, None, counters, names=self.names)
 
     async def served_models(self) -> ServedModels | None:
         """/v1/models, parsed; None when the engine does not answer with a listing."""

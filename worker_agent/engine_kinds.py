@@ -85,13 +85,27 @@ SGLANG_METRICS: Final = MetricNames(
     capacity_tokens="sglang:max_total_num_tokens",
 )
 
+# TensorRT-LLM's JSON iteration stats (worker_agent/iteration_stats.py) have no Prometheus names:
+# the agent counts the iterations and completed requests it reads, under these names, so that its
+# events watch sees the engine working (an idle engine runs no iteration).
+TRTLLM_METRICS: Final = MetricNames(
+    running="numActiveRequests",
+    waiting="numQueuedRequests",
+    kv_usage="kvCacheStats",
+    prompt_tokens="iterations",
+    finished="numCompletedRequests",
+    cached_tokens="",
+    generated_tokens="",
+    rank_label="attention_dp_rank",
+)
+
 
 @dataclass(frozen=True)
 class EngineKind:
     name: str
     decode: Callable[[list[bytes], str], EventBatch]  # (frames, the topic a reply may leave out)
     paged: bool  # its blocks are pages, re-blocked into the index's (worker_agent/pages.py)
-    metrics: MetricNames  # its Prometheus names (unused where iteration_stats)
+    metrics: MetricNames  # its Prometheus names (TensorRT-LLM: what the agent counts)
     polled: bool = False  # its events are fetched over HTTP (POST /kv_cache_events), not pushed over ZMQ
     iteration_stats: bool = False  # its load is JSON iteration stats on GET /metrics
 
@@ -103,7 +117,7 @@ def _decode_vllm(frames: list[bytes], topic: str) -> EventBatch:
 KINDS: Final = {
     VLLM: EngineKind(VLLM, _decode_vllm, False, VLLM_METRICS),
     SGLANG: EngineKind(SGLANG, sglang.decode_message, True, SGLANG_METRICS),
-    TRTLLM: EngineKind(TRTLLM, trtllm.decode_message, True, VLLM_METRICS, polled=True, iteration_stats=True),
+    TRTLLM: EngineKind(TRTLLM, trtllm.decode_message, True, TRTLLM_METRICS, polled=True, iteration_stats=True),
 }
 
 

@@ -26,6 +26,12 @@ def _count(value: Any) -> int | None:
     return int(value) if ok else None
 
 
+def work_done(body: list[Any]) -> tuple[int, int]:
+    """(iterations, requests completed) in a list of iteration stats."""
+    completed = (_count(stats.get("numCompletedRequests")) if isinstance(stats, dict) else None for stats in body)
+    return len(body), sum(count or 0 for count in completed)
+
+
 def parse_iteration_stats(body: Any, block_size: int | None, last_usage: float = 0.0) -> tuple[WorkerLoad | None, str]:
     """The stats list -> (the load, ""), or (None, what is wrong with it)."""
     if not isinstance(body, list):

@@ -1,6 +1,7 @@
-"""The agent's poller of an engine that hands out its KV events over HTTP (worker_agent/poller.py),
-against a real HTTP server: events become inbox messages in order, and what is not a list of
-events is counted and skipped without stopping it."""
+"""The agent's HTTP side of TensorRT-LLM, against real HTTP servers: the poller of its KV events
+(worker_agent/poller.py), where events become inbox messages in order and what is not a list of
+events is counted and skipped without stopping it; and its load and work from the iteration stats
+of the simulated trtllm-serve (an idle engine runs no iteration: no work, so no false alarm)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from aiohttp import web
 
 from kvevents import trtllm
 from kvroute.devstack.embedded_redis import free_port
+from sim_engine.engine import TimingModel
+from sim_engine.server import running_engine
+from sim_engine.settings import SimEngineSettings
+from worker_agent.engine import EngineClient
+from worker_agent.engine_kinds import KINDS, TRTLLM
 from worker_agent.inbox import Inbox
 from worker_agent.metrics import AgentCounters
 from worker_agent.poller import EventPoller
@@ -63,3 +69,22 @@ async def test_an_engine_that_does_not_answer_gives_nothing_and_the_poller_goes_
     async with aiohttp.ClientSession() as session:
         poller = EventPoller(session, f"http://127.0.0.1:{free_port()}/kv_cache_events", AgentCounters(), timeout_s=1)
         assert await poller.fetch() == []
+
+
+async def test_the_iteration_stats_give_load_capacity_and_work_only_while_the_engine_runs():
+    settings = SimEngineSettings(
+        port=0, engine_kind="trtllm", block_size=32, num_blocks=64, timing=TimingModel(speedup=20)
+    )
+    async with running_engine(settings) as engine, aiohttp.ClientSession() as session:
+        client = EngineClient(session, engine.url, 0)
+        client.use_kind(KINDS[TRTLLM])
+        before = await client.metrics(16)
+        body = {"model": "tiny", "prompt": list(range(10, 80)), "max_tokens": 3}
+        async with session.post(engine.url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+        busy = await client.metrics(16)
+        idle = await client.metrics(16)
+    assert before is not None and busy is not None and idle is not None
+    assert busy.load is not None and busy.load.capacity_blocks == 64 * 32 // 16
+    assert before.work == 0 and busy.work is not None and busy.work > 1  # iterations and a completed request
+    assert idle.work == busy.work and idle.load is not None and idle.load.running == 0
