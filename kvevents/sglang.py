@@ -32,11 +32,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
+from msgspec import Meta
 
 from kvevents.events import (
+    MAX_TOKEN_ID,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -76,18 +78,18 @@ _KEPT: Final = {
 _READ_ONLY: Final = {"cache_salt", "session_id"}  # read here, not passed on as such
 
 
-# --- the wire schema, for encoding (the simulated engine) ------------------------------------------
+# --- the wire schema: the simulated engine encodes with it, the agent's strict pass decodes -------
 
 
-class _Wire(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True):
+class _Wire(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True, forbid_unknown_fields=True):
     pass
 
 
 class _Stored(_Wire, tag="BlockStored"):
-    block_hashes: list[EngineHash]
+    block_hashes: Annotated[list[EngineHash], Meta(min_length=1)]
     parent_block_hash: EngineHash | None
-    token_ids: list[int]
-    block_size: int
+    token_ids: list[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]]  # EAGLE's pairs fail: the lenient pass
+    block_size: Annotated[int, Meta(gt=0)]
     lora_id: int | None
     medium: str | None = None
     cache_salt: str | None = None
@@ -96,7 +98,7 @@ class _Stored(_Wire, tag="BlockStored"):
 
 
 class _Removed(_Wire, tag="BlockRemoved"):
-    block_hashes: list[EngineHash]
+    block_hashes: Annotated[list[EngineHash], Meta(min_length=1)]
     medium: str | None = None
 
 
@@ -111,6 +113,7 @@ class _Batch(msgspec.Struct, array_like=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+_STRICT = msgspec.msgpack.Decoder(_Batch)
 
 
 # vLLM's media as SGLang names them (StorageMedium)
@@ -201,8 +204,54 @@ def decode_event(raw: Any) -> tuple[Event | None, set[str], str | None]:
     return event, unknown | extra, None
 
 
+def _typed(event: _Stored | _Removed | _Cleared) -> Event | None:
+    """A strictly decoded event as the typed one (None: its blocks cannot be hashed)."""
+    if isinstance(event, _Removed):
+        return BlockRemoved(tuple(event.block_hashes), medium=event.medium)
+    if isinstance(event, _Cleared):
+        return AllBlocksCleared()
+    if event.lora_id is not None and event.lora_name is None:
+        return None
+    keys = None
+    if event.cache_salt is not None and event.parent_block_hash is None:
+        keys = ([event.cache_salt], *[None] * (len(event.block_hashes) - 1))
+    try:
+        return BlockStored(
+            tuple(event.block_hashes),
+            event.parent_block_hash,
+            tuple(event.token_ids),
+            event.block_size,
+            event.lora_id,
+            event.medium,
+            event.lora_name,
+            keys,
+        )
+    except ValueError as exc:  # its own checks (token count against blocks)
+        raise WireError(f"BlockStored: {exc}") from None
+
+
+def _decode_strictly(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str], dict[str, int]] | None:
+    """The one-pass decode every SGLang 0.5.x message of plain text prompts takes; None for any other."""
+    try:
+        batch = _STRICT.decode(payload)
+    except msgspec.DecodeError:  # also ValidationError: anything unusual goes the lenient way
+        return None
+    events = []
+    for wire in batch.events:
+        event = _typed(wire)
+        if event is None:
+            return None  # a block it cannot hash: the lenient pass counts it by reason
+        events.append(event)
+    return batch.ts, events, batch.attn_dp_rank, 0, set(), {}
+
+
 def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str], dict[str, int]]:
     """(ts, events, attn_dp_rank, unknown event count, unknown keys, unreproducible blocks by reason)."""
+    return _decode_strictly(payload) or _decode_leniently(payload)
+
+
+def _decode_leniently(payload: bytes) -> tuple[float, list[Event], int | None, int, set[str], dict[str, int]]:
+    """Field by field: unknown kinds and keys counted, blocks that cannot be hashed counted by reason."""
     ts, raws, dp_rank = generic_batch(payload, "attn_dp_rank")
     events: list[Event] = []
     unknown_events = 0
