@@ -108,7 +108,7 @@ def _spec(name: str, keys: str, args: str, parse: Callable[[Any], R], read_only:
 REGISTER = _spec(
     "register",
     "meta workers gids alive retired record alive_version",
-    "worker_id url model block_size dp_rank ttl_ms gid adapters? tier? tier_of? role? max_model_len?",
+    "worker_id url model block_size dp_rank ttl_ms gid adapters? tier? tier_of? role? max_model_len? engine_kind?",
     _status_and_ints,
 )
 ADAPTERS = _spec("adapters", "record", "gid adapters kv_groups?", _status)
@@ -175,15 +175,16 @@ def register(
     tier_of: str = "",
     role: str = "both",
     max_model_len: int = 0,
+    engine_kind: str = "",
 ) -> ScriptCall[tuple[str, ...]]:
     """``tier`` and ``tier_of``: a tier holder's tier and worker ('' for a worker's own GPU blocks);
     ``role`` its part in a prefill/decode split (kvindex.roles); ``max_model_len`` its engine's
-    context length (0: unknown)."""
+    context length (0: unknown); ``engine_kind`` how its agent reads the engine ('': not said)."""
     record = keys.worker(worker_id)
     identity: list[str | int] = [worker_id, url, keys.model, block_size, dp_rank, ttl_ms, gid]
     return REGISTER.call(
         [keys.meta, keys.workers, keys.gids, keys.alive, keys.retired, record, keys.alive_version],
-        [*identity, adapter_lines(adapters), tier, tier_of, role, max_model_len],
+        [*identity, adapter_lines(adapters), tier, tier_of, role, max_model_len, engine_kind],
     )
 
 

@@ -54,6 +54,7 @@ async def register_worker(
                 worker.tier_of or "",
                 worker.role,
                 worker.max_model_len,
+                worker.engine_kind,
             )
         )
         if status == "ok":

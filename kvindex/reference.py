@@ -246,6 +246,7 @@ class ReferenceIndex:
                 tier_of=w.info.tier_of,
                 role=w.info.role,
                 max_model_len=w.info.max_model_len or None,
+                engine_kind=w.info.engine_kind or None,
             )
             for w in sorted(self._models.get(model, _Model()).workers.values(), key=lambda w: w.info.worker_id)
         ]

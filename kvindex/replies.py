@@ -70,4 +70,5 @@ def worker_record(record: dict[str, str], deadlines: dict[int, float], now_ms: i
         role=record.get("role") or BOTH,  # records written before roles: both
         kv_groups=record.get("kv_groups", ""),
         max_model_len=int(record.get("max_model_len") or 0) or None,  # records before it: unknown
+        engine_kind=record.get("engine_kind") or None,
     )

@@ -23,6 +23,7 @@ class WorkerInfo:
     tier_of: str | None = None  # a tier holder's worker
     role: str = "both"  # its part in a prefill/decode split (kvindex/roles.py)
     max_model_len: int = 0  # its engine's context length, prompt and reply (0: unknown)
+    engine_kind: str = ""  # how its agent reads the engine: vllm, sglang, trtllm ('': not said)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -107,6 +108,7 @@ class WorkerRecord:
     role: str = "both"  # its part in a prefill/decode split (kvindex/roles.py)
     kv_groups: str = ""  # a hybrid model's KV-cache groups (kvindex.groups.format_groups; '' for one group)
     max_model_len: int | None = None  # its engine's context length (None: not known)
+    engine_kind: str | None = None  # how its agent reads the engine (None: not said)
 
 
 @dataclass(frozen=True)

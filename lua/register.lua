@@ -23,6 +23,7 @@
 -- ARGV[11] optional: the worker's role in a prefill/decode split: 'both' (or '' / absent),
 --         'prefill' or 'decode' (kvindex/roles.py)
 -- ARGV[12] optional: the engine's context length, max_model_len ('' / absent / 0: unknown)
+-- ARGV[13] optional: the kind of engine, how its agent reads it: vllm, sglang, trtllm ('' / absent: not said)
 -- Returns {'ok', gid, epoch} or {'taken', gid, 0}. Errors: "ERR kvroute: ..." for malformed arguments or a block size that
 -- differs from the one the model's other alive workers use.
 local meta_key, workers_key, gids_key = KEYS[1], KEYS[2], KEYS[3]
@@ -34,6 +35,7 @@ local adapters = ARGV[8] or ''
 local tier, tier_of = ARGV[9] or '', ARGV[10] or ''
 local role = ARGV[11] or ''
 local max_model_len = ARGV[12] or ''
+local engine_kind = ARGV[13] or ''
 if max_model_len == '' then
   max_model_len = '0'
 end
@@ -72,6 +74,10 @@ end
 if not string.match(max_model_len, '^%d+$') or #max_model_len > 12 then
   return redis.error_reply('ERR kvroute: max_model_len must be a non-negative integer, got '
     .. string.sub(max_model_len, 1, 64))
+end
+if not string.match(engine_kind, '^[a-z0-9_]*$') or #engine_kind > 32 then
+  return redis.error_reply('ERR kvroute: engine_kind must be a short lower-case name, got '
+    .. string.sub(engine_kind, 1, 64))
 end
 if #adapters > 65536 then
   return redis.error_reply('ERR kvroute: adapters must be a list of at most 65536 bytes')
@@ -112,7 +118,7 @@ local epoch = redis.call('HINCRBY', record_key, 'epoch', 1)
 redis.call('HSET', record_key, 'id', worker_id, 'url', url, 'model', model, 'block_size', block_size,
   'dp_rank', dp_rank, 'gid', gid, 'registered_ms', now_ms, 'heartbeat_ms', now_ms, 'ttl_ms', ttl_ms,
   'blocks', 0, 'adapters', adapters, 'tier', tier, 'tier_of', tier_of, 'role', role,
-  'max_model_len', max_model_len)
+  'max_model_len', max_model_len, 'engine_kind', engine_kind)
 redis.call('HDEL', record_key, 'pending')  -- a re-assert's stage is void
 redis.call('HSET', workers_key, worker_id, gid)
 redis.call('HSET', gids_key, gid, worker_id)

@@ -217,6 +217,7 @@ class Agent:
             self._adapters,
             role=settings.role,
             max_model_len=self._max_model_len,
+            engine_kind=self.pipeline.kind.name,
         )
         while not await self.writer.register(info):
             if await self._sleep(settings.heartbeat_interval_s):

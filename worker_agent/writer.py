@@ -168,6 +168,7 @@ class WorkerWriter:
             tier=tier,
             tier_of=gpu.worker_id,
             role=gpu.role,
+            engine_kind=gpu.engine_kind,
         )
         try:
             holder = self._tiers[tier] = await self.index.register(info, self.ttl_ms)

@@ -30,7 +30,8 @@ from kvroute.devstack.embedded_redis import redis_unusable, usable_redis_url
 from kvservice.lifecycle import StartupError
 from kvtokens.tokenizer import ModelPrompts, PromptError
 
-WORKER_COLUMNS = ["model", "id", "tier", "role", "url", "alive", "blocks", "block_size", "dp_rank", "gid", "epoch"]
+WORKER_COLUMNS = ["model", "id", "engine_kind", "tier", "role", "url", "alive", "blocks", "block_size", "dp_rank"]
+WORKER_COLUMNS += ["gid", "epoch"]
 WORKER_COLUMNS += ["heartbeat_age_ms"]
 WORKER_COLUMNS += ["running", "waiting", "kv_usage", "adapters"]
 STATS_COLUMNS = ["model", "block_size", "workers", "alive_workers", "entries", "pages", "block_keys", "gids_pending_gc"]
@@ -240,6 +241,7 @@ def _record_json(record: WorkerRecord) -> dict[str, Any]:
         # a hybrid model's KV-cache groups (kvindex/groups.py), '' for one group
         "kv_groups": record.kv_groups,
         "max_model_len": record.max_model_len,  # its engine's context length (null: not known)
+        "engine_kind": record.engine_kind,  # how its agent reads the engine (null: not said)
     }
 
 

@@ -74,6 +74,7 @@ async def test_vllm_sglang_and_tensorrt_llm_workers_are_routed_by_prefix_and_pre
     pages = {fleet.worker_id(number): page for number, page in enumerate(PAGES)}
     records = {record.worker_id: record for record in await router.state.index.workers(MODEL)}
     assert {records[worker].block_size for worker in kinds} == {BS}  # one index block size for the model
+    assert {worker: records[worker].engine_kind for worker in kinds} == kinds  # what kvroute index workers says
     outcomes = []
     async with aiohttp.ClientSession() as session:
         for number, family in enumerate(FAMILIES):

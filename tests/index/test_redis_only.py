@@ -151,6 +151,8 @@ async def test_bad_register_arguments_get_clear_errors(redis_client, unique_name
         await index.scripts.run(lua.register(keys, "a", "http://a", 16, 0, LONG_TTL, 1 << 40, role="boss"))
     with pytest.raises(ScriptArgumentError, match="max_model_len must be a non-negative integer, got -5"):
         await index.scripts.run(lua.register(keys, "a", "http://a", 16, 0, LONG_TTL, 1 << 40, max_model_len=-5))
+    with pytest.raises(ScriptArgumentError, match="engine_kind must be a short lower-case name, got V LLM"):
+        await index.scripts.run(lua.register(keys, "a", "http://a", 16, 0, LONG_TTL, 1 << 40, engine_kind="V LLM"))
     assert await model_keys(redis_client, unique_name) == {}
 
 
