@@ -330,6 +330,27 @@ def _connector(settings: SimEngineSettings) -> KVConnector | None:
     )
 
 
+def _event_sink(
+    settings: SimEngineSettings, context: zmq.asyncio.Context
+) -> KVEventPublisher | TrtllmEventQueue | None:
+    """Where the engine's KV events go: TensorRT-LLM's queue (fetched over HTTP), a ZMQ publisher
+    speaking vLLM's or SGLang's wire, or nowhere (--events-endpoint none)."""
+    if settings.engine_kind == "trtllm":
+        return TrtllmEventQueue(settings.num_blocks, settings.buffer_steps)
+    if not settings.events_endpoint:
+        return None
+    return KVEventPublisher(
+        context,
+        settings.events_endpoint,
+        settings.replay_endpoint,
+        settings.topic,
+        settings.buffer_steps,
+        settings.dp_rank,
+        settings.events_bind,
+        sglang.encode_payload if settings.engine_kind == "sglang" else encode_payload,
+    )
+
+
 @contextlib.asynccontextmanager
 async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEngine]:
     """Run an engine in this event loop until the block exits.
@@ -338,20 +359,8 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
     async with contextlib.AsyncExitStack() as stack:
         context = zmq.asyncio.Context()
         stack.callback(context.destroy, linger=0)
-        publisher: KVEventPublisher | TrtllmEventQueue | None = None
-        if settings.engine_kind == "trtllm":  # fetched over HTTP (POST /kv_cache_events), no socket
-            publisher = TrtllmEventQueue(settings.num_blocks, settings.buffer_steps)
-        elif settings.events_endpoint:
-            publisher = KVEventPublisher(
-                context,
-                settings.events_endpoint,
-                settings.replay_endpoint,
-                settings.topic,
-                settings.buffer_steps,
-                settings.dp_rank,
-                settings.events_bind,
-                sglang.encode_payload if settings.engine_kind == "sglang" else encode_payload,
-            )
+        publisher = _event_sink(settings, context)
+        if isinstance(publisher, KVEventPublisher):
             stack.push_async_callback(publisher.close)
             publisher.start()
         prompts = ModelPrompts(settings.tokenizer)

@@ -41,12 +41,6 @@ class TrtllmEventQueue:
         """The id the next event gets."""
         return self._next_id
 
-    def start(self) -> TrtllmEventQueue:
-        return self
-
-    async def close(self) -> None:
-        return None
-
     def _created(self) -> None:
         self._add(trtllm.created_json(self._next_id, [self._num_blocks, 0]))
 
