@@ -4,7 +4,9 @@ drains its event queue on ``POST /kv_cache_events`` (kvevents/trtllm.py says wha
 Every ``interval_s`` the poller fetches what is queued and puts each event into the agent's inbox
 as one message ``[b"trtllm", event_id (8 bytes), its JSON]``, so the pipeline orders, applies and
 repairs them as it does ZMQ messages (a lost event is a gap; with no replay the worker is rebuilt).
-Only one consumer may poll an engine: what one fetches, another never sees.
+Only one consumer may poll an engine: what one fetches, another never sees. For the same reason
+a poll waits long for its answer (60 s): the engine drained its queue when it answered, so an
+answer given up on is events lost (a gap: the worker is rebuilt).
 
 An answer that is not a JSON list, or an event without an integer ``event_id``, is counted as a
 decode error and logged at most every 5 s; an engine that does not answer is retried at the next
@@ -37,7 +39,7 @@ class EventPoller:
         counters: AgentCounters,
         interval_s: float = 0.1,
         max_bytes: int = 16 << 20,
-        timeout_s: float = 5.0,
+        timeout_s: float = 60.0,
     ) -> None:
         self.url = url
         self._session = session
