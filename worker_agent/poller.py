@@ -5,8 +5,8 @@ Every ``interval_s`` the poller fetches what is queued and puts each event into 
 as one message ``[b"trtllm", event_id (8 bytes), its JSON]``, so the pipeline orders, applies and
 repairs them as it does ZMQ messages (a lost event is a gap; with no replay the worker is rebuilt).
 Only one consumer may poll an engine: what one fetches, another never sees. For the same reason
-a poll waits long for its answer (60 s): the engine drained its queue when it answered, so an
-answer given up on is events lost (a gap: the worker is rebuilt).
+an answer is read whole, and waited for long (60 s): the engine drained its queue when it
+answered, so an answer cut short or given up on is events lost (a gap: the worker is rebuilt).
 
 An answer that is not a JSON list, or an event without an integer ``event_id``, is counted as a
 decode error and logged at most every 5 s; an engine that does not answer is retried at the next
@@ -68,7 +68,11 @@ class EventPoller:
                 if response.status != 200:
                     self._say(f"POST {self.url} answered {response.status}")
                     return []
-                body = await response.content.read(self._max_bytes + 1)
+                body = bytearray()  # the whole answer: a read(n) returns what has arrived so far
+                async for chunk in response.content.iter_any():
+                    body += chunk
+                    if len(body) > self._max_bytes:
+                        break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self._say(f"POST {self.url} failed: {type(exc).__name__}")
             return []

@@ -88,3 +88,33 @@ async def test_the_iteration_stats_give_load_capacity_and_work_only_while_the_en
     assert busy.load is not None and busy.load.capacity_blocks == 64 * 32 // 16
     assert before.work == 0 and busy.work is not None and busy.work > 1  # iterations and a completed request
     assert idle.work == busy.work and idle.load is not None and idle.load.running == 0
+
+
+async def test_an_answer_that_arrives_in_pieces_is_read_whole():
+    """The poll reads the engine's whole answer, however it is cut on the way (the engine drained
+    its queue: a part read would be events lost)."""
+    events = [trtllm.removed_json(n, [n + 1]) for n in range(3000)]
+    body = json.dumps(events).encode()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        for start in range(0, len(body), 8192):
+            await response.write(body[start : start + 8192])
+            await asyncio.sleep(0.002)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/kv_cache_events", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    counters = AgentCounters()
+    try:
+        async with aiohttp.ClientSession() as session:
+            fetched = await EventPoller(session, f"http://127.0.0.1:{port}/kv_cache_events", counters).fetch()
+    finally:
+        await runner.cleanup()
+    assert fetched == events and counters.decode_errors == 0

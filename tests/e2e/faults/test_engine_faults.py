@@ -44,14 +44,10 @@ async def test_dropped_kv_event_messages(redis_server, fleet):
         dropped = [f.events_dropped for f in engines]
         name = "zmq_messages_dropped" if fleet == "vllm" else f"kv_events_dropped_{fleet}"
         figures = scene.figures(name, [recovery], batches_dropped=sum(dropped), gaps=sum(gaps), resyncs=sum(resyncs))
-        assert sum(dropped) > 0
+        assert sum(dropped) > 0 and gaps == dropped  # drops are never consecutive: one gap each
         if fleet == "trtllm":
-            # each drop is a gap; an answer the engine drained and the poller did not get in time
-            # (a loaded machine) is one more: either way the worker is rebuilt, never over-credited
-            assert all(g >= d for g, d in zip(gaps, dropped, strict=True)), (gaps, dropped)
             assert resyncs == gaps and figures.wrong_credits == 0 and figures.failed == 0, figures.line()
         else:
-            assert gaps == dropped  # drops are never consecutive: one gap each
             scene.check(figures, [recovery])
 
 
