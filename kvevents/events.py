@@ -120,6 +120,19 @@ KINDS: Final[dict[str, type[BlockStored] | type[BlockRemoved] | type[AllBlocksCl
 }
 FIELDS: Final = {kind: tuple(f.name for f in msgspec.structs.fields(cls)) for kind, cls in KINDS.items()}
 
+# Why an engine's stored blocks cannot be hashed as the router hashes prompts (EventBatch's
+# ``unreproducible`` keys), with what the agent says once about each.
+EAGLE_BIGRAMS: Final = "eagle_bigrams"
+UNNAMED_LORA: Final = "unnamed_lora"
+EXTRA_TOKEN_IDS: Final = "extra_token_ids"
+MULTIMODAL: Final = "multimodal"
+UNREPRODUCIBLE: Final = {
+    EAGLE_BIGRAMS: "with EAGLE speculative decoding SGLang keys its cache by token pairs",
+    UNNAMED_LORA: "a LoRA adapter named only by the engine's internal id",
+    EXTRA_TOKEN_IDS: "tokens with extra ids (prompt tuning, multimodal input) hold more than their token ids",
+    MULTIMODAL: "blocks of multimodal input hold more than their token ids",
+}
+
 # Types msgpack carries itself: converting a lenient pass's values must not coerce to them (a
 # string is not a 32-byte hash, whatever base64 would make of it).
 _MSGPACK_NATIVE: Final = (bytes, bytearray, datetime)
@@ -154,6 +167,31 @@ def convert_event(kind: str, fields: dict[Any, Any]) -> tuple[Event | None, set[
         return msgspec.convert({"type": kind, **fields}, cls, builtin_types=_MSGPACK_NATIVE), unknown
     except msgspec.ValidationError as exc:
         raise WireError(f"{kind}: {exc}") from None
+
+
+def salt_of(first_block_keys: Any, lora_name: str | None) -> tuple[bool, str | None]:
+    """(representable, cache_salt) from a run's first block's extra keys.
+
+    vLLM puts ``[lora_name?, *multimodal keys, cache_salt?]`` there; the router reproduces the LoRA
+    name and one salt string, nothing else."""
+    if first_block_keys is None:
+        return True, None
+    if not isinstance(first_block_keys, list | tuple):
+        return False, None
+    keys = list(first_block_keys)
+    if lora_name is not None and keys and keys[0] == lora_name:
+        keys = keys[1:]
+    if not keys:
+        return True, None
+    if len(keys) == 1 and isinstance(keys[0], str):
+        return True, keys[0]
+    return False, None
+
+
+def salted_keys(salt: str | None, blocks: int) -> tuple[Any, ...] | None:
+    """The extra keys of a run of ``blocks`` blocks whose first carries ``salt``, as vLLM sends a
+    salt (None: no salt)."""
+    return None if salt is None else ([salt], *[None] * (blocks - 1))
 
 
 def decode_seq(frame: bytes) -> int:

@@ -38,7 +38,9 @@ import msgspec
 from msgspec import Meta
 
 from kvevents.events import (
+    EAGLE_BIGRAMS,
     MAX_TOKEN_ID,
+    UNNAMED_LORA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -51,10 +53,10 @@ from kvevents.events import (
     decode_topic,
     event_fields,
     generic_batch,
+    salt_of,
+    salted_keys,
 )
 
-EAGLE_BIGRAMS: Final = "eagle_bigrams"  # token_ids holds [a, b] pairs
-UNNAMED_LORA: Final = "unnamed_lora"  # a lora_id with no lora_name
 # Field order of the positional encoding (earlier releases sent the first five).
 _STORED_ORDER: Final = (
     "block_hashes",
@@ -120,12 +122,9 @@ _STRICT = msgspec.msgpack.Decoder(_Batch)
 _MEDIA: Final = {"CPU": "CPU_PINNED", "REMOTE": "EXTERNAL"}
 
 
-def _salt_of(event: BlockStored) -> str | None:
-    """The salt in a vLLM-shaped first block's extra keys ``[lora_name?, salt?]``."""
-    keys = list(event.extra_keys[0] or ()) if event.extra_keys else []
-    if keys and keys[0] == event.lora_name:
-        keys = keys[1:]
-    return keys[0] if len(keys) == 1 and isinstance(keys[0], str) else None
+def _salt_in(event: BlockStored) -> str | None:
+    """The salt a vLLM-shaped run carries in its first block's extra keys."""
+    return salt_of(event.extra_keys[0] if event.extra_keys else None, event.lora_name)[1]
 
 
 def _wire_event(event: Event) -> _Stored | _Removed | _Cleared:
@@ -137,7 +136,7 @@ def _wire_event(event: Event) -> _Stored | _Removed | _Cleared:
             event.block_size,
             None,
             medium=_MEDIA.get(event.medium or "", event.medium),
-            cache_salt=_salt_of(event),
+            cache_salt=_salt_in(event),
             lora_name=event.lora_name,
         )
     if isinstance(event, BlockRemoved):
@@ -181,7 +180,7 @@ def _typed_fields(kind: str, fields: dict[Any, Any]) -> tuple[dict[Any, Any], se
         hashes = fields.get("block_hashes")
         if fields.get("parent_block_hash") is None and isinstance(hashes, list) and hashes:
             # the salt seeds the run's first block; its later blocks follow from the chain
-            typed["extra_keys"] = [[salt]] + [None] * (len(hashes) - 1)
+            typed["extra_keys"] = salted_keys(salt, len(hashes))
     session = fields.get("session_id")
     if session is not None and not isinstance(session, str):
         raise WireError(f"{kind}: session_id must be a string, got {type(session).__name__}")
@@ -212,9 +211,8 @@ def _typed(event: _Stored | _Removed | _Cleared) -> Event | None:
         return AllBlocksCleared()
     if event.lora_id is not None and event.lora_name is None:
         return None
-    keys = None
-    if event.cache_salt is not None and event.parent_block_hash is None:
-        keys = ([event.cache_salt], *[None] * (len(event.block_hashes) - 1))
+    # the salt seeds the run's first block; its later blocks follow from the chain
+    keys = salted_keys(event.cache_salt, len(event.block_hashes)) if event.parent_block_hash is None else None
     try:
         return BlockStored(
             tuple(event.block_hashes),

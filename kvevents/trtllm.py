@@ -41,7 +41,10 @@ from typing import Any, Final
 
 from kvevents.events import (
     ANY_TIER,
+    EXTRA_TOKEN_IDS,
     MAX_TOKEN_ID,
+    MULTIMODAL,
+    UNNAMED_LORA,
     AllBlocksCleared,
     AnyEvent,
     BlockMoved,
@@ -55,9 +58,6 @@ from kvevents.events import (
 )
 
 TOPIC: Final = "trtllm"  # the topic the agent's poller gives each event
-EXTRA_TOKEN_IDS: Final = "extra_token_ids"  # prompt tuning or multimodal tokens
-MULTIMODAL: Final = "multimodal"
-UNNAMED_LORA: Final = "unnamed_lora"
 LEVELS: Final = ("GPU", "CPU")  # cache_level 0, 1
 _U64: Final = (1 << 64) - 1
 _KNOWN_KEYS: Final = {"event_id", "data", "window_size", "attention_dp_rank"}

@@ -31,6 +31,8 @@ from kvevents.events import (
     BlockStored,
     EngineHash,
     Event,
+    salt_of,
+    salted_keys,
 )
 from kvindex.tiers import tier_of
 from worker_agent.translate import TranslateCounters
@@ -55,11 +57,6 @@ def _block_id(page: EngineHash, number: int) -> bytes:
 def _tier(medium: str | None) -> str:
     """The tier a page is held in, as the translator tells them apart (an unknown medium by its name)."""
     return tier_of(medium) or str(medium)
-
-
-def _first_salt(event: BlockStored) -> str | None:
-    keys = event.extra_keys[0] if event.extra_keys else None
-    return keys[0] if isinstance(keys, list | tuple) and len(keys) == 1 and isinstance(keys[0], str) else None
 
 
 class PageBlocks:
@@ -101,7 +98,11 @@ class PageBlocks:
                 self.counters.orphan_runs += 1
                 self.counters.orphan_blocks += len(event.block_hashes)
                 return
-        salt = _first_salt(event) if above is None else above.salt
+        salt = (
+            salt_of(event.extra_keys[0] if event.extra_keys else None, event.lora_name)[1]
+            if above is None
+            else above.salt
+        )
         for number, page_hash in enumerate(event.block_hashes):
             page = self._pages.get(page_hash)
             if page is None:
@@ -129,7 +130,7 @@ class PageBlocks:
             block_size=size,
             lora_name=event.lora_name,
             group_idx=event.group_idx,
-            extra_keys=([salt], *[None] * (whole - 1)) if salt is not None and last is None else None,
+            extra_keys=salted_keys(salt, whole) if last is None else None,
         )
         return _Page(tail[whole * size :], ids[-1], salt, stored, group=event.group_idx)
 

@@ -22,7 +22,7 @@ from typing import cast
 import xxhash
 from prometheus_client import Histogram
 
-from kvevents.events import BlockStored, Event, EventBatch, WireError
+from kvevents.events import UNREPRODUCIBLE, BlockStored, Event, EventBatch, WireError
 from kvindex.groups import format_groups
 from kvindex.tiers import GPU, TIERS
 from kvindex.types import BlockChange
@@ -35,10 +35,6 @@ from worker_agent.translate import TranslateCounters, Translator
 from worker_agent.writer import WorkerWriter
 
 log = logging.getLogger(__name__)
-_WHY = {
-    "eagle_bigrams": "with EAGLE speculative decoding SGLang keys its cache by token pairs",
-    "unnamed_lora": "a LoRA adapter named only by the engine's internal id",
-}
 
 
 @dataclass
@@ -163,7 +159,7 @@ class EventPipeline:
                 "are routed to this worker by its load alone for them (counted in "
                 "kvroute_agent_unreproducible_blocks_total; said once)",
                 reason,
-                _WHY.get(reason, "a form this agent cannot rebuild"),
+                UNREPRODUCIBLE.get(reason, "a form this agent cannot rebuild"),
                 extra={"fields": {"reason": reason}},
             )
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, salt_of
 from kvindex.groups import GroupSpec
 from kvindex.hashing import extend_sequence_hashes
 from kvindex.tiers import GPU, TIERS, tier_of
@@ -75,31 +75,12 @@ class TranslatedBatch:
         return self.changes if tier == GPU else self.lower.setdefault(tier, [])
 
 
-def _salt_of(first_block_keys: Any, lora_name: str | None) -> tuple[bool, str | None]:
-    """(representable, cache_salt) from the first block's extra keys.
-
-    vLLM puts ``[lora_name?, *multimodal keys, cache_salt?]`` there; we can reproduce the LoRA
-    name and one salt string, nothing else."""
-    if first_block_keys is None:
-        return True, None
-    if not isinstance(first_block_keys, list | tuple):
-        return False, None
-    keys = list(first_block_keys)
-    if lora_name is not None and keys and keys[0] == lora_name:
-        keys = keys[1:]
-    if not keys:
-        return True, None
-    if len(keys) == 1 and isinstance(keys[0], str):
-        return True, keys[0]
-    return False, None
-
-
 def _plain_keys(event: BlockStored) -> bool:
     """Whether a window group's blocks carry only what the router reproduces (vLLM aligns
     ``extra_keys`` with the stored blocks, not the span's)."""
     if not event.extra_keys:
         return True
-    representable, _ = _salt_of(event.extra_keys[0], event.lora_name)
+    representable, _ = salt_of(event.extra_keys[0], event.lora_name)
     return representable and _later_keys_ok(event.extra_keys, event.lora_name)
 
 
@@ -206,7 +187,7 @@ class Translator:
         if self.block_size is None or event.block_size % self.block_size:
             self.counters.block_size_mismatches += 1
             return []
-        _, salt = _salt_of(event.extra_keys[0] if event.extra_keys and parent is None else None, event.lora_name)
+        _, salt = salt_of(event.extra_keys[0] if event.extra_keys and parent is None else None, event.lora_name)
         chain = extend_sequence_hashes(
             parent, event.token_ids, self.block_size, lora_name=event.lora_name, cache_salt=salt
         )
@@ -234,7 +215,7 @@ class Translator:
                 self.counters.orphan_blocks += len(event.block_hashes)
                 return None
         else:
-            representable, salt = _salt_of(event.extra_keys[0] if event.extra_keys else None, event.lora_name)
+            representable, salt = salt_of(event.extra_keys[0] if event.extra_keys else None, event.lora_name)
         if not representable or (event.extra_keys and not _later_keys_ok(event.extra_keys, event.lora_name)):
             self.counters.unsupported_extra_keys += 1
             return None
