@@ -38,7 +38,7 @@ from kvindex.errors import REDIS_FAILURES
 from kvindex.redis_index import RedisIndex
 from kvindex.types import WorkerInfo
 from worker_agent.engine import EngineClient, EngineMetrics
-from worker_agent.engine_kinds import PAGED_DEFAULT_BLOCK_SIZE, TRTLLM, chosen
+from worker_agent.engine_kinds import PAGED_DEFAULT_BLOCK_SIZE, chosen
 from worker_agent.events import EventsWatch, stay_connected
 from worker_agent.inbox import Inbox
 from worker_agent.liveness import Liveness
@@ -76,9 +76,7 @@ class Agent:
         self.pipeline = EventPipeline(
             self.writer, replay, settings.topic, counters, latency, settings.block_size, settings.tiers
         )
-        polled = settings.engine_kind == TRTLLM
-        endpoint = settings.events_url if polled or settings.events is None else settings.events
-        self.watch = EventsWatch(endpoint, settings.topic, settings.events_warn_after_s)
+        self.watch = EventsWatch(settings.events_source, settings.topic, settings.events_warn_after_s)
         self.liveness = Liveness(settings, index, self.writer, counters)
         self.restarts = RestartEvidence()
         self.inbox = Inbox(settings.max_queued_messages, settings.max_queued_bytes, counters)
@@ -106,7 +104,7 @@ class Agent:
         # may take up to --replay-deadline, and the worker must stay alive meanwhile.
         tasks = [asyncio.create_task(self._every(self.settings.heartbeat_interval_s, self._heartbeat_step))]
         tasks.append(asyncio.create_task(self.inbox.fill_from(self._subscriber, self.watch.message)))
-        if self.settings.events is not None and self.settings.engine_kind != TRTLLM:
+        if self.settings.events is not None and not self.settings.polled:
             tasks.append(asyncio.create_task(stay_connected(self._subscriber, self.settings.events, self.counters)))
         try:
             if not await self._start():
@@ -187,7 +185,7 @@ class Agent:
         kind, how = chosen(self.settings.engine_kind, self._listed_kind)
         self.pipeline.set_engine_kind(kind, PAGED_DEFAULT_BLOCK_SIZE)
         self.engine.use_kind(kind)
-        if kind.polled and self.settings.engine_kind != TRTLLM:
+        if kind.polled and not self.settings.polled:
             self.watch.endpoint = self.settings.events_url
             log.warning(
                 "the engine is TensorRT-LLM, which hands out its KV events over HTTP: polling %s (--events %s is "

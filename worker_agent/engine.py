@@ -193,8 +193,7 @@ class EngineClient:
     """HTTP calls to one engine, each bounded by ``timeout_s``."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_url: str, dp_rank: int, timeout_s: float = 2.0):
-        self._session = session
-        self.session = session  # for the agent's other HTTP calls to the engine (worker_agent/poller.py)
+        self.session = session  # the agent's other HTTP calls to the engine use it too (worker_agent/poller.py)
         self.root = root_url(engine_url)
         self._dp_rank = dp_rank
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -205,7 +204,7 @@ class EngineClient:
 
     async def healthy(self) -> bool:
         try:
-            async with self._session.get(f"{self.root}/health", timeout=self._timeout) as response:
+            async with self.session.get(f"{self.root}/health", timeout=self._timeout) as response:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -214,7 +213,7 @@ class EngineClient:
         """The parsed page (a cache sized in tokens counted in ``block_size`` blocks); None when
         the engine does not answer with one."""
         try:
-            async with self._session.get(f"{self.root}/metrics", timeout=self._timeout) as response:
+            async with self.session.get(f"{self.root}/metrics", timeout=self._timeout) as response:
                 if response.status != 200:
                     return None
                 body = bytearray()
@@ -253,7 +252,7 @@ class EngineClient:
     async def served_models(self) -> ServedModels | None:
         """/v1/models, parsed; None when the engine does not answer with a listing."""
         try:
-            async with self._session.get(f"{self.root}/v1/models", timeout=self._timeout) as response:
+            async with self.session.get(f"{self.root}/v1/models", timeout=self._timeout) as response:
                 if response.status != 200:
                     return None
                 body = await response.json(content_type=None)

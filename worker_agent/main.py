@@ -31,7 +31,6 @@ from kvservice.logs import LogSettings, configure_logging
 from kvservice.options import Parser, naming_the_variable
 from worker_agent.agent import Agent
 from worker_agent.engine import EngineClient
-from worker_agent.engine_kinds import TRTLLM
 from worker_agent.events import subscribe
 from worker_agent.http import create_app
 from worker_agent.metrics import AgentCollector, AgentCounters, new_registry
@@ -72,7 +71,7 @@ async def run_agent(settings: AgentSettings) -> int:
         stack.callback(context.destroy, linger=0)
         subscriber = context.socket(zmq.SUB)
         stack.callback(subscriber.close, linger=0)
-        if settings.engine_kind != TRTLLM and settings.events is not None:  # TensorRT-LLM's are polled
+        if not settings.polled and settings.events is not None:
             subscribe(
                 subscriber, settings.events, settings.topic, settings.max_message_bytes
             )  # first: nothing published from now on is lost
@@ -115,7 +114,7 @@ def _log_start(settings: AgentSettings) -> None:
     fields = {
         "engine": settings.engine_root,
         "worker_id": settings.resolved_worker_id,
-        "events": settings.events_url if settings.engine_kind == TRTLLM else settings.events,
+        "events": settings.events_source,
         "replay": settings.replay or "none",
         "redis": redact_url(settings.redis.url),
         "metrics_port": settings.metrics_port or "off",

@@ -111,7 +111,7 @@ class EventPipeline:
         if kind.paged:
             if self.block_size is None:
                 self.block_size = paged_block_size
-            self._pages = PageBlocks(self.block_size or paged_block_size, self._translator.counters)
+            self._pages = PageBlocks(self.block_size, self._translator.counters)
 
     @property
     def translate_counters(self) -> TranslateCounters:

@@ -125,13 +125,12 @@ class AgentSettings:
             raise ValueError("--worker-id must not be empty")
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.engine_kind is not None and self.engine_kind not in ENGINE_KINDS:
-            raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
+        _check_engine_kind(self.engine_kind)
         if not self.events_warn_after_s >= 0:  # NaN too
             raise ValueError(f"--events-warn-after must be >= 0 (0: never warn), got {self.events_warn_after_s}")
 
     def _check_events(self) -> None:
-        polled = self.engine_kind == TRTLLM
+        polled = self.polled
         if self.events is None:
             if not polled:
                 raise ValueError("missing required setting(s): --events (or KVROUTE_EVENTS)")
@@ -143,6 +142,16 @@ class AgentSettings:
             )
         if not polled and ("://" not in self.events or self.events.startswith(("http://", "https://"))):
             raise ValueError(f"--events must be a ZMQ endpoint like tcp://host:5557, got {self.events!r}")
+
+    @property
+    def polled(self) -> bool:
+        """Whether the engine's KV events are polled over HTTP (--engine-kind trtllm), not subscribed to."""
+        return self.engine_kind == TRTLLM
+
+    @property
+    def events_source(self) -> str:
+        """Where the events come from: the polled URL, or the ZMQ endpoint."""
+        return self.events_url if self.polled or self.events is None else self.events
 
     @property
     def events_url(self) -> str:
@@ -233,6 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_arguments(parser)
 
 
+def _check_engine_kind(kind: object) -> None:
+    if kind is not None and kind not in ENGINE_KINDS:
+        raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+
+
 def _is_wildcard(endpoint: str) -> bool:
     """A wildcard host (tcp://*:5557, tcp://[::]:5557, tcp://0.0.0.0:5557): the agent would bind."""
     return "*" in endpoint or "::" in endpoint or "//0.0.0.0:" in endpoint
@@ -282,8 +296,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     env = os.environ if env is None else env
     values = flag_or_env(args, env, [(name, variable, _parser(name)) for name, variable in ENV_VARS.items()])
     kind = values.get("engine_kind")
-    if kind is not None and kind not in ENGINE_KINDS:  # first: it decides what else is required
-        raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+    _check_engine_kind(kind)  # first: it decides what else is required
     required = ("engine_url",) if kind == TRTLLM else ("engine_url", "events")
     missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in required if n not in values]
     if missing:
