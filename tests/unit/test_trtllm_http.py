@@ -23,19 +23,24 @@ from worker_agent.metrics import AgentCounters
 from worker_agent.poller import EventPoller
 
 
+async def serve_events(handler) -> tuple[web.AppRunner, str]:
+    """A server whose POST /kv_cache_events is ``handler``; its runner and that URL."""
+    app = web.Application()
+    app.router.add_post("/kv_cache_events", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}/kv_cache_events"
+
+
 async def serve(answers: list[bytes]) -> tuple[web.AppRunner, str]:
     """A server whose POST /kv_cache_events gives ``answers`` in turn, then empty lists."""
 
     async def events(_: web.Request) -> web.Response:
         return web.Response(body=answers.pop(0) if answers else b"[]", content_type="application/json")
 
-    app = web.Application()
-    app.router.add_post("/kv_cache_events", events)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}/kv_cache_events"
+    return await serve_events(events)
 
 
 async def test_events_become_messages_in_order_and_garbage_is_counted():
@@ -105,16 +110,11 @@ async def test_an_answer_that_arrives_in_pieces_is_read_whole():
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/kv_cache_events", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, url = await serve_events(slow)
     counters = AgentCounters()
     try:
         async with aiohttp.ClientSession() as session:
-            fetched = await EventPoller(session, f"http://127.0.0.1:{port}/kv_cache_events", counters).fetch()
+            fetched = await EventPoller(session, url, counters).fetch()
     finally:
         await runner.cleanup()
     assert fetched == events and counters.decode_errors == 0
