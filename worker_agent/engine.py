@@ -22,13 +22,6 @@ from kvindex.types import WorkerLoad
 from worker_agent.engine_kinds import VLLM_METRICS, EngineKind, MetricNames, kind_of_listing
 from worker_agent.iteration_stats import parse_iteration_stats, work_done
 
-# vLLM's names, kept for callers that read one by name (the agent reads by its engine's kind).
-RUNNING, WAITING, KV_USAGE = VLLM_METRICS.load
-CACHE_CONFIG = VLLM_METRICS.cache_config
-START_TIME = VLLM_METRICS.start_time
-# Counters that grow as the engine serves requests (so its KV events should be arriving); one
-# that goes back means a new process.
-WORK_COUNTERS = (VLLM_METRICS.prompt_tokens, VLLM_METRICS.finished)
 MAX_REQUESTS = 2**31  # more running or waiting requests than any engine holds: garbage
 MAX_PAGE_BYTES = 16 << 20  # vLLM's page is ~50 KB; a bigger answer is not a metrics page
 
@@ -55,7 +48,9 @@ class ComputedTokens:
 class EngineMetrics:
     load: WorkerLoad | None  # None when the page lacks (valid) load gauges
     block_size: int | None  # from vllm:cache_config_info, when present
-    counters: Mapping[str, float] = field(default_factory=dict)  # the valid counters (WORK_COUNTERS and more)
+    counters: Mapping[str, float] = field(
+        default_factory=dict
+    )  # the valid counters, by the engine's names (MetricNames.counters)
     start_time: float | None = None  # process_start_time_seconds, when present and valid
     bad: tuple[BadValue, ...] = ()
     names: MetricNames = VLLM_METRICS
