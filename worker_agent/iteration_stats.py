@@ -9,8 +9,9 @@ queued since the last read (drained by each read), each as the executor writes t
 The latest iteration says the load: running = active requests, waiting = queued + paused, KV usage
 = used / max blocks, capacity = max blocks x tokens per block in the index's blocks. An empty list
 (no iteration since the last read) is an idle engine: nothing running or waiting, its usage as
-last read. trtllm-serve exports no counters of its work on this page, so the agent's events watch
-uses the engine being up (worker_agent/events.py).
+last read. trtllm-serve exports no counters of its work on this page: the agent counts the
+iterations and completed requests it reads (:func:`work_done`) as its events watch's work
+(worker_agent/events.py), so an idle engine, which runs none, raises no alarm.
 """
 
 from __future__ import annotations
