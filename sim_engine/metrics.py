@@ -102,19 +102,10 @@ class EngineCollector(Collector):
         return info
 
 
-class SglangCollector(Collector):
+class SglangCollector(EngineCollector):
     """The gauges and counters SGLang exports, by SGLang's names (sglang 0.5.23's
     srt/observability/metrics_collector.py), for a simulated engine that speaks SGLang: its cache
     in tokens and pages of ``--block-size`` tokens."""
-
-    def __init__(self, engine: SimEngine, labels: dict[str, str]) -> None:
-        self._engine = engine
-        self._labels = labels
-
-    def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, text: str, value: float):
-        family = kind(name, text, labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), value)
-        return family
 
     def collect(self) -> Iterator[Metric]:
         engine, stats, pool = self._engine, self._engine.stats, self._engine.pool
@@ -129,14 +120,14 @@ class SglangCollector(Collector):
             ),
             ("sglang:page_size", "The page size of the KV cache.", pool.block_size),
         ):
-            yield self._family(GaugeMetricFamily, name, text, value)
+            yield self._gauge(name, text, value)
         for name, text, value in (
             ("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
             ("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens),
             ("sglang:cached_tokens", "Number of cached prompt tokens.", stats.prompt_tokens_cached),
             ("sglang:num_requests", "Number of requests processed.", stats.requests_finished),
         ):
-            yield self._family(CounterMetricFamily, name, text, value)
+            yield self._counter(name, text, value)
 
 
 @dataclass
