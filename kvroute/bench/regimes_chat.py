@@ -64,7 +64,7 @@ def vocabulary(rng: random.Random, prompts: ModelPrompts, size: int = VOCABULARY
     return sorted(words)
 
 
-def _sentence_text(rng: random.Random, words: list[str], size: int) -> str:
+def sentence_text(rng: random.Random, words: list[str], size: int) -> str:
     """About ``size`` words (within WORD_SPREAD) in sentences of 6-16 words."""
     count = rng.randint(int(size * (1 - WORD_SPREAD)), int(size * (1 + WORD_SPREAD)))
     out: list[str] = []
@@ -85,7 +85,7 @@ def transcript(system: str, turns: list[tuple[str, str]], question: str) -> str:
 def chat_conversations(count: int, seed: int, prompts: ModelPrompts, block_size: int = 16) -> ChatRequests:
     rng = random.Random(f"regimes/chat/{seed}")
     words = vocabulary(rng, prompts)
-    systems = [_sentence_text(rng, words, SYSTEM_WORDS) for _ in range(CHAT_SYSTEMS)]
+    systems = [sentence_text(rng, words, SYSTEM_WORDS) for _ in range(CHAT_SYSTEMS)]
     pending = [c % CHAT_SYSTEMS for c in range(max(1, count // CHAT_TURNS))]  # tenants of the conversations
     slots: list[dict | None] = [None] * CHAT_OPEN
     out = ChatRequests([], [], [], [])
@@ -97,7 +97,7 @@ def chat_conversations(count: int, seed: int, prompts: ModelPrompts, block_size:
                 slots[slot] = None
                 continue
             chat = slots[slot] = {"tenant": pending.pop(0), "turns": [], "last": None}
-        question = _sentence_text(rng, words, USER_WORDS)
+        question = sentence_text(rng, words, USER_WORDS)
         text = transcript(systems[chat["tenant"]], chat["turns"], question)
         tokens = prompts.encode(text, add_special_tokens=True)
         hashes = tuple(chain_hashes(tokens, block_size, CacheKeys()))
@@ -105,6 +105,6 @@ def chat_conversations(count: int, seed: int, prompts: ModelPrompts, block_size:
         out.after.append(chat["last"])
         out.tenants.append(chat["tenant"])
         out.texts.append(text)
-        chat["turns"].append((question, _sentence_text(rng, words, ANSWER_WORDS)))
+        chat["turns"].append((question, sentence_text(rng, words, ANSWER_WORDS)))
         chat["last"] = len(out.requests) - 1
     return out

@@ -228,7 +228,7 @@ def summarize(
 
 
 @asynccontextmanager
-async def _router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterator[list[str]]:
+async def router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterator[list[str]]:
     if router == "sglang":
         async with SglangRouters(stack.engine_urls, replicas) as sglang:
             yield sglang.urls
@@ -263,7 +263,7 @@ async def replay_on_stack(
     before = await stack.requests_per_engine()
     ttft_before = await _engine_ttft(stack)
     prober = Prober(stack.engine_urls, ModelPrompts(TINY_MODEL_DIR)) if probe else None
-    async with _router_urls(stack, router, replicas) as urls:
+    async with router_urls(stack, router, replicas) as urls:
         results = await send_all(urls, requests, prompts, args, after, stream, prober)
         lost = await router_lost_tokens(urls) if router not in PEERS else None  # fresh routers: from 0
     done = await stack.requests_per_engine()

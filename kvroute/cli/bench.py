@@ -37,6 +37,7 @@ def add_parser(commands: Any) -> None:
     _router_flags(benchmark("router", "latency the router adds, and requests/s of one router process"))
     _replay_flags(benchmark("replay", "routing quality on a Mooncake-format trace, policies side by side"))
     _regimes_flags(benchmark("regimes", "every policy on a grid of regimes, each against the best in its cell"))
+    _real_flags(benchmark("real", "the policies on real vLLM engines (or the simulated engine, checked against them)"))
     _soak_flags(benchmark("soak", "the whole stack under a steady chat load for N minutes, memory sampled"))
     _hybrid_flags(benchmark("hybrid", "what a hybrid model's decision reads beside the match (its window blocks)"))
 
@@ -262,6 +263,74 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", action="store_true", help=PROBE_HELP)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--chart", help="write a heat map PNG here")
+
+
+def _names(text: str) -> list[str]:
+    """Comma-separated names, e.g. 'ids,text' (each checked by the benchmark)."""
+    names = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _cache_blocks(text: str) -> dict[str, int]:
+    """NAME=BLOCKS pairs, e.g. 'tight=64,roomy=192'."""
+    out = {}
+    for pair in _names(text):
+        name, sep, blocks = pair.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=BLOCKS pairs like tight=64,roomy=192, got {pair!r}")
+        out[name.strip()] = positive_int(blocks.strip())
+    return out
+
+
+def _real_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "sim"],
+        default="vllm",
+        help="real vLLM servers (the CPU build of .ci/vllm-env, $KVROUTE_VLLM_VENV; default) or simulated engines "
+        "of the same sizes and limits, timed as vLLM on this machine (to check the simulator: --compare)",
+    )
+    p.add_argument("--engines", type=positive_int, default=4, help="engines, an agent each (default 4)")
+    p.add_argument(
+        "--workloads", type=_names, default=["ids", "text", "chat"], help="of ids,text,chat (default: all three)"
+    )
+    p.add_argument("--caches", type=_names, default=["tight", "roomy"], help="cache sizes (default tight,roomy)")
+    p.add_argument(
+        "--cache-blocks",
+        type=_cache_blocks,
+        default={"tight": 64, "roomy": 192},
+        help="each cache size's blocks of 32 tokens per engine (default tight=64,roomy=192: ~2 prompts, and "
+        "the whole workload's blocks over the fleet)",
+    )
+    p.add_argument("--clients", type=_names, default=["closed", "open"], help="of closed,open (default both)")
+    p.add_argument("--replicas", type=positive_ints, default=[1, 2], help="router replica counts (default 1,2)")
+    p.add_argument(
+        "--policies",
+        type=_names,
+        default=["kv", "prefix", "round_robin", "least_loaded", "sglang"],
+        help="comma-separated (default kv,prefix,round_robin,least_loaded,sglang; sglang: text and chat cells, "
+        "with sglang-router importable by $KVROUTE_SGLANG_PYTHON)",
+    )
+    p.add_argument("--seeds", type=positive_ints, default=[1, 2, 3], help="workload seeds (default 1,2,3)")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="closed loop: users at once (default 4)")
+    p.add_argument("--open-rate", type=positive_float, default=16.0, help="open loop: arrivals per second (default 16)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=8, help="engines' batch limit (default 8)")
+    p.add_argument("--stream", action="store_true", help="stream the replies (default: whole replies, as vLLM's users)")
+    p.add_argument("--prefill-ms-per-1k", type=positive_float, default=27.0, help="sim: prefill cost (default 27)")
+    p.add_argument("--decode-ms-per-step", type=positive_float, default=3.0, help="sim: decode step (default 3)")
+    p.add_argument("--step-overhead-ms", type=float, default=1.0, help="sim: fixed time per step (default 1)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=2048, help="sim: tokens per step (default 2048, vLLM's)"
+    )
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        help="instead of running: each cell and policy of two --json results side by side (real vLLM and the sim)",
+    )
+    p.add_argument("--json", help="also write the results here")
 
 
 def _soak_flags(p: argparse.ArgumentParser) -> None:

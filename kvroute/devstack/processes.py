@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,20 @@ class ProcessFailed(RuntimeError):
     """A process this command started exited, or did not come up in time; the message says which."""
 
 
-def start_logged(command: Sequence[str], name: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``command`` with stdout discarded and stderr in a temporary log file; (process, log path).
-    The caller removes the log (:func:`remove_files`)."""
+def start_logged(
+    command: Sequence[str],
+    name: str,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    stdout_too: bool = False,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``command`` with stdout discarded (``stdout_too``: logged as well, for a server that
+    logs there, as vLLM does) and stderr in a temporary log file; (process, log path). The caller
+    removes the log (:func:`remove_files`)."""
     log = tempfile.NamedTemporaryFile(prefix=f"kvroute-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+    stdout: Any = log if stdout_too else subprocess.DEVNULL
     try:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log), log.name
+        return subprocess.Popen(command, stdout=stdout, stderr=log, env=env, cwd=cwd), log.name
     finally:
         log.close()
 

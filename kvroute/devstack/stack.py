@@ -10,12 +10,15 @@ while it is awaited ends the wait with the tail of its log. Everything started i
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -38,6 +41,8 @@ from kvroute.devstack.processes import (
     stop_processes,
     wait_healthy,
 )
+from kvroute.devstack.vllm import BLOCK_SIZE as VLLM_BLOCK_SIZE
+from kvroute.devstack.vllm import VllmOptions, assemble_model, vllm_command, vllm_env
 from kvservice.metrics_page import read_metrics
 from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
@@ -45,6 +50,10 @@ from sim_engine.settings import EVENTS_PORT_OFFSET, TINY_MODEL_DIR
 
 MODEL = "tiny"
 TINY_PROMPT = [7, 8, 9]  # a request that publishes an engine's pending KV events
+# vLLM 0.32's CPU worker dies on a prompt of 3 tokens (seen here: "Worker proc VllmWorker-0 died
+# unexpectedly"); 20 tokens fill no block of 32 either
+VLLM_TINY_PROMPT = list(range(10, 30))
+VLLM_START_S = 600.0  # vLLM servers starting together on two cores: ~30 s each, one after another
 
 
 @dataclass
@@ -170,8 +179,13 @@ class Stack:
         disk_blocks: int = 0,
         disk_load_ms_per_1k_tokens: float = 30.0,
         roles: Sequence[str] = (),
+        vllm: VllmOptions | None = None,
     ) -> None:
         self.redis = redis
+        # real vLLM servers (kvroute.devstack.vllm) instead of simulated engines: their cache and
+        # scheduler limits (num_blocks, block_size and max_model_len above do not apply)
+        self._vllm = vllm
+        self._workdirs: list[str] = []
         # each engine's role in a prefill/decode split (kvindex/roles.py; () or missing: both); any
         # role but both starts every engine with a KV connector (--kv-transfer)
         self._roles = tuple(roles)
@@ -181,9 +195,9 @@ class Stack:
         self._disk = (disk_blocks, disk_load_ms_per_1k_tokens)
         self._engine_metrics = engine_metrics  # the engines' --metrics: full, or minimal (three gauges)
         self.engines = engines
-        self._num_blocks = num_blocks
-        self._block_size = block_size
-        self._max_model_len = max_model_len
+        self._num_blocks = vllm.num_blocks if vllm else num_blocks
+        self._block_size = VLLM_BLOCK_SIZE if vllm else block_size
+        self._max_model_len = vllm.max_model_len if vllm else max_model_len
         self._timing = timing or TimingModel(prefill_ms_per_1k_tokens=200, decode_ms_per_step=5, step_overhead_ms=1)
         self.running: list[EngineProcess] = []
         self._agents: list[Child] = []
@@ -194,9 +208,11 @@ class Stack:
     async def __aenter__(self) -> Stack:
         try:
             self.running = [self._start_engine(n) for n in range(self.engines)]
+            within_s = VLLM_START_S if self._vllm else 60.0
             async with aiohttp.ClientSession() as session:
                 for engine in self.running:
-                    await wait_healthy(session, engine.url + "/health", engine.process, engine.log, name=engine.name)
+                    health = engine.url + "/health"
+                    await wait_healthy(session, health, engine.process, engine.log, within_s, engine.name)
             self._agents = [self._start_agent(engine) for engine in self.running]
             await self._wait_registered()
         except BaseException:
@@ -228,6 +244,8 @@ class Stack:
                 return port
 
     def _start_engine(self, number: int) -> EngineProcess:
+        if self._vllm is not None:
+            return self._start_vllm(number, self._vllm)
         port, replay = self._engine_port(), self._port()
         events = port - EVENTS_PORT_OFFSET
         t = self._timing
@@ -249,6 +267,16 @@ class Stack:
             command += ["--kv-transfer"]
         child = self._start(f"simulated engine {number}", command)
         return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
+
+    def _start_vllm(self, number: int, options: VllmOptions) -> EngineProcess:
+        """A real vLLM server in a directory of its own (its model, caches and socket files)."""
+        workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
+        self._workdirs.append(workdir)
+        port, events, replay = self._port(), self._port(), self._port()
+        command = vllm_command(assemble_model(Path(workdir)), port, events, replay, options)
+        process, log = start_logged(command, "vllm", env=vllm_env(workdir), cwd=workdir, stdout_too=True)
+        self._logs.append(log)
+        return EngineProcess(f"vLLM engine {number}", process, log, f"http://127.0.0.1:{port}", events, replay)
 
     def _start_agent(self, engine: EngineProcess) -> Child:
         command = agent_command(
@@ -346,10 +374,10 @@ class Stack:
             for engine in self.running:
                 async with session.post(engine.url + "/reset_prefix_cache") as response:
                     response.raise_for_status()
-                body = {"model": MODEL, "prompt": TINY_PROMPT, "max_tokens": 1}
+                body = {"model": MODEL, "prompt": self._tiny_prompt, "max_tokens": 1}
                 async with session.post(engine.url + "/v1/completions", json=body) as response:
                     response.raise_for_status()
-        tiny_blocks = (len(TINY_PROMPT) + 1) // self._block_size  # its prompt and output token
+        tiny_blocks = (len(self._tiny_prompt) + 1) // self._block_size  # its prompt and output token
         await self._index_workers(
             # the workers, and their lower tiers' holders (kvindex/tiers.py) emptied too
             lambda workers: (
@@ -371,6 +399,15 @@ class Stack:
             await client.aclose()
 
     @property
+    def _tiny_prompt(self) -> list[int]:
+        return VLLM_TINY_PROMPT if self._vllm else TINY_PROMPT
+
+    @property
+    def num_blocks(self) -> int:
+        """Each engine's KV cache in blocks (the null block included)."""
+        return self._num_blocks
+
+    @property
     def engine_urls(self) -> list[str]:
         return [engine.url for engine in self.running]
 
@@ -379,12 +416,15 @@ class Stack:
         return [int(n) for n in await self.engine_metric("vllm:request_success_total")]
 
     async def engine_metric(self, name: str) -> list[float]:
-        """Each engine's sample called ``name`` now (0 where it has none), from its whole metric set
-        (``/debug/metrics``: an engine started with ``--metrics minimal`` exports little on /metrics)."""
+        """Each engine's samples called ``name`` now, summed over their labels (0 where it has none),
+        from its whole metric set (a simulated engine's ``/debug/metrics``: one started with
+        ``--metrics minimal`` exports little on /metrics; vLLM's /metrics, whose
+        ``vllm:request_success_total`` has a sample per finish reason)."""
+        path = "/metrics" if self._vllm else "/debug/metrics"
         values = []
         async with aiohttp.ClientSession() as session:
             for engine in self.running:
-                values.append(await metric_value(session, engine.url, name, "/debug/metrics") or 0.0)
+                values.append((await read_metrics(session, engine.url + path)).total(name))
         return values
 
     async def cache_census(self) -> CacheCensus:
@@ -406,3 +446,5 @@ class Stack:
         stop_processes(child.process for child in children)
         self._routers = []
         remove_files(self._logs)
+        for workdir in self._workdirs:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -9,7 +9,6 @@ router tokenize with).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -26,7 +25,10 @@ from typing import Any
 import pytest
 
 from kvindex.settings import RedisSettings
+from kvroute.devstack import vllm as devstack_vllm
 from kvroute.devstack.embedded_redis import free_port
+from kvroute.devstack.vllm import BLOCK_SIZE, VllmOptions, vllm_command, vllm_env
+from kvservice.lifecycle import StartupError
 from router.main import RunningRouter, running_router
 from router.settings import RouterSettings
 from sim_engine.settings import TINY_MODEL_DIR
@@ -34,35 +36,20 @@ from tests.conftest import FIXTURES
 from tests.support import AgentProcess, wait_until
 
 MODEL = "tiny"
-BS = 32
+BS = BLOCK_SIZE
 WEIGHTS_DIR = FIXTURES / "tiny-model"  # config.json, generation_config.json, model.safetensors
-MODEL_FILES = {
-    WEIGHTS_DIR: ("config.json", "generation_config.json", "model.safetensors"),
-    TINY_MODEL_DIR: ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
-}
-DEFAULT_VENV = Path.home() / ".cache" / "kvroute" / "vllm-cpu-venv"
 
 
 def vllm_python() -> Path:
-    venv = Path(os.environ.get("KVROUTE_VLLM_VENV", DEFAULT_VENV))
-    python = venv / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"no vLLM environment at {venv}: run .ci/vllm-env (or set KVROUTE_VLLM_VENV)")
-    return python
+    try:
+        return devstack_vllm.vllm_python()
+    except StartupError as exc:
+        pytest.fail(str(exc))
 
 
 def assemble_model(directory: Path, config: Mapping[str, Any] | None = None) -> Path:
-    """The tiny model as one directory (``directory``/tiny-model), as vLLM loads it; ``config``:
-    fields of its config.json to change (its layers' attention, say: the same weights serve)."""
-    model = directory / "tiny-model"
-    model.mkdir()
-    for source, names in MODEL_FILES.items():
-        for name in names:
-            shutil.copyfile(source / name, model / name)
-    if config:
-        path = model / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
-    return model
+    """The tiny model as one directory, as vLLM loads it (:func:`kvroute.devstack.vllm.assemble_model`)."""
+    return devstack_vllm.assemble_model(directory, config)
 
 
 # The tiny model as a hybrid: its first layer a sliding window of 64 tokens (two blocks of 32 make
@@ -86,22 +73,9 @@ class VllmServer:
 def _command(
     model: Path, port: int, events_port: int, replay_port: int, num_blocks: int, max_model_len: int = 256
 ) -> list[str]:
-    kv_events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "topic": "kv",
-        "endpoint": f"tcp://*:{events_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}",
-    }
-    return [
-        str(vllm_python()),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", str(model), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)),
-        *("--enable-prefix-caching", "--block-size", str(BS), "--max-model-len", str(max_model_len)),
-        *("--num-gpu-blocks-override", str(num_blocks), "--enforce-eager", "--enable-prompt-tokens-details"),
-        *("--kv-events-config", json.dumps(kv_events)),
-    ]
+    vllm_python()  # a missing environment fails the test with its message
+    options = VllmOptions(num_blocks=num_blocks, max_model_len=max_model_len)
+    return vllm_command(model, port, events_port, replay_port, options)
 
 
 @contextmanager
@@ -116,15 +90,7 @@ def vllm_server(
     model's config.json (:func:`assemble_model`)."""
     workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
     port, events_port, replay_port = distinct_free_ports(3)
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_SERVER_DEV_MODE="1",
-        HF_HUB_OFFLINE="1",
-        TMPDIR=workdir,
-        VLLM_CACHE_ROOT=f"{workdir}/cache",
-        TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor",
-    )
+    env = vllm_env(workdir)
     try:
         command = _command(
             assemble_model(Path(workdir), config), port, events_port, replay_port, num_blocks, max_model_len
