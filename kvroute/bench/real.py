@@ -99,6 +99,7 @@ async def _one(session: aiohttp.ClientSession, url: str, load: RealWorkload, i: 
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "cached_tokens": cached_tokens(usage),
         "predicted": reply.predicted_cached_tokens if reply.predicted_known else None,
+        "worker": reply.worker,
     }
 
 
@@ -188,11 +189,25 @@ async def run_policy(stack: Stack, cell: RealCell, policy: str, load: RealWorklo
         else:
             results = await send_open(urls, load, args.open_rate, args.seed, args.stream)
         lost = await router_lost_tokens(urls) if policy not in PEERS else None
+        learned = await _learned(urls[0]) if policy not in PEERS else None
     seconds = time.perf_counter() - started
     per_engine = [b - a for a, b in zip(before, await stack.requests_per_engine(), strict=True)]
     capacity = stack.engines * (stack.num_blocks - 1)  # the null block holds nothing
     row = {"policy": policy, **run_figures(results, load, [int(n) for n in per_engine], capacity)}
-    return {**row, "lost_share": lost_shares(lost), "seconds": round(seconds, 1)}
+    row |= {"lost_share": lost_shares(lost), "seconds": round(seconds, 1), "learned": learned}
+    # each request in send order: index, tenant, worker, predicted and reported cached tokens, prompt
+    ordered = sorted(results, key=lambda r: r["sent"])
+    row["sent"] = [
+        [r["index"], load.tenants[r["index"]], r["worker"], r["predicted"], r["cached_tokens"], r["prompt_tokens"]]
+        for r in ordered
+    ]
+    return row
+
+
+async def _learned(url: str) -> dict[str, Any] | None:
+    """What a kvroute replica learned of the engines by the end of a run (``GET /debug/model``)."""
+    async with _session() as session, session.get(f"{url}/debug/model", params={"model": MODEL}) as response:
+        return await response.json() if response.status == 200 else None
 
 
 def _options(args: argparse.Namespace, blocks: int) -> dict[str, Any]:

@@ -51,6 +51,11 @@ SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observa
 # "fastest" took 1.6-1.8x the mean requests (1.08x with the fleet's rate for all;
 # docs/benchmarks.md). A slower GPU is further off.
 SAME_RATE_WITHIN = 0.25
+# ... and a worker's rate is its own only where it stands this many standard errors away from the
+# typical rate: on engines that share CPU cores (or a noisy fleet), whole replies vary by 2-4x with
+# what else runs, and a worker that looked twice as fast by chance drew every cold prompt and half
+# the traffic (issue 55, real vLLM). A slower GPU is away by many errors within a few dozen requests.
+RATE_ERRORS = 3.0
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
 # Once many observations are held, one more moves the fit by ~1/n: the model is fitted again after
@@ -60,10 +65,12 @@ REFIT_SHARE = 64.0
 MIN_STREAMED = 5.0  # streamed observations (decayed) before they, not whole replies, set the rate
 
 
-def _distinct_rates(own: TtftParams, typical: TtftParams) -> TtftParams:
+def _distinct_rates(own: TtftParams, typical: TtftParams, error: float = 0.0) -> TtftParams:
     """A worker's rates (per token and per unit of attention work) with the fleet's base, or the
-    typical worker's where its per-token rate is within ``SAME_RATE_WITHIN`` of it."""
-    if abs(own.per_token_s - typical.per_token_s) <= SAME_RATE_WITHIN * typical.per_token_s:
+    typical worker's where its per-token rate is within ``SAME_RATE_WITHIN`` of it or within
+    ``RATE_ERRORS`` of its standard ``error`` (:meth:`router.routing.ttft_fit.Sums.rate_error`)."""
+    gap = abs(own.per_token_s - typical.per_token_s)
+    if gap <= SAME_RATE_WITHIN * typical.per_token_s or gap <= RATE_ERRORS * error:
         return typical
     return TtftParams(typical.base_s, own.per_token_s, own.per_context_s)
 
@@ -253,7 +260,8 @@ class TtftLearner:
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet) for w, own in workers.items()}
-        rates = {w: _distinct_rates(rate, _typical(own_rates, fleet)) for w, rate in own_rates.items()}
+        typical = _typical(own_rates, fleet)
+        rates = {w: _distinct_rates(rate, typical, workers[w].rate_error()) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
     @property

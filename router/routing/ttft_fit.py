@@ -17,6 +17,7 @@ effect is below the noise), so no coefficient is ever negative.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 PRIOR_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: only the ratio to other terms matters until learned
@@ -24,7 +25,8 @@ MIN_SPREAD_TOKENS = 64.0  # below this spread of prefill sizes the slope is not 
 MIN_SPREAD_OUTPUT = 1.0  # below this spread of reply lengths the decode rate is not identifiable
 MIN_SPREAD_CONTEXT = 64.0  # below this spread of attention work (k-token^2) its slope is not identifiable
 MAX_CORRELATION = 0.98  # a term this collinear with the prefill's size cannot be told apart from it
-SUM_FIELDS = ("n", "x", "y", "z", "xx", "xy", "zz", "xz", "zy", "w", "ww", "xw", "zw", "wy")
+# "yy" last: replicas from before it share the other sums (a group read without it is not complete)
+SUM_FIELDS = ("n", "x", "y", "z", "xx", "xy", "zz", "xz", "zy", "w", "ww", "xw", "zw", "wy", "yy")
 TERMS = ("x", "z", "w")
 
 
@@ -70,6 +72,7 @@ class Sums:
     xw: float = 0.0
     zw: float = 0.0
     wy: float = 0.0
+    yy: float = 0.0
     since_sync: int = 0  # observations added since the model was last shared (router.routing.model_sync)
 
     def add(self, x: float, y: float, decay: float, z: float = 0.0, w: float = 0.0) -> None:
@@ -89,6 +92,7 @@ class Sums:
             ("xw", x * w),
             ("zw", z * w),
             ("wy", w * y),
+            ("yy", y * y),
         ):
             setattr(self, name, getattr(self, name) * decay + value)
 
@@ -101,6 +105,21 @@ class Sums:
 
     def fit(self, prior: TtftParams) -> Fit:
         return fit(self, prior)
+
+    def rate_error(self) -> float:
+        """The standard error of the per-token rate these observations give (seconds per token),
+        from the simple regression of ``y`` on ``x``: what is left of y's variance once x's part
+        is taken out, over x's spread and the observations. Infinite while the rate cannot be
+        told (fewer than three observations, or sizes that do not vary). The terms beside x
+        (decode, attention) count as noise here: an error too large, never too small. The weights
+        decay, so the effective observations are at least ``n``: ``n`` errs on the large side too."""
+        n = self.n
+        var_x = self.xx / n - (self.x / n) ** 2 if n > 0 else 0.0
+        if n < 3 or var_x <= MIN_SPREAD_TOKENS**2:
+            return math.inf
+        cov_xy = self.xy / n - self.x * self.y / n**2
+        residual = max(self.yy / n - (self.y / n) ** 2 - cov_xy**2 / var_x, 0.0) * n / (n - 2)
+        return math.sqrt(residual / (var_x * n))
 
 
 def _product(sums: Sums, a: str, b: str) -> float:

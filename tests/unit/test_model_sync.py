@@ -123,4 +123,4 @@ def test_parse_model_takes_complete_groups_of_numbers_and_skips_the_rest():
 def test_field_names_keep_worker_ids_with_colons_whole():
     assert field_names(("a", "reuse")) == ["a:reuse"]
     assert field_names(("S", ""))[0] == "S:n"
-    assert field_names(("w", "h:1"))[-1] == "w:wy:h:1"
+    assert field_names(("w", "h:1"))[-1] == "w:yy:h:1"
