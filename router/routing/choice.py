@@ -13,6 +13,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from router.routing.scoring import Candidate, Policy, Scored, ScoringWeights, score
 from router.routing.ttft import CostModel
 
@@ -50,9 +52,12 @@ def choose(
     rng: random.Random | None = None,
     turn: int = 0,
     model: CostModel | None = None,
+    home_key: int | None = None,
 ) -> Choice:
     """Rank ``candidates`` (non-empty) for a prompt of ``prompt_blocks`` blocks. ``turn`` is the
-    round-robin position (the caller's counter); ``model`` what was learned (a prior without)."""
+    round-robin position (the caller's counter); ``model`` what was learned (a prior without);
+    ``home_key`` the hash of the prompt's first block no worker holds: near-ties are drawn by
+    rendezvous on it (:func:`rendezvous_draw`) instead of at random."""
     if not candidates:
         raise ValueError("no candidates to choose from")
     rng = rng or random.Random()
@@ -83,6 +88,8 @@ def choose(
             )
         )
     ranked = sorted(scored, key=lambda s: (s.busy and some_free, s.cost, tiebreak[s.candidate.worker_id]))
+    if home_key is not None:
+        tiebreak = {s.candidate.worker_id: rendezvous_draw(home_key, s.candidate.worker_id) for s in scored}
     ranked = _near_ties_at_random(ranked, tiebreak)
     if weights.temperature > 0:
         ranked = _sample_first(ranked, weights.temperature, rng)
@@ -107,6 +114,18 @@ def _near_ties_at_random(ranked: list[Scored], tiebreak: dict[str, float]) -> li
     # probability in proportion to its weight)
     pick = max(kept, key=lambda s: tiebreak[s.candidate.worker_id] ** (1 / _idle_weight(s.candidate)))
     return ranked if pick is best else [pick, *(s for s in ranked if s is not pick)]
+
+
+def rendezvous_draw(key: int, worker_id: str) -> float:
+    """A uniform number in (0, 1) fixed by (``key``, ``worker_id``), the same in every process:
+    with it the near-ties' weighted draw is weighted rendezvous hashing. Every replica, deciding
+    alone, sends the prompts whose uncached part starts with the same block (one system prompt's
+    new conversations, arriving at several replicas at once, or again after it was evicted
+    everywhere) to the same worker among equals, a home that keeps them together; prompts that
+    differ there spread over the workers as a random draw would, each worker with its weight's
+    share. (Python's own ``hash`` of a string differs from process to process.)"""
+    digest = xxhash.xxh64_intdigest(f"{key}:{worker_id}".encode())
+    return (digest + 0.5) / 2.0**64
 
 
 def _idle_weight(candidate: Candidate) -> float:

@@ -137,6 +137,16 @@ def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
     return replace(candidate, matched_blocks=expected_depth, pending_blocks=pending, held_blocks=held)
 
 
+def home_key(chain: Sequence[int], candidates: Sequence[Candidate]) -> int | None:
+    """The hash of the prompt's first block that no candidate holds (its last block's when one
+    holds them all; None for a prompt of no whole block): what the rendezvous among equally good
+    workers is drawn on (:func:`router.routing.choice.rendezvous_draw`)."""
+    if not chain:
+        return None
+    best = max((c.matched_blocks for c in candidates), default=0)
+    return chain[min(best, len(chain) - 1)]
+
+
 @functools.lru_cache(maxsize=4096)
 def checkpoints(length: int) -> tuple[int, ...]:
     """Depths checked against expected prefixes: powers of two and the full length. Remembered:
@@ -248,7 +258,8 @@ class Decider:
         learner = self.learner_for(model)
         if not dry_run:
             learner.note_busy(busy_share(candidates))
-        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, learner.model)
+        home = home_key(chain, candidates)
+        choice = choose(candidates, len(chain), block_size, self._weights, self._policy, rng, turn, learner.model, home)
         return Decision(model, len(tokens), block_size, chain, choice, False, time.perf_counter() - started, turn=turn)
 
     def _enter_degraded(self, exc: BaseException) -> None:

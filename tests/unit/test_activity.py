@@ -8,6 +8,7 @@ from collections import Counter
 from kvindex.types import WorkerLoad
 from router.routing.activity import WorkerActivity
 from router.routing.choice import choose
+from router.routing.decide import home_key
 from router.routing.scoring import Candidate, ScoringWeights
 from router.shared.shared_load import InflightLoad
 
@@ -61,3 +62,27 @@ def test_the_cache_still_comes_before_idleness():
     assert {
         choose([warm, cold], 64, 16, ScoringWeights(), rng=random.Random(s)).chosen.worker_id for s in range(50)
     } == {"warm"}
+
+
+def test_with_a_home_key_equals_draw_the_same_worker_on_every_replica():
+    """A cold prompt's rendezvous: whatever a replica's random state, the prompts whose uncached
+    part starts with one block go to one worker among equals; different blocks spread over the
+    workers by their idle weights, as the random draw does."""
+    workers = [Candidate(name, f"http://{name}", idle_s=idle) for name, idle in (("a", 20.0), ("b", 20.0), ("c", 2.0))]
+
+    def pick(key: int, seed: int) -> str:
+        return choose(workers, 64, 16, ScoringWeights(), rng=random.Random(seed), home_key=key).chosen.worker_id
+
+    for key in range(50):
+        assert len({pick(key, seed) for seed in range(8)}) == 1
+    homes = Counter(pick(key, 0) for key in range(3000))
+    assert 0.42 < homes["a"] / 3000 < 0.49 and 0.42 < homes["b"] / 3000 < 0.49  # 20.05 / 42.15 each
+    assert 0.03 < homes["c"] / 3000 < 0.08  # 2.05 / 42.15
+
+
+def test_the_home_key_is_the_first_block_no_worker_holds():
+    chain = [11, 12, 13, 14]
+    assert home_key(chain, [Candidate("a", "http://a", matched_blocks=2), Candidate("b", "http://b")]) == 13
+    assert home_key(chain, [Candidate("a", "http://a")]) == 11
+    assert home_key(chain, [Candidate("a", "http://a", matched_blocks=4)]) == 14  # all held: the last
+    assert home_key([], [Candidate("a", "http://a")]) is None
