@@ -131,6 +131,8 @@ def create_routes(state: RouterState) -> Routes:
         state.metrics.alive_workers.clear()  # read at scrape time (the fleet refreshes every second)
         for model in state.fleet.known_models():
             state.metrics.alive_workers.labels(model).set(len(state.fleet.alive(model)))
+        for model, learner in state.decider.learners.items():
+            state.metrics.queue_weight.labels(model).set(learner.model.queue_weight)
         recent = state.window.total(time.monotonic())[0]
         state.metrics.regret_ratio.set(recent.regretted / recent.reported_requests if recent.reported_requests else 0)
         await reply.send_whole(200, {"Content-Type": CONTENT_TYPE_LATEST}, generate_latest(state.metrics.registry))

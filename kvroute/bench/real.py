@@ -103,8 +103,13 @@ async def _one(session: aiohttp.ClientSession, url: str, load: RealWorkload, i: 
     }
 
 
-async def send_closed(urls: list[str], load: RealWorkload, concurrency: int, stream: bool) -> list[dict[str, Any]]:
-    """``concurrency`` users, each playing its next conversation turn after turn (replicas in turn)."""
+async def send_closed(
+    urls: list[str], load: RealWorkload, concurrency: int, stream: bool, think_s: float, seed: int
+) -> list[dict[str, Any]]:
+    """``concurrency`` users, each playing its next conversation turn after turn (replicas in
+    turn), thinking a while before each turn (exponential, mean ``think_s``, fixed per request
+    and seed): users that never think stay in lockstep, and a round robin then pins each one to
+    an engine by chance of timing."""
     results: list[dict[str, Any]] = []
     queue = iter(load.conversations)
     async with _session() as session:
@@ -112,6 +117,8 @@ async def send_closed(urls: list[str], load: RealWorkload, concurrency: int, str
         async def user(number: int) -> None:
             for conversation in queue:
                 for i in conversation:
+                    if think_s > 0:
+                        await asyncio.sleep(random.Random(f"real/think/{seed}/{i}").expovariate(1 / think_s))
                     results.append(await _one(session, urls[i % len(urls)], load, i, stream))
 
         await asyncio.gather(*(user(n) for n in range(concurrency)))
@@ -185,7 +192,7 @@ async def run_policy(stack: Stack, cell: RealCell, policy: str, load: RealWorklo
     started = time.perf_counter()
     async with router_urls(stack, policy, cell.replicas) as urls:
         if cell.client == "closed":
-            results = await send_closed(urls, load, args.concurrency, args.stream)
+            results = await send_closed(urls, load, args.concurrency, args.stream, args.think_ms / 1000, args.seed)
         else:
             results = await send_open(urls, load, args.open_rate, args.seed, args.stream)
         lost = await router_lost_tokens(urls) if policy not in PEERS else None
@@ -315,7 +322,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("engine", "engines", "max_num_seqs", "concurrency", "open_rate", "stream", "seeds", "policies")
+    keys = ("engine", "engines", "max_num_seqs", "concurrency", "think_ms", "open_rate", "stream", "seeds", "policies")
     sim = ("prefill_ms_per_1k", "decode_ms_per_step", "step_overhead_ms", "max_num_batched_tokens")
     return {k: getattr(args, k) for k in (*keys, *(sim if args.engine == "sim" else ()))} | {
         "cache_blocks": {c: args.cache_blocks[c] for c in args.caches},

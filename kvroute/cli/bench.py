@@ -315,6 +315,13 @@ def _real_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seeds", type=positive_ints, default=[1, 2, 3], help="workload seeds (default 1,2,3)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="closed loop: users at once (default 4)")
+    p.add_argument(
+        "--think-ms",
+        type=float,
+        default=30.0,
+        help="closed loop: a user's mean think time before each turn, exponential (default 30; 0: none, and "
+        "users in lockstep)",
+    )
     p.add_argument("--open-rate", type=positive_float, default=16.0, help="open loop: arrivals per second (default 16)")
     p.add_argument("--max-num-seqs", type=positive_int, default=8, help="engines' batch limit (default 8)")
     p.add_argument("--stream", action="store_true", help="stream the replies (default: whole replies, as vLLM's users)")

@@ -47,6 +47,7 @@ class RouterMetrics:
     regretted_requests: Counter
     regret_tokens: Counter
     regret_ratio: Gauge
+    queue_weight: Gauge
 
 
 def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
@@ -152,6 +153,14 @@ def new_metrics(state: StateCollector | None = None) -> RouterMetrics:
             PREFIX + "regret_ratio",
             "Of the last 5 minutes' requests whose engine reported cached tokens, the share regretted "
             "(read at scrape time; 0 when none reported)",
+            registry=r,
+        ),
+        queue_weight=Gauge(
+            PREFIX + "queue_weight",
+            "What a token of prefill queued ahead on a worker costs a request against a token of its own, "
+            "as measured on this fleet and used by the cost (1: a queue costs in full; 0: moving off the "
+            "longest prefix to a shorter queue saves nothing; router/routing/trade_check.py), per model",
+            ["model"],
             registry=r,
         ),
         alive_workers=Gauge(

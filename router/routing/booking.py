@@ -55,6 +55,7 @@ class Booking:
         # A whole reply's (prefill tokens waited for, their attention work, seconds), learned from
         # once its length is known.
         self._whole: dict[str, tuple[float, float, float]] = {}
+        self._first_byte_s: dict[str, float] = {}  # worker id -> the seconds to its first byte
 
     @property
     def held(self) -> dict[str, InflightLoad]:
@@ -88,6 +89,7 @@ class Booking:
             scored = self._decision.scored(candidate)
             waited, attention = scored.prefill_tokens, scored.attention
             seconds = time.perf_counter() - sent_at
+            self._first_byte_s[candidate.worker_id] = seconds
             if self._streamed:
                 load = scored.single_tier_load
                 loaded = (load[0], load[1] * self._decision.block_size) if load else None
@@ -98,9 +100,14 @@ class Booking:
 
     def replied(self, candidate: Candidate, usage: dict | None) -> None:
         """The reply ended with ``usage`` (None: not reported): a whole reply teaches the TTFT
-        model with its completion tokens, so that their decode is learned apart from the prefill."""
+        model with its completion tokens, so that their decode is learned apart from the prefill;
+        every reply whose engine said what it computed measures the queue's price
+        (:mod:`router.routing.trade_check`)."""
         whole = self._whole.pop(candidate.worker_id, None)
         completion = (usage or {}).get("completion_tokens")
+        first_byte_s = self._first_byte_s.pop(candidate.worker_id, None)
+        if self._learner is not None and first_byte_s is not None:
+            self._observe_trade(candidate, usage, first_byte_s if whole is None else whole[2], completion)
         if self._learner is not None and whole is not None and isinstance(completion, int):
             waited, attention, seconds = whole
             self._learner.observe(
@@ -111,6 +118,17 @@ class Booking:
                 completion_tokens=completion,
                 attention=attention,
             )
+
+    def _observe_trade(self, candidate: Candidate, usage: dict | None, seconds: float, completion: object) -> None:
+        usage = usage or {}
+        prompt = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if not isinstance(prompt, int) or not isinstance(cached, int) or self._learner is None:
+            return
+        output = completion if isinstance(completion, int) and not self._streamed else 0
+        decision = self._decision
+        ahead = decision.scored(candidate).ahead_tokens
+        self._learner.observe_trade(prompt - cached, ahead, decision.elsewhere_ahead(candidate), output, seconds)
 
     def _release_prefill(self, worker_id: str) -> None:
         held = self._held.get(worker_id)

@@ -82,6 +82,11 @@ class Decision:
     def scored(self, candidate: Candidate) -> Scored:
         return next(s for s in self.choice.ranked if s.candidate.worker_id == candidate.worker_id)
 
+    def elsewhere_ahead(self, candidate: Candidate) -> float:
+        """The prefill queued on the other workers, all of it, as this decision saw it (what the
+        queue's price is measured against: router.routing.trade_check)."""
+        return sum(s.ahead_tokens for s in self.choice.ranked if s.candidate.worker_id != candidate.worker_id)
+
     @property
     def candidates(self) -> list[Candidate]:
         """Every alive worker, best first."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.replies import decode
-from router.routing import tier_load
+from router.routing import tier_load, trade_check
 from router.routing.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
 from router.shared.shared_load import SharedLoad
 
@@ -43,8 +43,9 @@ FORGET_WORKER_S = 600.0  # a worker gone this long loses its learned rate (a res
 
 def field_names(key: GroupKey) -> list[str]:
     """The hash fields of one group: ``a:<average>``, ``S:<sum>`` / ``W:<sum>`` (the fleet's
-    streamed / whole-reply sums), ``s:<sum>:<worker id>`` / ``w:<sum>:<worker id>``, ``t:<sum>:<tier>``
-    (a lower tier's load time, router.routing.tier_load)."""
+    streamed / whole-reply sums), ``Q:<sum>`` (the queue's price, router.routing.trade_check),
+    ``s:<sum>:<worker id>`` / ``w:<sum>:<worker id>``, ``t:<sum>:<tier>`` (a lower tier's load
+    time, router.routing.tier_load)."""
     kind, name = key
     if kind == "a":
         return [f"a:{name}"]
@@ -53,6 +54,8 @@ def field_names(key: GroupKey) -> list[str]:
 
 
 def _fields_of(kind: str) -> tuple[str, ...]:
+    if kind == "Q":
+        return trade_check.FIELDS
     return tier_load.FIELDS if kind == "t" else SUM_FIELDS
 
 
@@ -80,7 +83,7 @@ def parse_model(reply: Sequence[Any]) -> tuple[bool, dict[GroupKey, tuple[float,
             continue
         if kind == "a" and rest:
             values[("a", rest)]["value"] = value
-        elif kind in ("S", "W") and rest:
+        elif kind in ("S", "W", "Q") and rest:
             values[(kind, "")][rest] = value
         elif kind in ("s", "w", "t"):
             sum_field, _, worker = rest.partition(":")

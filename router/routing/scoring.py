@@ -98,6 +98,7 @@ class Scored:
     attention: float = 0.0  # the attention work of that prefill (ahead + own; router.routing.ttft_fit.attention_work)
     own_attention: float = 0.0  # of it, its own prefill's (booked there with it)
     priced_load: bool = False  # its loads were priced in time: its TTFT can teach their time
+    ahead_tokens: float = 0.0  # the prefill it would wait behind there (router.routing.trade_check)
 
     @property
     def single_tier_load(self) -> tuple[str, int] | None:
@@ -276,7 +277,11 @@ def score(
     ttft = params.seconds(weights.prefill * t.own + weights.queued * t.ahead + extra, attention) + t.load_s
     behind = requests_behind(t.ahead, model, t.own) if marginal else 0.0
     own_s = params.per_token_s * t.own + params.per_context_s * t.own_attention  # its own prefill's time
-    cost = ttft + behind * weights.prefill * own_s + params.per_token_s * reuse * t.evicted
+    # What the queue costs, at the price measured for it (router.routing.trade_check): the wait
+    # ahead and the delay it adds behind; 1: a queued token costs what one's own does.
+    queue_s = ttft - params.seconds(weights.prefill * t.own, weights.prefill * t.own_attention) - t.load_s
+    load_s = model.queue_weight * (queue_s + behind * weights.prefill * own_s)
+    cost = ttft - queue_s + load_s + params.per_token_s * reuse * t.evicted
     own_attention, waited_attention = t.own_attention, t.own_attention + t.ahead_attention
     busy = is_busy(candidate, weights)
     return Scored(
@@ -290,6 +295,7 @@ def score(
         attention=waited_attention,
         own_attention=own_attention,
         priced_load=weights.tiers.mode in (TierMode.TIME, TierMode.LEARNED),
+        ahead_tokens=t.ahead,
     )
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from router.routing.tier_load import TierLoad, TierLoads, TierLoadSums
 from router.routing.tiers import DEFAULT_LOAD_MS_PER_1K
+from router.routing.trade_check import UNKNOWN, TradeSums
 from router.routing.ttft_fit import PRIOR_PER_TOKEN_S, SUM_FIELDS, Sums, TtftParams
 
 __all__ = ["PRIOR_PER_TOKEN_S", "SUM_FIELDS", "CostModel", "GroupChange", "GroupKey", "TtftLearner", "TtftParams"]
@@ -112,9 +113,10 @@ class _Average:
         (self.value,) = values
 
 
-# (kind, name): ("a", average), ("S"|"W", "") fleet, ("s"|"w", worker id), ("t", tier) a tier's load
+# (kind, name): ("a", average), ("S"|"W", "") fleet, ("s"|"w", worker id), ("t", tier) a tier's load,
+# ("Q", "") the queue's price (router.routing.trade_check)
 GroupKey = tuple[str, str]
-_Group = Sums | _Average | TierLoadSums
+_Group = Sums | _Average | TierLoadSums | TradeSums
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,9 @@ class CostModel:
     utilization: float = PRIOR_UTILIZATION
     # per lower tier, its load cost as learned (router.routing.tier_load; none while not loaded from)
     tier_loads: Mapping[str, TierLoad] = field(default_factory=dict)
+    # the price of a queued token against one's own, as the cost uses it (router.routing.trade_check:
+    # measured by a learner, 0 until then); 1 here, the full price, for a model built without one
+    queue_weight: float = 1.0
 
     def params(self, worker_id: str) -> TtftParams:
         return self.rates.get(worker_id, self.fleet)
@@ -165,7 +170,9 @@ class TtftLearner:
         # the lower tiers' load costs (router.routing.tier_load), learned from --tier-load-ms on
         priors = tier_priors if tier_priors is not None else {t: ms / 1e6 for t, ms in DEFAULT_LOAD_MS_PER_1K.items()}
         self._tier_loads = TierLoads(self._decay, dict(priors))
-        self._model = CostModel()
+        self._trades = TradeSums()  # what queues cost, measured (router.routing.trade_check)
+        self._queue = UNKNOWN
+        self._model = CostModel(queue_weight=self._queue.used)
         # What changed since the model was last built: it is built again when read (once per
         # decision), not at each change. Rates stale: fitted at the next read (a worker forgotten,
         # a sync); observations count in _unfitted, fitted once REFIT_SHARE's share of them came.
@@ -204,6 +211,15 @@ class TtftLearner:
         fleet.add(prefill_tokens, seconds, self._decay, output, attention)
         self._unfitted += 1
 
+    def observe_trade(self, own: float, ahead: float, elsewhere: float, output: float, seconds: float) -> None:
+        """A reply took ``seconds`` (to its first byte, or whole with ``output`` completion tokens)
+        for ``own`` computed prompt tokens, with ``ahead`` tokens of prefill queued ahead of it on
+        its worker and ``elsewhere`` on the others (all of it): what measures the queue's price."""
+        if min(own, ahead, elsewhere, output, seconds) < 0:
+            return
+        self._trades.add(own, ahead, elsewhere, output, seconds)
+        self._unfitted += 1
+
     def note_request(self, uncached_tokens: float) -> None:
         self._typical.add(max(uncached_tokens, 0.0))
         self._averages_stale = True
@@ -222,7 +238,8 @@ class TtftLearner:
         # against the fleet's coefficients as just fitted (streamed first bytes only: a whole reply
         # holds its decode too)
         tier_loads = self._tier_loads.learned(self._fleet, fleet) if self._rate_source() == "streamed" else {}
-        return CostModel(rates, fleet, self._typical.value, self._reuse.value, self._utilization.value, tier_loads)
+        averages = self._typical.value, self._reuse.value, self._utilization.value
+        return CostModel(rates, fleet, *averages, tier_loads, queue_weight=self._queue.used)
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -247,6 +264,7 @@ class TtftLearner:
     def _refit(self) -> None:
         self._rates_stale = self._averages_stale = False
         self._unfitted = 0
+        self._queue = self._trades.queue_weight()
         if self._rate_source() == "whole_replies":
             self._refit_from(self._whole_workers, self._whole_fleet)
         else:
@@ -282,6 +300,7 @@ class TtftLearner:
             ("a", "utilization"): self._utilization,
             ("S", ""): self._fleet,
             ("W", ""): self._whole_fleet,
+            ("Q", ""): self._trades,
         }
 
     def _groups(self) -> dict[GroupKey, _Group]:
@@ -300,7 +319,7 @@ class TtftLearner:
         return fixed.get(key)
 
     def _decay_of(self, group: _Group) -> float:
-        return group.decay if isinstance(group, _Average | TierLoadSums) else self._decay
+        return group.decay if isinstance(group, _Average | TierLoadSums | TradeSums) else self._decay
 
     def changes(self) -> list[GroupChange]:
         """What was learned since the model was last shared (:meth:`adopt`), per group; and the
@@ -374,6 +393,13 @@ class TtftLearner:
             "utilization": round(model.utilization, 4),
             # each lower tier's load cost as learned from TTFTs (router.routing.tier_load): a
             # wait per load and a time per 1k tokens, and the loads it is learned from
+            # what a token queued ahead costs against one's own, measured (router.routing.trade_check)
+            "queue_weight": {
+                "estimate": None if self._queue.estimate is None else round(self._queue.estimate, 4),
+                "error": None if self._queue.error is None else round(self._queue.error, 4),
+                "used": round(self._queue.used, 4),
+                "observations": round(self._queue.observations, 1),
+            },
             "tier_loads": {
                 tier: {
                     "wait_ms": round(load.wait_s * 1000, 3),

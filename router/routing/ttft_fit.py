@@ -127,7 +127,7 @@ def _product(sums: Sums, a: str, b: str) -> float:
     return float(getattr(sums, a + b if hasattr(sums, a + b) else b + a))
 
 
-def _solve(matrix: list[list[float]], right: list[float]) -> list[float] | None:
+def solve(matrix: list[list[float]], right: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None for a singular system."""
     size = len(right)
     rows = [[*matrix[i], right[i]] for i in range(size)]
@@ -165,7 +165,7 @@ def fit(sums: Sums, prior: TtftParams) -> Fit:
     decode_known = varies["z"]
     while free:
         right = [cov(k, "y") - sum(fixed[f] * cov(k, f) for f in fixed) for k in free]
-        solved = _solve([[cov(a, b) for b in free] for a in free], right)
+        solved = solve([[cov(a, b) for b in free] for a in free], right)
         if solved is None:
             fixed.update({k: fallback[k] for k in free})
             break
