@@ -102,6 +102,10 @@ DEFAULT_CELLS = (
     "chat/light/tiny/nostream/ids/minimal/parallel",
     "balanced/heavy/tiny/nostream/ids/minimal",
     "hot/heavy/tiny/nostream/ids/minimal",
+    # closed-loop clients (as many as engines, each turn sent when the last is answered: about one
+    # request in flight per engine): where issue 55 found kv behind the longest prefix on real vLLM
+    "balanced/closed/tight/stream/ids",
+    "chat/closed/tiny/nostream/text/minimal/parallel",
 )
 DEFAULT_REPLICAS = ("1", "2", "4")
 

@@ -228,9 +228,13 @@ def summarize(
 
 
 @asynccontextmanager
-async def router_urls(stack: Stack, router: str, replicas: int) -> AsyncIterator[list[str]]:
+async def router_urls(
+    stack: Stack, router: str, replicas: int, sglang_args: tuple[str, ...] = ()
+) -> AsyncIterator[list[str]]:
+    """``replicas`` URLs of ``router`` (a kvroute policy or variant, "sglang" with
+    ``sglang_args``, the greedy oracle) over ``stack``'s engines, until the block exits."""
     if router == "sglang":
-        async with SglangRouters(stack.engine_urls, replicas) as sglang:
+        async with SglangRouters(stack.engine_urls, replicas, extra_args=sglang_args) as sglang:
             yield sglang.urls
         return
     if router == GREEDY_ORACLE:

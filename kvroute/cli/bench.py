@@ -218,7 +218,8 @@ def _regimes_flags(p: argparse.ArgumentParser) -> None:
         "prefill=serial,parallel tiers=gpu,cpu,disk fleet=agg,pd; with --axis the grid is tenants x load at "
         "cache=tight client=stream prompts=ids replicas=1 engine=full prefill=serial tiers=gpu fleet=agg, each "
         "flag replacing one axis's values "
-        "(default grid, without --axis: ten cells at 1, 2 and 4 replicas, docs/benchmarks.md)",
+        "(default grid, without --axis: twelve cells at 1, 2 and 4 replicas, two of them closed-loop, "
+        "docs/benchmarks.md)",
     )
     p.add_argument("--full", action="store_true", help="every value of every axis (2,592 cells: days)")
     p.add_argument(

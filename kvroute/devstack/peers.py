@@ -33,6 +33,7 @@ class SglangRouters:
     worker_urls: list[str]
     replicas: int = 1
     policy: str = "cache_aware"
+    extra_args: tuple[str, ...] = ()  # more of its flags (--disable-health-check, say)
     urls: list[str] = field(default_factory=list)
     _processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _logs: list[str] = field(default_factory=list)
@@ -51,7 +52,7 @@ class SglangRouters:
         port = free_port()
         command = [sglang_python(), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
         command += ["--policy", self.policy, "--prometheus-port", str(free_port()), "--log-level", "warn"]
-        command += ["--worker-urls", *self.worker_urls]
+        command += [*self.extra_args, "--worker-urls", *self.worker_urls]
         process, log = start_logged(command, "sglang")
         self._processes.append(process)
         self._logs.append(log)
@@ -91,7 +92,7 @@ class GreedyOracle:
     async def __aenter__(self) -> GreedyOracle:
         port = free_port()
         command = [sys.executable, "-m", "kvroute.devstack.oracle", "--port", str(port)]
-        command += ["--worker-urls", *self.worker_urls]
+        command += [*self.extra_args, "--worker-urls", *self.worker_urls]
         self._process, self._log = start_logged(command, "oracle")
         url = f"http://127.0.0.1:{port}"
         try:
