@@ -98,8 +98,14 @@ def choose(
 
 def _near_ties_at_random(ranked: list[Scored], tiebreak: dict[str, float]) -> list[Scored]:
     """Move the candidate that keeps the most of the prompt cached among those whose cost is
-    within ``TIE_WITHIN`` of the best (and as busy) to the front; among equal hits, one drawn at
-    random, the longer a worker has been idle the likelier. When the time is a wash, the cache
+    within ``TIE_WITHIN`` of the best (and as busy) to the front; among equal hits, one of those
+    with the fewest requests in flight (every replica's, and its engine's queue), drawn at random,
+    the longer a worker has been idle the likelier. Ties are equal in the prefill a prompt waits
+    for, not in the requests decoding there: where every worker is busy all the time (no idle
+    time tells them apart), the fewest in flight spreads the prompts no worker holds, one system
+    prompt's home per worker as the longest-prefix router's least-loaded pick does, instead of
+    three on one engine's cache and none on another (issue 55: one engine took 4 of 128 requests
+    on real vLLM, another 57). When the time is a wash, the cache
     decides: a prompt that leaves its prefix for an equally fast worker duplicates it there and
     evicts that worker's own (on caches of one or two prompts, each such move made the next
     conversation move in turn); and a prompt that evicts anyway had better evict what was used
@@ -110,9 +116,11 @@ def _near_ties_at_random(ranked: list[Scored], tiebreak: dict[str, float]) -> li
     ties = [s for s in ranked if s.busy == best.busy and s.cost <= best.cost * (1 + TIE_WITHIN)]
     most = max(s.hit_blocks for s in ties)
     kept = [s for s in ties if s.hit_blocks == most]
+    fewest = min(_load(s.candidate) for s in kept)
+    kept = [s for s in kept if _load(s.candidate) == fewest]
     # a weighted draw from one uniform number each (the largest u ** (1 / weight) wins with
     # probability in proportion to its weight)
-    pick = max(kept, key=lambda s: tiebreak[s.candidate.worker_id] ** (1 / _draw_weight(s.candidate)))
+    pick = max(kept, key=lambda s: tiebreak[s.candidate.worker_id] ** (1 / _idle_weight(s.candidate)))
     return ranked if pick is best else [pick, *(s for s in ranked if s is not pick)]
 
 
@@ -128,17 +136,10 @@ def rendezvous_draw(key: int, worker_id: str) -> float:
     return (digest + 0.5) / 2.0**64
 
 
-def _draw_weight(candidate: Candidate) -> float:
-    """A tie's weight in the draw: its idle time, bounded (never seen busy: the bound), over the
-    square of one more than the requests in flight there (booked by every replica, or waiting in
-    its engine): its headroom. Ties are equal in the prefill a prompt waits for, not in the
-    requests decoding there; where every worker is busy all the time (no idle time tells them
-    apart), the headroom spreads the prompts no worker holds, one system prompt's home per worker
-    as the longest-prefix router's least-loaded pick does, instead of three on one engine's cache
-    and none on another (issue 55: one engine took 4 of 128 requests, another 57)."""
+def _idle_weight(candidate: Candidate) -> float:
+    """A tie's weight in the draw: its idle time, bounded (never seen busy: the bound)."""
     idle = MAX_IDLE_WEIGHT_S if candidate.idle_s is None else min(candidate.idle_s, MAX_IDLE_WEIGHT_S)
-    waiting = candidate.engine.waiting if candidate.engine else 0
-    return (idle + MIN_IDLE_WEIGHT_S) / (1 + candidate.inflight.requests + waiting) ** 2
+    return idle + MIN_IDLE_WEIGHT_S
 
 
 def _sample_first(ranked: list[Scored], temperature: float, rng: random.Random) -> list[Scored]:
