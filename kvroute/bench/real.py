@@ -224,7 +224,8 @@ def _options(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
     # vLLM refuses a model length its cache cannot hold once (block 0 is the null block)
     max_model_len = min(MAX_MODEL_LEN, (blocks - 1) * BLOCK_SIZE)
     if args.engine == "vllm":
-        options = VllmOptions(num_blocks=blocks, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs)
+        limits = {"max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs}
+        options = VllmOptions(num_blocks=blocks, spread_cores=args.spread_cores, **limits)
         return {"vllm": options}
     timing = TimingModel(
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k,
@@ -324,7 +325,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("engine", "engines", "max_num_seqs", "concurrency", "think_ms", "open_rate", "stream", "seeds", "policies")
+    keys = ["engine", "engines", "max_num_seqs", "concurrency", "think_ms", "open_rate", "stream", "seeds"]
+    keys += ["policies", "spread_cores"]
     sim = ("prefill_ms_per_1k", "decode_ms_per_step", "step_overhead_ms", "max_num_batched_tokens")
     return {k: getattr(args, k) for k in (*keys, *(sim if args.engine == "sim" else ()))} | {
         "cache_blocks": {c: args.cache_blocks[c] for c in args.caches},

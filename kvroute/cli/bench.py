@@ -325,7 +325,13 @@ def _real_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--open-rate", type=positive_float, default=16.0, help="open loop: arrivals per second (default 16)")
     p.add_argument("--max-num-seqs", type=positive_int, default=8, help="engines' batch limit (default 8)")
-    p.add_argument("--stream", action="store_true", help="stream the replies (default: whole replies, as vLLM's users)")
+    p.add_argument("--stream", action="store_true", help="stream the replies (default: whole replies)")
+    p.add_argument(
+        "--spread-cores",
+        action="store_true",
+        help="bind each vLLM server's compute to a core of its own, round robin over the cores (default: vLLM's "
+        "'auto', which puts every server on the first core: engines share it, and latency says little)",
+    )
     p.add_argument("--prefill-ms-per-1k", type=positive_float, default=27.0, help="sim: prefill cost (default 27)")
     p.add_argument("--decode-ms-per-step", type=positive_float, default=3.0, help="sim: decode step (default 3)")
     p.add_argument("--step-overhead-ms", type=float, default=1.0, help="sim: fixed time per step (default 1)")

@@ -92,7 +92,7 @@ class GreedyOracle:
     async def __aenter__(self) -> GreedyOracle:
         port = free_port()
         command = [sys.executable, "-m", "kvroute.devstack.oracle", "--port", str(port)]
-        command += [*self.extra_args, "--worker-urls", *self.worker_urls]
+        command += ["--worker-urls", *self.worker_urls]
         self._process, self._log = start_logged(command, "oracle")
         url = f"http://127.0.0.1:{port}"
         try:

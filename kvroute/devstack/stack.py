@@ -42,7 +42,7 @@ from kvroute.devstack.processes import (
     wait_healthy,
 )
 from kvroute.devstack.vllm import BLOCK_SIZE as VLLM_BLOCK_SIZE
-from kvroute.devstack.vllm import VllmOptions, assemble_model, vllm_command, vllm_env
+from kvroute.devstack.vllm import VllmOptions, assemble_model, engine_core, vllm_command, vllm_env
 from kvservice.metrics_page import read_metrics
 from router.routing.scoring import Policy
 from sim_engine.engine import TimingModel
@@ -274,7 +274,8 @@ class Stack:
         self._workdirs.append(workdir)
         port, events, replay = self._port(), self._port(), self._port()
         command = vllm_command(assemble_model(Path(workdir)), port, events, replay, options)
-        process, log = start_logged(command, "vllm", env=vllm_env(workdir), cwd=workdir, stdout_too=True)
+        env = vllm_env(workdir, core=engine_core(number, options))
+        process, log = start_logged(command, "vllm", env=env, cwd=workdir, stdout_too=True)
         self._logs.append(log)
         return EngineProcess(f"vLLM engine {number}", process, log, f"http://127.0.0.1:{port}", events, replay)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,11 @@ class VllmOptions:
     max_num_seqs: int | None = None  # vLLM's batch limit (None: its default, 128 on the CPU)
     max_num_batched_tokens: int | None = None  # its per-step token budget (None: 2048 on the CPU)
     extra_args: tuple[str, ...] = ()
+    # Each server's compute threads on a core of its own, round robin over the machine's cores
+    # (VLLM_CPU_OMP_THREADS_BIND). Off, vLLM's "auto" binds every server to the first core and
+    # keeps the rest for other processes: engines then share one core, and an idle one is no
+    # faster than a busy one.
+    spread_cores: bool = False
 
 
 def vllm_command(model: Path, port: int, events_port: int, replay_port: int, options: VllmOptions) -> list[str]:
@@ -100,10 +105,11 @@ def vllm_command(model: Path, port: int, events_port: int, replay_port: int, opt
     return command + list(options.extra_args)
 
 
-def vllm_env(workdir: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def vllm_env(workdir: str, base: Mapping[str, str] | None = None, core: int | None = None) -> dict[str, str]:
     """The server's environment: a small KV space (the cache is set in blocks), the dev endpoints
-    (``/reset_prefix_cache``), offline, and every cache and socket file under ``workdir``."""
-    return dict(
+    (``/reset_prefix_cache``), offline, every cache and socket file under ``workdir``, and its
+    compute bound to ``core`` (None: vLLM's own choice)."""
+    env = dict(
         base if base is not None else os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_SERVER_DEV_MODE="1",
@@ -112,8 +118,11 @@ def vllm_env(workdir: str, base: Mapping[str, str] | None = None) -> dict[str, s
         VLLM_CACHE_ROOT=f"{workdir}/cache",
         TORCHINDUCTOR_CACHE_DIR=f"{workdir}/inductor",
     )
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    return env
 
 
-def command_line(command: Sequence[str]) -> str:
-    """A command as one line for a log or an error."""
-    return " ".join(command)
+def engine_core(number: int, options: VllmOptions) -> int | None:
+    """The core server ``number`` computes on (None: vLLM's choice): round robin over the cores."""
+    return number % (os.cpu_count() or 1) if options.spread_cores else None
