@@ -31,6 +31,7 @@ Three more figures are measured rather than configured:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,10 +53,12 @@ SHRINK = 10.0  # the fleet's fit counts like this many of a worker's own observa
 # "fastest" took 1.6-1.8x the mean requests (1.08x with the fleet's rate for all;
 # docs/benchmarks.md). A slower GPU is further off.
 SAME_RATE_WITHIN = 0.25
-# ... and a worker's rate is its own only where it stands this many standard errors away from the
-# typical rate: on engines that share CPU cores (or a noisy fleet), whole replies vary by 2-4x with
-# what else runs, and a worker that looked twice as fast by chance drew every cold prompt and half
-# the traffic (issue 55, real vLLM). A slower GPU is away by many errors within a few dozen requests.
+# ... and a worker's rate is its own only where it stands this many standard errors (its fit's and
+# the fleet's together) away from the typical rate, and the fleet's own rate was fitted at all: on
+# engines that share CPU cores (or a noisy fleet), whole replies vary by 2-4x with what else runs,
+# and a worker that looked twice as fast by chance (or whose fit found a slope where the fleet's,
+# lost in the noise, kept its 10k-tokens/s prior) drew every cold prompt and half the traffic
+# (issue 55, real vLLM). A slower GPU is away by many errors within a few dozen requests.
 RATE_ERRORS = 3.0
 UTILIZATION_HALF_LIFE = 100.0  # decisions: a load change shows within a few seconds of traffic
 PRIOR_UTILIZATION = 0.5
@@ -271,15 +274,21 @@ class TtftLearner:
             self._refit_from(self._workers, self._fleet)
 
     def _refit_from(self, workers: dict[str, Sums], sums: Sums) -> None:
-        fleet = _blend(sums.fit(self._prior).params, sums.n, self._prior)
+        fitted = sums.fit(self._prior)
+        fleet = _blend(fitted.params, sums.n, self._prior)
         if sums is self._fleet:
             fleet = self._tier_loads.without_loads(self._fleet, fleet)
         # Per worker only the rate: a per-worker intercept soaks up whatever the model misses
         # (a burst that queued there) and then steers traffic away for good, since a worker that
         # gets no requests gets no observations to correct it. A slower engine shows in its rate.
         own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet) for w, own in workers.items()}
-        typical = _typical(own_rates, fleet)
-        rates = {w: _distinct_rates(rate, typical, workers[w].rate_error()) for w, rate in own_rates.items()}
+        rates: dict[str, TtftParams] = {}
+        if fitted.rate_known:
+            # Told apart by more than the two fits' errors together; with no rate fitted for the
+            # fleet (lost in the noise: its prior stands), no worker's own is told apart from it.
+            typical, fleet_error = _typical(own_rates, fleet), sums.rate_error()
+            errors = {w: math.hypot(workers[w].rate_error(), fleet_error) for w in own_rates}
+            rates = {w: _distinct_rates(rate, typical, errors[w]) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
     @property

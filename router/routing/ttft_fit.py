@@ -51,6 +51,7 @@ class Fit:
 
     params: TtftParams
     decode_per_token_s: float | None = None
+    rate_known: bool = False  # the per-token rate was fitted from the data (not the prior's, nor dropped)
 
 
 @dataclass
@@ -184,4 +185,4 @@ def fit(sums: Sums, prior: TtftParams) -> Fit:
     values = {**fixed, **coef}
     base = max(mean["y"] - sum(values[k] * mean[k] for k in TERMS), 0.0)
     params = TtftParams(base, max(values["x"], 0.0), max(values["w"], 0.0))
-    return Fit(params, max(values["z"], 0.0) if decode_known else None)
+    return Fit(params, max(values["z"], 0.0) if decode_known else None, "x" in coef)

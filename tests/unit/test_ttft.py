@@ -327,3 +327,17 @@ def test_no_learned_rate_is_ever_negative_with_attention(observations):
         learner.observe("w", tokens, seconds, attention=attention)
     params = learner.model.params("w")
     assert min(params.base_s, params.per_token_s, params.per_context_s) >= 0
+
+
+def test_without_a_rate_fitted_for_the_fleet_no_worker_is_told_apart():
+    """Whole replies whose prefill is lost in the noise (the fleet's fit keeps its prior, 4x slower
+    than the engines): one worker whose few replies happen to fit a slope would stand far from
+    that prior and draw every cold prompt (issue 55: 56 of 128 requests); it keeps the fleet's."""
+    learner = TtftLearner()
+    rng = random.Random(5)
+    for worker, slope in (("a", -2e-5), ("b", -2e-5), ("c", -2e-5), ("lucky", 2.5e-5)):
+        for _ in range(30):
+            tokens = rng.uniform(0, 1000)
+            learner.observe(worker, tokens, 0.06 + slope * tokens, whole_reply=True, completion_tokens=8)
+    learner.snapshot()
+    assert learner.model.params("lucky") == learner.model.params("a") == learner.model.fleet
