@@ -187,7 +187,7 @@ def run_figures(results: list[dict[str, Any]], load: RealWorkload, per_engine: l
 
 
 async def run_policy(stack: Stack, cell: RealCell, policy: str, load: RealWorkload, args: argparse.Namespace) -> dict:
-    await stack.reset_caches()
+    await stack.reset_caches(forget_learned=not args.keep_learned)
     before = await stack.requests_per_engine()
     started = time.perf_counter()
     # The SGLang router's health checks marked CPU engines under load down and failed requests
@@ -326,7 +326,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["engine", "engines", "max_num_seqs", "concurrency", "think_ms", "open_rate", "stream", "seeds"]
-    keys += ["policies", "spread_cores"]
+    keys += ["policies", "spread_cores", "keep_learned"]
     sim = ("prefill_ms_per_1k", "decode_ms_per_step", "step_overhead_ms", "max_num_batched_tokens")
     return {k: getattr(args, k) for k in (*keys, *(sim if args.engine == "sim" else ()))} | {
         "cache_blocks": {c: args.cache_blocks[c] for c in args.caches},

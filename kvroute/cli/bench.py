@@ -327,6 +327,12 @@ def _real_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=8, help="engines' batch limit (default 8)")
     p.add_argument("--stream", action="store_true", help="stream the replies (default: whole replies)")
     p.add_argument(
+        "--keep-learned",
+        action="store_true",
+        help="keep the cost model kvroute's routers learned from one run to the next (a deployment's new "
+        "replicas start from the shared model); default: every run's routers start from the priors",
+    )
+    p.add_argument(
         "--spread-cores",
         action="store_true",
         help="bind each vLLM server's compute to a core of its own, round robin over the cores (default: vLLM's "

@@ -368,9 +368,11 @@ class Stack:
         routers, self._routers = self._routers, []
         stop_processes(child.process for child in routers)
 
-    async def reset_caches(self) -> None:
+    async def reset_caches(self, forget_learned: bool = True) -> None:
         """Empty every engine's prefix cache, and wait until the agents have emptied the index too:
-        a tiny request per engine publishes the clear (it caches a block only when blocks are tiny)."""
+        a tiny request per engine publishes the clear (it caches a block only when blocks are tiny).
+        ``forget_learned``: the cost model the routers learned goes too (else the next run's
+        routers start from it, as a deployment's new replicas do)."""
         async with aiohttp.ClientSession() as session:
             for engine in self.running:
                 async with session.post(engine.url + "/reset_prefix_cache") as response:
@@ -386,16 +388,18 @@ class Stack:
             ),
             "the agents did not apply the cache resets",
         )
-        await self._forget_routing_state()
+        await self._forget_routing_state(forget_learned)
 
-    async def _forget_routing_state(self) -> None:
+    async def _forget_routing_state(self, forget_learned: bool) -> None:
         """The routers' "expected" prefixes of the run before (kept a few seconds) would steer the
         next run's first requests to where the previous run sent them, and the cost model they
-        learned would start the next run's routers warm: a run starts from nothing."""
+        learned would start the next run's routers warm: a run starts from nothing (unless
+        ``forget_learned`` is False: then only the expected prefixes go)."""
         keys = KeySchema(self.redis.prefix).for_model(MODEL)
+        learned = (keys.learned, keys.learned_at) if forget_learned else ()
         client = self.redis.client()
         try:
-            await client.delete(keys.expected, keys.expected_deadlines, keys.learned, keys.learned_at)
+            await client.delete(keys.expected, keys.expected_deadlines, *learned)
         finally:
             await client.aclose()
 
