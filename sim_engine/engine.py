@@ -51,6 +51,7 @@ from sim_engine.hybrid import HybridKVCacheManager, hybrid_groups
 from sim_engine.kv_cache import KVCacheManager
 from sim_engine.kv_events import EventSink
 from sim_engine.offload import CPU, DISK, LowerTiers
+from sim_engine.shared_compute import SharedCompute
 from sim_engine.types import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -97,12 +98,14 @@ class SimEngine(DecodeLegs):
         connector: KVConnector | None = None,
         disk_blocks: int = 0,
         disk_load_ms_per_1k_tokens: float = 30.0,
+        compute: SharedCompute | None = None,
     ) -> None:
         if sliding_window and (cpu_blocks or disk_blocks):
             raise ValueError("a sliding window (a hybrid KV cache) and a CPU or disk tier cannot be combined")
         if connector is not None and (sliding_window or cpu_blocks or disk_blocks):
             raise ValueError("a KV connector is simulated for one full-attention group without a CPU or disk tier")
         self.kv = self._cache_manager(num_blocks, block_size, sliding_window, timing, max_model_len)
+        self.compute = compute  # shared with other engines (sim_engine/shared_compute.py); None: its own
         self.pool = self.kv.pool
         # the lower tiers behind the GPU cache in load order (sim_engine/offload.py), their events with the pool's
         cpu, disk = (cpu_blocks, cpu_load_ms_per_1k_tokens), (disk_blocks, disk_load_ms_per_1k_tokens)
@@ -204,7 +207,8 @@ class SimEngine(DecodeLegs):
             events = self.pool.take_events()
             if events and self.publisher is not None:
                 await self.publisher.publish(events, deliver=self.faults.deliver(self.publisher.next_seq))
-            await asyncio.sleep(self.timing.step_seconds(plan.prefill_tokens, plan.decodes, plan.prefill_ms))
+            seconds = self.timing.step_seconds(plan.prefill_tokens, plan.decodes, plan.prefill_ms)
+            await (self.compute.compute(seconds) if self.compute else asyncio.sleep(seconds))
             self.complete(plan)
 
     # --- scheduling ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ from sim_engine.kv_transfer import KVConnector
 from sim_engine.lora import LoraAdapters, LoraError
 from sim_engine.metrics import EngineCollector, RequestHistograms, SglangCollector
 from sim_engine.settings import SimEngineSettings
+from sim_engine.shared_compute import SharedCompute
 from sim_engine.trtllm_events import OWNERS, TrtllmEventQueue
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -330,6 +331,13 @@ def _connector(settings: SimEngineSettings) -> KVConnector | None:
     )
 
 
+def _shared_compute(settings: SimEngineSettings) -> SharedCompute | None:
+    """The compute an engine started with --shared-compute shares (sim_engine/shared_compute.py)."""
+    if settings.shared_compute is None:
+        return None
+    return SharedCompute(settings.shared_compute, settings.shared_cores)
+
+
 def _event_sink(
     settings: SimEngineSettings, context: zmq.asyncio.Context
 ) -> KVEventPublisher | TrtllmEventQueue | None:
@@ -381,6 +389,7 @@ async def running_engine(settings: SimEngineSettings) -> AsyncIterator[RunningEn
             disk_load_ms_per_1k_tokens=settings.disk_load_ms_per_1k_tokens,
             sliding_window=settings.sliding_window,
             connector=connector,
+            compute=_shared_compute(settings),
         )
         stack.push_async_callback(engine.stop)
         engine.start()

@@ -31,6 +31,7 @@ KV_TRANSFER_ENV = "KVROUTE_SIM_KV_TRANSFER"
 KV_TRANSFER_MS_ENV = "KVROUTE_SIM_KV_TRANSFER_MS_PER_1K_TOKENS"
 KV_TRANSFER_TIMEOUT_ENV = "KVROUTE_SIM_KV_TRANSFER_TIMEOUT_S"
 KV_TRANSFER_HOST_ENV = "KVROUTE_SIM_KV_TRANSFER_HOST"
+SHARED_COMPUTE_ENV = "KVROUTE_SIM_SHARED_COMPUTE"  # --shared-compute's default
 SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
@@ -98,6 +99,10 @@ class SimEngineSettings:
     kv_transfer_ms_per_1k_tokens: float = DEFAULT_MS_PER_1K_TOKENS
     kv_transfer_timeout_s: float = DEFAULT_TIMEOUT_S
     kv_transfer_host: str | None = None
+    # Engines that share their compute (sim_engine/shared_compute.py): those started with the same
+    # directory share this many cores, as vLLM servers on one CPU do; None: a step's time alone.
+    shared_compute: Path | None = None
+    shared_cores: float = 1.0
 
     @property
     def kv_transfer_address(self) -> str:
@@ -136,6 +141,8 @@ class SimEngineSettings:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557, got {endpoint!r}")
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ValueError("--replay-endpoint needs KV events: drop --events-endpoint none")
+        if self.shared_cores <= 0:
+            raise ValueError(f"--shared-cores must be > 0, got {self.shared_cores:g}")
         if self.sliding_window < 0:
             raise ValueError(f"--sliding-window must be >= 0 (0: no sliding-window group), got {self.sliding_window}")
         self._check_tiers()
@@ -329,6 +336,21 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> No
     )
     parser.add_argument("--speedup", type=float, default=t.speedup, help="run this many times faster than real time")
     parser.add_argument(
+        "--shared-compute",
+        type=Path,
+        default=os.environ.get(SHARED_COMPUTE_ENV) or None,
+        metavar="DIR",
+        help="share compute with the engines started with the same directory: while k of them run a step, "
+        f"each gets --shared-cores / k of the compute, as vLLM servers on one CPU (default: none; env "
+        f"{SHARED_COMPUTE_ENV})",
+    )
+    parser.add_argument(
+        "--shared-cores",
+        type=float,
+        default=SimEngineSettings.shared_cores,
+        help="the cores --shared-compute's engines share (default 1: vLLM's CPU binding puts every server on one)",
+    )
+    parser.add_argument(
         "--lora-modules",
         nargs="+",
         default=[],
@@ -419,4 +441,6 @@ def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
         kv_transfer_ms_per_1k_tokens=args.kv_transfer_ms_per_1k_tokens,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         kv_transfer_host=args.kv_transfer_host,
+        shared_compute=args.shared_compute,
+        shared_cores=args.shared_cores,
     )

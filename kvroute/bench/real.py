@@ -234,7 +234,8 @@ def _options(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    return {"num_blocks": blocks, "block_size": BLOCK_SIZE, "max_model_len": max_model_len, "timing": timing}
+    sizes = {"num_blocks": blocks, "block_size": BLOCK_SIZE, "max_model_len": max_model_len}
+    return {**sizes, "timing": timing, "shared_cores": args.sim_shared_cores}
 
 
 async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -327,7 +328,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["engine", "engines", "max_num_seqs", "concurrency", "think_ms", "open_rate", "stream", "seeds"]
     keys += ["policies", "spread_cores", "keep_learned"]
-    sim = ("prefill_ms_per_1k", "decode_ms_per_step", "step_overhead_ms", "max_num_batched_tokens")
+    sim = ("prefill_ms_per_1k", "decode_ms_per_step", "step_overhead_ms", "max_num_batched_tokens", "sim_shared_cores")
     return {k: getattr(args, k) for k in (*keys, *(sim if args.engine == "sim" else ()))} | {
         "cache_blocks": {c: args.cache_blocks[c] for c in args.caches},
         "block_size": BLOCK_SIZE,

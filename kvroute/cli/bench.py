@@ -345,6 +345,14 @@ def _real_flags(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=positive_int, default=2048, help="sim: tokens per step (default 2048, vLLM's)"
     )
     p.add_argument(
+        "--sim-shared-cores",
+        type=float,
+        default=1.0,
+        help="sim: the engines share this many cores' compute, as the vLLM servers do (default 1: vLLM's CPU "
+        "binding puts every server on the first core; with --spread-cores on vLLM, the machine's cores; 0: each "
+        "engine computes alone, as on a GPU of its own)",
+    )
+    p.add_argument(
         "--compare",
         nargs=2,
         metavar=("A.json", "B.json"),

@@ -180,12 +180,17 @@ class Stack:
         disk_load_ms_per_1k_tokens: float = 30.0,
         roles: Sequence[str] = (),
         vllm: VllmOptions | None = None,
+        shared_cores: float = 0.0,
     ) -> None:
         self.redis = redis
         # real vLLM servers (kvroute.devstack.vllm) instead of simulated engines: their cache and
         # scheduler limits (num_blocks, block_size and max_model_len above do not apply)
         self._vllm = vllm
         self._workdirs: list[str] = []
+        # simulated engines sharing this many cores, as vLLM servers on one CPU (0: each its own),
+        # through a directory made when they start
+        self._shared_cores = shared_cores
+        self._shared_compute: str | None = None
         # each engine's role in a prefill/decode split (kvindex/roles.py; () or missing: both); any
         # role but both starts every engine with a KV connector (--kv-transfer)
         self._roles = tuple(roles)
@@ -207,6 +212,8 @@ class Stack:
 
     async def __aenter__(self) -> Stack:
         try:
+            if self._shared_cores > 0 and self._vllm is None:
+                self._shared_compute = self._workdir("kvroute-compute-")
             self.running = [self._start_engine(n) for n in range(self.engines)]
             within_s = VLLM_START_S if self._vllm else 60.0
             async with aiohttp.ClientSession() as session:
@@ -265,19 +272,26 @@ class Stack:
                 command += [f"--{tier}-blocks", str(blocks), f"--{tier}-load-ms-per-1k-tokens", str(load_ms)]
         if any(role != BOTH for role in self._roles):
             command += ["--kv-transfer"]
+        if self._shared_compute is not None:
+            command += ["--shared-compute", self._shared_compute, "--shared-cores", f"{self._shared_cores:g}"]
         child = self._start(f"simulated engine {number}", command)
         return EngineProcess(child.name, child.process, child.log, f"http://127.0.0.1:{port}", events, replay)
 
     def _start_vllm(self, number: int, options: VllmOptions) -> EngineProcess:
         """A real vLLM server in a directory of its own (its model, caches and socket files)."""
-        workdir = tempfile.mkdtemp(prefix="kvroute-vllm-")
-        self._workdirs.append(workdir)
+        workdir = self._workdir("kvroute-vllm-")
         port, events, replay = self._port(), self._port(), self._port()
         command = vllm_command(assemble_model(Path(workdir)), port, events, replay, options)
         env = vllm_env(workdir, core=engine_core(number, options))
         process, log = start_logged(command, "vllm", env=env, cwd=workdir, stdout_too=True)
         self._logs.append(log)
         return EngineProcess(f"vLLM engine {number}", process, log, f"http://127.0.0.1:{port}", events, replay)
+
+    def _workdir(self, prefix: str) -> str:
+        """A temporary directory of this stack's, removed when it exits."""
+        workdir = tempfile.mkdtemp(prefix=prefix)
+        self._workdirs.append(workdir)
+        return workdir
 
     def _start_agent(self, engine: EngineProcess) -> Child:
         command = agent_command(
