@@ -347,10 +347,10 @@ def _real_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sim-shared-cores",
         type=float,
-        default=1.0,
-        help="sim: the engines share this many cores' compute, as the vLLM servers do (default 1: vLLM's CPU "
-        "binding puts every server on the first core; with --spread-cores on vLLM, the machine's cores; 0: each "
-        "engine computes alone, as on a GPU of its own)",
+        default=1.5,
+        help="sim: the engines share this many cores' compute, as the vLLM servers on this machine do (default "
+        "1.5: two cores, less what the clients, routers, agents and Redis beside them take; 0: each engine "
+        "computes alone, as on a GPU of its own)",
     )
     p.add_argument(
         "--compare",
