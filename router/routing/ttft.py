@@ -284,10 +284,13 @@ class TtftLearner:
         own_rates = {w: _blend(own.fit(fleet).params, own.n, fleet) for w, own in workers.items()}
         rates: dict[str, TtftParams] = {}
         if fitted.rate_known:
-            # Told apart by more than the two fits' errors together; with no rate fitted for the
-            # fleet (lost in the noise: its prior stands), no worker's own is told apart from it.
-            typical, fleet_error = _typical(own_rates, fleet), sums.rate_error()
-            errors = {w: math.hypot(workers[w].rate_error(), fleet_error) for w in own_rates}
+            # Told apart by more than the worker's error and the typical worker's together; with
+            # no rate fitted for the fleet (lost in the noise: its prior stands), no worker's own
+            # is told apart from it. Not the fleet fit's error: workers that differ are what
+            # widens it, and it would hide the very difference it is there to confirm.
+            typical, own_errors = _typical(own_rates, fleet), {w: workers[w].rate_error() for w in own_rates}
+            typical_error = statistics.median(own_errors.values())
+            errors = {w: math.hypot(own_errors[w], typical_error) for w in own_rates}
             rates = {w: _distinct_rates(rate, typical, errors[w]) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)
 
