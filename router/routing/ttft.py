@@ -289,7 +289,7 @@ class TtftLearner:
             # is told apart from it. Not the fleet fit's error: workers that differ are what
             # widens it, and it would hide the very difference it is there to confirm.
             typical, own_errors = _typical(own_rates, fleet), {w: workers[w].rate_error() for w in own_rates}
-            typical_error = statistics.median(own_errors.values())
+            typical_error = statistics.median(own_errors.values()) if own_errors else math.inf
             errors = {w: math.hypot(own_errors[w], typical_error) for w in own_rates}
             rates = {w: _distinct_rates(rate, typical, errors[w]) for w, rate in own_rates.items()}
         self._model = self._with_averages(rates, fleet)

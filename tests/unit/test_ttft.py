@@ -341,3 +341,16 @@ def test_without_a_rate_fitted_for_the_fleet_no_worker_is_told_apart():
             learner.observe(worker, tokens, 0.06 + slope * tokens, whole_reply=True, completion_tokens=8)
     learner.snapshot()
     assert learner.model.params("lucky") == learner.model.params("a") == learner.model.fleet
+
+
+def test_a_fleet_whose_workers_were_all_forgotten_keeps_its_fleet_rate():
+    """The fleet's sums outlive its workers' (forget): a refit with no worker left gives the
+    fleet's rate to everyone and tells none apart (no worker errors to take a median of)."""
+    learner = TtftLearner()
+    for i in range(40):
+        learner.observe("gone", 200 + 100 * i, 0.01 + 1e-4 * (200 + 100 * i))
+    learner.forget("gone")
+    model = learner.model
+    assert model.rates == {}
+    assert model.params("gone").per_token_s == pytest.approx(model.fleet.per_token_s)
+    assert model.fleet.per_token_s == pytest.approx(1e-4, rel=0.2)
