@@ -26,6 +26,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """A comma-separated list of positive integers, e.g. '8,64,128'."""
     values = [positive_int(v.strip()) for v in text.split(",") if v.strip()]

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from kvindex.settings import add_redis_security_arguments, export_redis_security_arguments
-from kvroute.cli.argtypes import positive_float, positive_int, positive_ints
+from kvroute.cli.argtypes import non_negative_float, positive_float, positive_int, positive_ints
 
 PROBE_HELP = (
     "before each request, ask every engine what it holds of the prompt, and split each run's hit rate into "
@@ -346,7 +346,7 @@ def _real_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sim-shared-cores",
-        type=float,
+        type=non_negative_float,
         default=1.5,
         help="sim: the engines share this many cores' compute, as the vLLM servers on this machine do (default "
         "1.5: two cores, less what the clients, routers, agents and Redis beside them take; 0: each engine "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from collections import Counter
@@ -11,6 +12,7 @@ import pytest
 from kvroute.bench.real import RealCell, run_figures
 from kvroute.bench.real_report import compare_files, summarize, targets
 from kvroute.bench.real_workload import CONVERSATIONS, SYSTEMS, TURNS, WORKLOADS, real_workload
+from kvroute.cli.argtypes import non_negative_float
 from kvtokens.tokenizer import ModelPrompts
 from sim_engine.block_pool import CacheKeys, chain_hashes
 from sim_engine.settings import TINY_MODEL_DIR
@@ -112,3 +114,10 @@ def test_compare_marks_the_pairs_more_than_three_points_apart(tmp_path):
 
 def test_a_cells_name_says_its_axes():
     assert RealCell("chat", "roomy", "open", 2).name == "chat/roomy/open/r2"
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "x"])
+def test_a_negative_or_unreadable_shared_core_count_is_refused(value):
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 0"):
+        non_negative_float(value)
+    assert non_negative_float("0") == 0.0 and non_negative_float("1.5") == 1.5
