@@ -49,6 +49,14 @@ async def lose_data(scene: Scene, lose: Callable[[], Awaitable[None]], order: li
         for index in order:
             agents[index].send_signal(signal.SIGCONT)
             await wait_until(lambda index=index: registered(scene, index), 20)
+
+        # A router retains the last known workers from the first listing without them until one
+        # lists them again; a round shorter than its refresh would carry that retention into the
+        # next round, whose loss then outlasts --worker-retain-s on a slow machine.
+        async def routers_list_them() -> bool:
+            return all(not r.state.fleet.retained_models() for r in scene.routers)
+
+        await wait_until(routers_list_them, 20)
     finally:
         for process in agents:
             process.send_signal(signal.SIGCONT)
