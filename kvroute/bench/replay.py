@@ -64,6 +64,9 @@ ROUTER_VARIANTS = {
     "kv_no_tiers": (Policy.KV, ("--tier-cost", "ignore")),
     "kv_tier_weights": (Policy.KV, ("--tier-cost", "weights")),
     "kv_tier_learned": (Policy.KV, ("--tier-cost", "learned")),  # the load costs learned from TTFTs
+    # the prefill queued ahead not priced (only the delay a prompt adds behind it): how much of kv's
+    # hit rate its load trade gives up, and what the trade buys in TTFT (docs/benchmarks.md)
+    "kv_no_queue": (Policy.KV, ("--weight-queued", "0")),
     # prefill/decode fleets (router.routing.pd): the same engines served whole, and the baselines
     # that split every request, each leg by their own rule
     "kv_aggregated": (Policy.KV, ("--pd-split", "off")),
