@@ -16,6 +16,7 @@ from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import LogSettings, configure_logging
 from kvservice.options import Parser, fail_settings
 from router.app import count_request, create_routes, edge_settings, new_admission
+from router.http.aiohttp_server import AiohttpServer
 from router.http.server import HttpServer, ServerRules
 from router.observe.metrics import StateCollector, new_metrics
 from router.prompts.tokenization import Tokenization
@@ -23,7 +24,7 @@ from router.routing.allow import WorkerAllowList
 from router.routing.decide import Decider
 from router.routing.fleet import Fleet
 from router.routing.model_sync import ModelSync
-from router.settings import RouterSettings, add_arguments, settings_from_args
+from router.settings import HttpServerKind, RouterSettings, add_arguments, settings_from_args
 from router.shared.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.shared.shared_load import SharedLoad
 from router.state import RouterState
@@ -122,7 +123,8 @@ async def _serve_http(stack: AsyncExitStack, state: RouterState) -> int:
     """The HTTP API on its port (:mod:`router.http.server`: every endpoint); the port bound."""
     settings = state.settings
     rules = ServerRules(edge_settings(state), settings.header_timeout_s)
-    server = HttpServer(rules, create_routes(state), new_admission(state), count_request(state))
+    kind = AiohttpServer if settings.http_server is HttpServerKind.AIOHTTP else HttpServer
+    server = kind(rules, create_routes(state), new_admission(state), count_request(state))
     with listening("the router's HTTP API", f"{settings.host}:{settings.port}", "--port (or --host)"):
         port = await server.start(settings.host, settings.port, settings.reuse_port)
     stack.push_async_callback(server.shutdown)

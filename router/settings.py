@@ -8,6 +8,7 @@ import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from kvindex.settings import RedisSettings, add_redis_arguments, read_secret_lines, redis_security_overrides
@@ -33,6 +34,13 @@ ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "upstream_connections": ("KVROUTE_UPSTREAM_CONNECTIONS", int),
     "upstream_connections_per_worker": ("KVROUTE_UPSTREAM_CONNECTIONS_PER_WORKER", int),
 }
+
+
+class HttpServerKind(StrEnum):
+    """Which HTTP server serves the API (issue 56 measures the two side by side)."""
+
+    BUILTIN = "builtin"  # router.http.server: llhttp fed straight from the socket
+    AIOHTTP = "aiohttp"  # router.http.aiohttp_server: aiohttp's low-level server
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class RouterSettings:
     workers: int = 1  # router processes on this port (router.workers), each its own replica
     reuse_port: bool = False  # SO_REUSEPORT: set for each of --workers' processes
     lean_front: bool = True  # kept for compatibility: one HTTP server serves every endpoint (router.http)
+    http_server: HttpServerKind = HttpServerKind.BUILTIN  # the server of every endpoint
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -280,6 +289,14 @@ def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings)
         "(env KVROUTE_LEAN_FRONT)",
     )
     group.add_argument(
+        "--http-server",
+        type=HttpServerKind,
+        choices=list(HttpServerKind),
+        default=None,
+        help="the HTTP server of every endpoint: builtin (llhttp on the socket) or aiohttp (aiohttp's "
+        f"low-level server; same routes and edge rules) (env KVROUTE_HTTP_SERVER; default {d.http_server.value})",
+    )
+    group.add_argument(
         "--worker-allow",
         action="append",
         default=[],
@@ -307,6 +324,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
     extra.update(_flag_or_env(args, env))
     extra.update(_switches(args, env))
+    extra.update(flag_or_env(args, env, [("http_server", "KVROUTE_HTTP_SERVER", choice(HttpServerKind))]))
     allow = [*args.worker_allow, *(h.strip() for h in env.get("KVROUTE_WORKER_ALLOW", "").split(",") if h.strip())]
     if allow:
         extra["worker_allow"] = tuple(allow)

@@ -9,7 +9,9 @@ process, in the same run:
   as chats (``chat``) and as completions of their transcript (``turns``);
 * the most requests/s one router process, and one ``--workers 2`` router, completes for short
   non-streaming requests;
-* the router process's CPU per request (``cpu_us``: from /proc, robust to a shared machine).
+* the router process's CPU per request (``cpu_us``: from /proc, robust to a shared machine);
+* the same router on aiohttp's low-level server (``kvroute_aiohttp``: ``--http-server aiohttp``),
+  8k ids and 2k text and the most requests/s, beside the built-in server.
 A bare aiohttp pass-through (:mod:`kvroute.devstack.passthrough`) is measured the same way: the floor of a
 Python hop. Optionally the SGLang router (``--sglang``, its cache_aware policy) is measured the same way.
 """
@@ -185,6 +187,9 @@ LATENCY_KINDS = ("ids8k", "text2k", "chat", "turns")
 SGLANG_KINDS = ("text2k", "chat", "turns")  # its router takes no token ids
 
 
+AIOHTTP_KINDS = ("ids8k", "text2k")
+
+
 def _asked_for(kinds: tuple[str, ...], args: argparse.Namespace) -> bool:
     """Whether ``--kinds`` asks for anything of a process measured on ``kinds`` (every process
     has a requests/s run)."""
@@ -241,10 +246,13 @@ async def _max_rps(
     results[f"{name}:max_rps_{'text' if text else 'ids'}"] = round(done / took, 1)
 
 
-def _start_router(redis_url: str, workers: int = 1) -> tuple[subprocess.Popen[bytes], str, str]:
+def _start_router(
+    redis_url: str, workers: int = 1, http_server: str = "builtin"
+) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     command = [sys.executable, "-m", "router", "--redis-url", redis_url, "--port", str(port)]
     command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING", "--workers", str(workers)]
+    command += ["--http-server", http_server]
     return *start_logged(command, "bench-router"), f"http://127.0.0.1:{port}"
 
 
@@ -279,6 +287,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 for name, start, ready, kinds in (
                     ("kvroute", partial(_start_router, server.url), "/ready", LATENCY_KINDS),
                     ("kvroute_workers2", partial(_start_router, server.url, 2), "/ready", ()),
+                    # the same router on aiohttp's low-level server (issue 56: the design card's aiohttp)
+                    ("kvroute_aiohttp", partial(_start_router, server.url, 1, "aiohttp"), "/ready", AIOHTTP_KINDS),
                     ("passthrough", partial(_start_passthrough, upstream_ports[0]), "/health", ("ids8k", "text2k")),
                 ):
                     if not _asked_for(kinds, args):

@@ -1,6 +1,7 @@
-"""router.http.server alone, over real HTTP, with routes of the test's own: a bug in a handler is an
-OpenAI-shaped 500 naming the request id, logged once with its traceback, and counted under its
-route; the route table's 404 and 405; an ``Expect: 100-continue`` answered before the body."""
+"""router.http.server (and router.http.aiohttp_server, where marked) alone, over real HTTP, with
+routes of the test's own: a bug in a handler is an OpenAI-shaped 500 naming the request id, logged
+once with its traceback, and counted under its route; the route table's 404 and 405; an ``Expect:
+100-continue`` answered before the body."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
+from router.http.aiohttp_server import AiohttpServer
 from router.http.edges import UNMATCHED, Admission, EdgeSettings
 from router.http.routes import Routes
 from router.http.server import HttpServer, ServerRules
 from router.http.wire import HttpRequest, Reply
 
+SERVERS = pytest.mark.parametrize("kind", [HttpServer, AiohttpServer], ids=["builtin", "aiohttp"])
+
 
 @asynccontextmanager
-async def serving(routes: Routes, counted: list[tuple[str, int]]) -> AsyncIterator[str]:
+async def serving(
+    routes: Routes, counted: list[tuple[str, int]], kind: type[HttpServer | AiohttpServer] = HttpServer
+) -> AsyncIterator[str]:
     rules = ServerRules(EdgeSettings(frozenset(), 1 << 20), header_timeout_s=5.0)
-    server = HttpServer(rules, routes, Admission(16), lambda route, status: counted.append((route, status)))
+    server = kind(rules, routes, Admission(16), lambda route, status: counted.append((route, status)))
     port = await server.start("127.0.0.1", 0, reuse_port=False)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -29,7 +35,10 @@ async def serving(routes: Routes, counted: list[tuple[str, int]]) -> AsyncIterat
         await server.shutdown(timeout_s=5)
 
 
-async def test_an_unexpected_error_is_an_openai_500_with_the_request_id(caplog: pytest.LogCaptureFixture) -> None:
+@SERVERS
+async def test_an_unexpected_error_is_an_openai_500_with_the_request_id(
+    caplog: pytest.LogCaptureFixture, kind: type[HttpServer | AiohttpServer]
+) -> None:
     async def broken(_: HttpRequest, reply: Reply) -> None:
         raise KeyError("a bug")
 
@@ -37,7 +46,7 @@ async def test_an_unexpected_error_is_an_openai_500_with_the_request_id(caplog: 
     routes.get("/items", broken)
     counted: list[tuple[str, int]] = []
     caplog.set_level(logging.INFO)
-    async with serving(routes, counted) as url, aiohttp.ClientSession() as session:
+    async with serving(routes, counted, kind) as url, aiohttp.ClientSession() as session:
         async with session.get(url + "/items", headers={"X-Request-Id": "req-42"}) as response:
             reply = await response.json()
         assert response.status == 500
@@ -52,7 +61,8 @@ async def test_an_unexpected_error_is_an_openai_500_with_the_request_id(caplog: 
     assert counted == [("/items", 500)]
 
 
-async def test_the_route_table_answers_404_and_405_in_openai_shape() -> None:
+@SERVERS
+async def test_the_route_table_answers_404_and_405_in_openai_shape(kind: type[HttpServer | AiohttpServer]) -> None:
     async def hello(request: HttpRequest, reply: Reply) -> None:
         await reply.send_json({"query": request.query})
 
@@ -61,7 +71,7 @@ async def test_the_route_table_answers_404_and_405_in_openai_shape() -> None:
     with pytest.raises(ValueError, match="has a handler already"):
         routes.get("/hello", hello)
     counted: list[tuple[str, int]] = []
-    async with serving(routes, counted) as url, aiohttp.ClientSession() as session:
+    async with serving(routes, counted, kind) as url, aiohttp.ClientSession() as session:
         async with session.get(url + "/hello?a=1") as response:
             assert response.status == 200 and await response.json() == {"query": "a=1"}
         async with session.post(url + "/hello", data=b"x") as response:

@@ -6,7 +6,7 @@ import pytest
 
 from router.main import build_parser
 from router.routing.pd import PdCosts, SplitMode, WholeOn
-from router.settings import RouterSettings, settings_from_args
+from router.settings import HttpServerKind, RouterSettings, settings_from_args
 from router.workers import worker_settings
 
 
@@ -44,6 +44,17 @@ def test_the_prefill_decode_settings_come_from_flags_else_variables():
     assert _settings(["--pd-whole-on", "any", "--pd-decode-weight", "0"], env).pd == PdCosts(decode_weight=0.0)
 
 
+def test_the_http_server_comes_from_the_flag_else_the_variable():
+    assert _settings([]).http_server is HttpServerKind.BUILTIN
+    assert _settings([], {"KVROUTE_HTTP_SERVER": "AIOHTTP"}).http_server is HttpServerKind.AIOHTTP
+    assert (
+        _settings(["--http-server", "builtin"], {"KVROUTE_HTTP_SERVER": "aiohttp"}).http_server
+        is HttpServerKind.BUILTIN
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--http-server", "uvicorn"])
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -55,6 +66,7 @@ def test_the_prefill_decode_settings_come_from_flags_else_variables():
         ([], {"KVROUTE_MAX_BODY_BYTES": "100"}, "--max-body-bytes must be at least 1024"),
         (["--workers", "0"], {}, "--workers must be at least 1"),
         (["--workers", "2", "--port", "0"], {}, "--workers above 1 needs a fixed --port"),
+        ([], {"KVROUTE_HTTP_SERVER": "fast"}, "KVROUTE_HTTP_SERVER must be one of builtin, aiohttp, got 'fast'"),
         ([], {"KVROUTE_PD_SPLIT": "sometimes"}, "KVROUTE_PD_SPLIT must be one of auto, always, never, off"),
         (["--pd-transfer-ms", "-1"], {}, "--pd-transfer-ms and --pd-hop-ms must be >= 0"),
         ([], {"KVROUTE_PD_HOP_MS": "x"}, "KVROUTE_PD_HOP_MS must be a number, got 'x'"),
