@@ -226,7 +226,7 @@ async def _measure(
         }
     if "max_rps" in args.kinds:
         for text in (False, True) if "ids8k" in kinds else (True,):
-            await _max_rps(session, name, url, args, results, text)
+            await _max_rps(session, name, url, args, results, text, pids)
 
 
 def _latency_bodies(kind: str, count: int) -> tuple[list[bytes], list[bytes]]:
@@ -239,11 +239,22 @@ def _latency_bodies(kind: str, count: int) -> tuple[list[bytes], list[bytes]]:
 
 
 async def _max_rps(
-    session: aiohttp.ClientSession, name: str, url: str, args: argparse.Namespace, results: dict[str, Any], text: bool
+    session: aiohttp.ClientSession,
+    name: str,
+    url: str,
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    text: bool,
+    pids: list[int] | None = None,
 ) -> None:
     urls = [url + "/v1/completions"]
+    cpu = _cpu_s(pids or [])
     done, took = await closed_loop(session, urls, args.seconds, args.concurrency, partial(_short_request, text))
-    results[f"{name}:max_rps_{'text' if text else 'ids'}"] = round(done / took, 1)
+    cpu = _cpu_s(pids or []) - cpu
+    kind = "text" if text else "ids"
+    results[f"{name}:max_rps_{kind}"] = round(done / took, 1)
+    if pids and done:
+        results[f"{name}:max_rps_{kind}_cpu_us"] = round(1e6 * cpu / done)  # the router's CPU per short request
 
 
 def _start_router(
