@@ -169,6 +169,11 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except ValueError as exc:
         fail_settings(parser, exc, args)
     configure_logging(logging_settings)
+    if args.lean_front is not None or os.environ.get("KVROUTE_LEAN_FRONT"):
+        log.warning(
+            "--lean-front/--no-lean-front (KVROUTE_LEAN_FRONT) is deprecated and has no effect: one HTTP server "
+            "serves every endpoint (--http-server chooses which); drop it from the command line"
+        )
     # Prompts are tokenized a piece at a time (router.prompts.token_memo): a thread pool per call only
     # spun idle threads (sched_yield) between them, on cores that --workers' processes share.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -285,7 +285,7 @@ def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings)
         "--lean-front",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="accepted for compatibility and ignored: the router serves every endpoint on one HTTP server "
+        help="deprecated, ignored with a warning: the router serves every endpoint on one HTTP server "
         "(env KVROUTE_LEAN_FRONT)",
     )
     group.add_argument(

@@ -5,16 +5,20 @@ prompt; the edge rules' errors in OpenAI's shape; pipelined requests answered in
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
+from kvroute.devstack.embedded_redis import free_port
 from router.main import RunningRouter
 from router.settings import HttpServerKind
 from tests.e2e.router.test_http_server import _port, completion, exchange
-from tests.support import SimFleet, wait_for_workers
+from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
 from tests.support.router import start_router, wait_indexed
 
 PROMPT = [(i * 13) % 1700 + 20 for i in range(96)]  # 6 blocks of 16
@@ -101,3 +105,30 @@ async def test_pipelined_requests_are_answered_in_order(aiohttp_router):
     assert [status for status, _, _ in replies] == [200, 200, 404, 200]
     assert [replies[i][1]["X-Request-Id"] for i in (0, 3)] == ["p-1", "p-2"]
     assert json.loads(replies[3][2])["usage"]["completion_tokens"] == 1
+
+
+async def test_the_command_line_picks_the_server_and_warns_of_the_deprecated_lean_front(redis_server, tmp_path):
+    port = free_port()
+    command = [sys.executable, "-m", "router", "--redis-url", redis_server.url, "--port", str(port)]
+    command += ["--http-server", "aiohttp", "--no-lean-front", "--log-level", "WARNING"]
+    with (tmp_path / "router.log").open("wb") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stderr=log)  # noqa: ASYNC220 - starting it does not block
+    try:
+        async with aiohttp.ClientSession() as session:
+            served_by: list[str] = []
+
+            async def healthy() -> bool:
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                        served_by.append(response.headers.get("Server", ""))
+                        return response.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await wait_until(healthy, 30)
+        assert "aiohttp" in served_by[-1]
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 30)
+    warnings = [line for line in (tmp_path / "router.log").read_text().splitlines() if "lean-front" in line]
+    assert len(warnings) == 1 and "deprecated and has no effect" in warnings[0], warnings
