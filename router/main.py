@@ -24,10 +24,11 @@ from router.routing.allow import WorkerAllowList
 from router.routing.decide import Decider
 from router.routing.fleet import Fleet
 from router.routing.model_sync import ModelSync
-from router.settings import HttpServerKind, RouterSettings, add_arguments, settings_from_args
+from router.settings import HttpServerKind, RouterSettings, UpstreamClientKind, add_arguments, settings_from_args
 from router.shared.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.shared.shared_load import SharedLoad
 from router.state import RouterState
+from router.upstream.aiohttp_pool import AiohttpPool
 from router.upstream.pool import UpstreamPool
 from router.workers import run_workers
 
@@ -76,7 +77,8 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         )
         load.start(fleet.models_with_workers)
         stack.push_async_callback(lambda: load.stop(fleet.models_with_workers()))
-        upstream = UpstreamPool.from_settings(settings)
+        pool_kind = AiohttpPool if settings.upstream_client is UpstreamClientKind.AIOHTTP else UpstreamPool
+        upstream = pool_kind.from_settings(settings)
         stack.push_async_callback(upstream.close)
         decider = Decider(
             index,

@@ -43,6 +43,13 @@ class HttpServerKind(StrEnum):
     AIOHTTP = "aiohttp"  # router.http.aiohttp_server: aiohttp's low-level server
 
 
+class UpstreamClientKind(StrEnum):
+    """Which HTTP client talks to the workers (issue 56 measures the two side by side)."""
+
+    BUILTIN = "builtin"  # router.upstream.pool: llhttp on pooled keep-alive connections
+    AIOHTTP = "aiohttp"  # router.upstream.aiohttp_pool: aiohttp's client
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     redis: RedisSettings = field(default_factory=RedisSettings)
@@ -78,6 +85,7 @@ class RouterSettings:
     reuse_port: bool = False  # SO_REUSEPORT: set for each of --workers' processes
     lean_front: bool = True  # kept for compatibility: one HTTP server serves every endpoint (router.http)
     http_server: HttpServerKind = HttpServerKind.BUILTIN  # the server of every endpoint
+    upstream_client: UpstreamClientKind = UpstreamClientKind.BUILTIN  # the client to the workers
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -297,6 +305,14 @@ def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings)
         f"low-level server; same routes and edge rules) (env KVROUTE_HTTP_SERVER; default {d.http_server.value})",
     )
     group.add_argument(
+        "--upstream-client",
+        type=UpstreamClientKind,
+        choices=list(UpstreamClientKind),
+        default=None,
+        help="the HTTP client to the workers: builtin (llhttp on pooled connections) or aiohttp (aiohttp's "
+        f"client; same limits and timeouts) (env KVROUTE_UPSTREAM_CLIENT; default {d.upstream_client.value})",
+    )
+    group.add_argument(
         "--worker-allow",
         action="append",
         default=[],
@@ -324,7 +340,16 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
     extra.update(_flag_or_env(args, env))
     extra.update(_switches(args, env))
-    extra.update(flag_or_env(args, env, [("http_server", "KVROUTE_HTTP_SERVER", choice(HttpServerKind))]))
+    extra.update(
+        flag_or_env(
+            args,
+            env,
+            [
+                ("http_server", "KVROUTE_HTTP_SERVER", choice(HttpServerKind)),
+                ("upstream_client", "KVROUTE_UPSTREAM_CLIENT", choice(UpstreamClientKind)),
+            ],
+        )
+    )
     allow = [*args.worker_allow, *(h.strip() for h in env.get("KVROUTE_WORKER_ALLOW", "").split(",") if h.strip())]
     if allow:
         extra["worker_allow"] = tuple(allow)

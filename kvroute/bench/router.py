@@ -11,7 +11,8 @@ process, in the same run:
   non-streaming requests;
 * the router process's CPU per request (``cpu_us``: from /proc, robust to a shared machine);
 * the same router on aiohttp's low-level server (``kvroute_aiohttp``: ``--http-server aiohttp``),
-  8k ids and 2k text and the most requests/s, beside the built-in server.
+  8k ids and 2k text and the most requests/s, beside the built-in server; and on aiohttp's client
+  to the workers (``kvroute_aiohttp_client``: ``--upstream-client aiohttp``).
 A bare aiohttp pass-through (:mod:`kvroute.devstack.passthrough`) is measured the same way: the floor of a
 Python hop. Optionally the SGLang router (``--sglang``, its cache_aware policy) is measured the same way.
 """
@@ -258,12 +259,12 @@ async def _max_rps(
 
 
 def _start_router(
-    redis_url: str, workers: int = 1, http_server: str = "builtin"
+    redis_url: str, workers: int = 1, http_server: str = "builtin", upstream_client: str = "builtin"
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     command = [sys.executable, "-m", "router", "--redis-url", redis_url, "--port", str(port)]
     command += ["--tokenizer", f"{MODEL}={TINY_MODEL_DIR}", "--log-level", "WARNING", "--workers", str(workers)]
-    command += ["--http-server", http_server]
+    command += ["--http-server", http_server, "--upstream-client", upstream_client]
     return *start_logged(command, "bench-router"), f"http://127.0.0.1:{port}"
 
 
@@ -300,6 +301,13 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     ("kvroute_workers2", partial(_start_router, server.url, 2), "/ready", ()),
                     # the same router on aiohttp's low-level server (issue 56: the design card's aiohttp)
                     ("kvroute_aiohttp", partial(_start_router, server.url, 1, "aiohttp"), "/ready", AIOHTTP_KINDS),
+                    # ... and on aiohttp's client to the workers (the built-in server in front)
+                    (
+                        "kvroute_aiohttp_client",
+                        partial(_start_router, server.url, 1, "builtin", "aiohttp"),
+                        "/ready",
+                        AIOHTTP_KINDS,
+                    ),
                     ("passthrough", partial(_start_passthrough, upstream_ports[0]), "/health", ("ids8k", "text2k")),
                 ):
                     if not _asked_for(kinds, args):

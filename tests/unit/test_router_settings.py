@@ -6,7 +6,7 @@ import pytest
 
 from router.main import build_parser
 from router.routing.pd import PdCosts, SplitMode, WholeOn
-from router.settings import HttpServerKind, RouterSettings, settings_from_args
+from router.settings import HttpServerKind, RouterSettings, UpstreamClientKind, settings_from_args
 from router.workers import worker_settings
 
 
@@ -55,6 +55,13 @@ def test_the_http_server_comes_from_the_flag_else_the_variable():
         build_parser().parse_args(["--http-server", "uvicorn"])
 
 
+def test_the_upstream_client_comes_from_the_flag_else_the_variable():
+    assert _settings([]).upstream_client is UpstreamClientKind.BUILTIN
+    assert _settings([], {"KVROUTE_UPSTREAM_CLIENT": "aiohttp"}).upstream_client is UpstreamClientKind.AIOHTTP
+    flagged = _settings(["--upstream-client", "builtin"], {"KVROUTE_UPSTREAM_CLIENT": "aiohttp"})
+    assert flagged.upstream_client is UpstreamClientKind.BUILTIN
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -66,6 +73,11 @@ def test_the_http_server_comes_from_the_flag_else_the_variable():
         ([], {"KVROUTE_MAX_BODY_BYTES": "100"}, "--max-body-bytes must be at least 1024"),
         (["--workers", "0"], {}, "--workers must be at least 1"),
         (["--workers", "2", "--port", "0"], {}, "--workers above 1 needs a fixed --port"),
+        (
+            [],
+            {"KVROUTE_UPSTREAM_CLIENT": "curl"},
+            "KVROUTE_UPSTREAM_CLIENT must be one of builtin, aiohttp, got 'curl'",
+        ),
         ([], {"KVROUTE_HTTP_SERVER": "fast"}, "KVROUTE_HTTP_SERVER must be one of builtin, aiohttp, got 'fast'"),
         ([], {"KVROUTE_PD_SPLIT": "sometimes"}, "KVROUTE_PD_SPLIT must be one of auto, always, never, off"),
         (["--pd-transfer-ms", "-1"], {}, "--pd-transfer-ms and --pd-hop-ms must be >= 0"),

@@ -1,7 +1,9 @@
 """The router on aiohttp's low-level server (``--http-server aiohttp``, router.http.aiohttp_server):
 the same routes, decisions and edge rules as the built-in server, over real HTTP to simulated
 engines with agent processes: completions whole and streamed, routed to the worker that holds the
-prompt; the edge rules' errors in OpenAI's shape; pipelined requests answered in order."""
+prompt; the edge rules' errors in OpenAI's shape; pipelined requests answered in order. And on
+aiohttp's client to the workers (``--upstream-client aiohttp``): a stream relayed as it comes,
+and a stream the client gives up closing its connection to the engine."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 
 from kvroute.devstack.embedded_redis import free_port
 from router.main import RunningRouter
-from router.settings import HttpServerKind
+from router.settings import HttpServerKind, UpstreamClientKind
 from tests.e2e.router.test_http_server import _port, completion, exchange
 from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
 from tests.support.router import start_router, wait_indexed
@@ -132,3 +134,28 @@ async def test_the_command_line_picks_the_server_and_warns_of_the_deprecated_lea
         await asyncio.to_thread(process.wait, 30)
     warnings = [line for line in (tmp_path / "router.log").read_text().splitlines() if "lean-front" in line]
     assert len(warnings) == 1 and "deprecated and has no effect" in warnings[0], warnings
+
+
+async def test_aiohttp_s_client_relays_streams_and_a_given_up_stream_aborts_the_engine_s_request(fleet, redis_server):
+    context, router = await start_router(redis_server.url, upstream_client=UpstreamClientKind.AIOHTTP)
+    try:
+        await wait_for_workers(router, fleet.count)
+        url = router.url + "/v1/completions"
+        body = {"model": "tiny", "prompt": [*PROMPT, 13], "max_tokens": 8, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=body) as response:
+                assert response.status == 200
+                events = [line for line in (await response.text()).splitlines() if line.startswith("data: ")]
+            assert len(events) > 2 and events[-1] == "data: [DONE]"
+            response = await session.post(url, json={**body, "max_tokens": 200})
+            worker = response.headers["x-kvroute-worker"]
+            await response.content.readline()  # the first event came: the engine is decoding
+            response.close()  # the client goes away mid-stream
+        engine = fleet.engine_of(worker).engine
+
+        async def aborted() -> bool:  # the router closed its connection: the engine dropped the request
+            return not engine.running and not engine.waiting
+
+        await wait_until(aborted, 5)
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """What the proxy passes and keeps (issue 14): RFC 9110 hop-by-hop headers (those Connection
 names too) stay on their hop both ways, X-Request-Id is checked and sent once, Content-Encoding
 goes with its body, redirects are not followed, client errors name no address, a 5xx does not
-evict a worker while a refused connection does, and --worker-allow keeps foreign URLs out."""
+evict a worker while a refused connection does, and --worker-allow keeps foreign URLs out. The
+proxy's rules are tested with both upstream clients (--upstream-client builtin and aiohttp)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import logging
 import re
 
 import aiohttp
+import pytest
 
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
 from router.routing.scoring import Policy
+from router.settings import UpstreamClientKind
 from tests.support import wait_until
 from tests.support.fake_worker import (
     BODY,
@@ -26,6 +29,8 @@ from tests.support.fake_worker import (
     workers_and_router,
 )
 
+CLIENTS = pytest.mark.parametrize("client", list(UpstreamClientKind), ids=[k.value for k in UpstreamClientKind])
+
 
 def _raw_completion(headers: str) -> bytes:
     body = b'{"model": "fake", "prompt": [1, 2, 3], "max_tokens": 1}'
@@ -33,9 +38,10 @@ def _raw_completion(headers: str) -> bytes:
     return head.encode() + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
 
 
-async def test_hop_by_hop_headers_stay_on_their_hop_and_the_request_id_goes_once(redis_server, index):
+@CLIENTS
+async def test_hop_by_hop_headers_stay_on_their_hop_and_the_request_id_goes_once(redis_server, index, client):
     worker = FakeWorker("w1")
-    async with workers_and_router(redis_server, index, [worker]) as router:
+    async with workers_and_router(redis_server, index, [worker], upstream_client=client) as router:
         port = int(router.url.rsplit(":", 1)[1])
         sent = (
             "Connection: close, X-Client-Hop\r\nX-Client-Hop: 1\r\nKeep-Alive: 5\r\nX-Request-Id: req-1.a\r\nX-Kept: y"
@@ -45,15 +51,17 @@ async def test_hop_by_hop_headers_stay_on_their_hop_and_the_request_id_goes_once
         seen = worker.received[-1]
         assert "X-Client-Hop" not in seen and "Keep-Alive" not in seen and seen["X-Kept"] == "y"
         assert seen.getall("X-Request-Id") == ["req-1.a"]
+        assert "Accept-Encoding" not in seen  # no client's header added: a worker must not compress unasked
         # The worker's reply named X-Worker-Secret in its Connection header: not relayed.
         assert "X-Worker-Secret" not in headers and headers.getall("X-Request-Id") == ["req-1.a"]
         async with aiohttp.ClientSession() as session, session.post(worker.url + "/v1/completions") as direct:
             assert direct.headers["X-Worker-Secret"] == "internal"  # the worker does send it
 
 
-async def test_a_malformed_request_id_is_replaced_by_a_fresh_one(redis_server, index):
+@CLIENTS
+async def test_a_malformed_request_id_is_replaced_by_a_fresh_one(redis_server, index, client):
     worker = FakeWorker("w1")
-    async with workers_and_router(redis_server, index, [worker]) as router:
+    async with workers_and_router(redis_server, index, [worker], upstream_client=client) as router:
         for bad in ("x" * 129, "two words", "a\u00e9b"):
             status, headers, _ = await post(router.url + "/v1/completions", BODY, {"X-Request-Id": bad})
             given = headers["X-Request-Id"]
@@ -61,18 +69,22 @@ async def test_a_malformed_request_id_is_replaced_by_a_fresh_one(redis_server, i
             assert worker.received[-1].getall("X-Request-Id") == [given]
 
 
-async def test_a_compressed_reply_keeps_its_content_encoding(redis_server, index):
-    async with workers_and_router(redis_server, index, [FakeWorker("w1", mode="gzip")]) as router:
+@CLIENTS
+async def test_a_compressed_reply_keeps_its_content_encoding(redis_server, index, client):
+    async with workers_and_router(
+        redis_server, index, [FakeWorker("w1", mode="gzip")], upstream_client=client
+    ) as router:
         status, headers, body = await post(router.url + "/v1/completions", BODY)  # aiohttp decompresses
         assert status == 200 and headers["Content-Encoding"] == "gzip" and body == REPLY
 
 
-async def test_a_redirect_is_not_followed_and_errors_name_no_address(redis_server, index):
+@CLIENTS
+async def test_a_redirect_is_not_followed_and_errors_name_no_address(redis_server, index, client):
     target = FakeWorker("elsewhere")  # started, never registered: the redirect's target
     await target.start_unregistered()
     try:
         worker = FakeWorker("w1", mode="redirect", location=target.url + "/v1/completions")
-        async with workers_and_router(redis_server, index, [worker]) as router:
+        async with workers_and_router(redis_server, index, [worker], upstream_client=client) as router:
             status, headers, body = await post(router.url + "/v1/completions", BODY)
             assert status == 502 and "Location" not in headers and target.received == []
             assert "redirect" in body["error"]["message"] and "127.0.0.1" not in body["error"]["message"]
@@ -92,9 +104,14 @@ async def test_a_redirect_is_not_followed_and_errors_name_no_address(redis_serve
         await target.stop()
 
 
-async def test_a_5xx_does_not_evict_its_worker(redis_server, index):
+@CLIENTS
+async def test_a_5xx_does_not_evict_its_worker(redis_server, index, client):
     failing, healthy = FakeWorker("w0", mode="error"), FakeWorker("w1")
-    settings = {"policy": Policy.ROUND_ROBIN, "workers_refresh_s": 3600.0}  # no refresh re-adds a worker
+    settings = {
+        "policy": Policy.ROUND_ROBIN,
+        "workers_refresh_s": 3600.0,
+        "upstream_client": client,
+    }  # no refresh re-adds a worker
     async with workers_and_router(redis_server, index, [failing, healthy], **settings) as router:
         await router.state.fleet.refresh()
         for _ in range(4):  # round robin: w0 is tried first twice, and the request retried on w1
