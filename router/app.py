@@ -12,7 +12,7 @@ from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.completions import decide, decoded, proxy_completion
+from router.completions import decoded, proxy_completion, route_request
 from router.http.edges import Admission, ApiError, EdgeSettings
 from router.http.routes import Routes
 from router.http.wire import HttpRequest, Reply
@@ -102,7 +102,7 @@ def create_routes(state: RouterState) -> Routes:
 
     async def explain(request: HttpRequest, reply: Reply) -> None:
         body = await decoded(state, request.body)
-        decision = await decide(state, body, chat="messages" in body, dry_run=True)
+        decision = await route_request(state, body, chat="messages" in body, dry_run=True)
         await reply.send_json(_explain(decision))
 
     async def learned(request: HttpRequest, reply: Reply) -> None:

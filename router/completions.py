@@ -16,7 +16,7 @@ from kvtokens.sampling import SamplingError, check_context_length, check_samplin
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
 from router.outcomes import account, log_fields, on_failure, record_usage, reported_cached
-from router.prompts.body import TOO_DEEP, BodyError, decode_body
+from router.prompts.body import TOO_DEEP, BodyError, parse_body
 from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
 from router.routing.booking import Booking
 from router.routing.decide import Decision, NoWorkers
@@ -34,7 +34,7 @@ _rng = random.Random()  # the decode worker among equals
 async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
     """The request's JSON body, checked as far as every endpoint needs."""
     try:
-        body = await decode_body(raw, state.settings.max_prompt_tokens, state.id_memo)
+        body = await parse_body(raw, state.settings.max_prompt_tokens, state.id_memo)
     except BodyError as exc:
         raise ApiError(exc.status, str(exc)) from None
     model = body.get("model")
@@ -47,7 +47,7 @@ async def decoded(state: RouterState, raw: bytes) -> dict[str, Any]:
     return body
 
 
-async def decide(state: RouterState, body: dict[str, Any], chat: bool, dry_run: bool = False) -> Decision:
+async def route_request(state: RouterState, body: dict[str, Any], chat: bool, dry_run: bool = False) -> Decision:
     """The decision for a request; ``dry_run`` (/debug/route) changes no routing state and no metric."""
     served = state.fleet.served(body["model"])
     if served is None:
@@ -115,7 +115,7 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
     mistakes and for what the router cannot do (no worker, every try failed). On a prefill/decode
     fleet the request may be split over two workers (:mod:`router.routing.pd`)."""
     body = await decoded(state, incoming.body)
-    decision = await decide(state, body, chat)
+    decision = await route_request(state, body, chat)
     plan = _plan(state, decision)
     if plan.split:
         # the client's body as sent, every field (``body`` keeps only those routing reads)
@@ -152,7 +152,7 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
     record_usage(state, decision, forwarded.candidate, forwarded.usage)
     reported = reported_cached(forwarded.usage)
-    found = decision.split(forwarded.candidate, reported)
+    found = decision.lost_split(forwarded.candidate, reported)
     account(state, decision, forwarded.candidate, found)
     incoming.log_fields = {
         "model": decision.model,

@@ -25,7 +25,7 @@ from router.routing.decide import Decider
 from router.routing.fleet import Fleet
 from router.routing.model_sync import ModelSync
 from router.settings import HttpServerKind, RouterSettings, UpstreamClientKind, add_arguments, settings_from_args
-from router.shared.load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
+from router.shared.replica_load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
 from router.shared.shared_load import SharedLoad
 from router.state import RouterState
 from router.upstream.aiohttp_pool import AiohttpPool

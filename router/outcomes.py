@@ -24,7 +24,7 @@ def reported_cached(usage: dict | None) -> int | None:
 
 def split_fields(decision: Decision, candidate: Candidate | None = None, reported: int | None = None) -> dict:
     """The accounting's fields of the access log and /debug/route (None: unknown, for a degraded decision)."""
-    return log_fields(decision.split(candidate, reported))
+    return log_fields(decision.lost_split(candidate, reported))
 
 
 def log_fields(found: Split | None) -> dict:

@@ -48,7 +48,7 @@ async def proxy_split(
             prefilled = await split.prefill(leg, state.upstream, [s.candidate for s in plan.prefill], booking, failed)
         decoders = _decoders(plan, prefilled.candidate)
         leg = Outgoing(
-            incoming.path, incoming.headers, request_id, split.decode_body(body, prefilled.kv_transfer_params)
+            incoming.path, incoming.headers, request_id, split.decode_leg_body(body, prefilled.kv_transfer_params)
         )
 
         def headers(decoder: Candidate) -> dict[str, str]:
@@ -116,7 +116,7 @@ def _accounted(
     state.metrics.split_requests.labels(decision.model).inc()
     record_usage(state, decision, prefill, prefilled.usage)
     reported = prefilled.cached_tokens
-    found = decision.split(prefill, reported)
+    found = decision.lost_split(prefill, reported)
     account(state, decision, prefill, found)
     incoming.log_fields = {
         "model": decision.model,

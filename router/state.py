@@ -13,7 +13,7 @@ from router.routing.decide import Decider
 from router.routing.fleet import Fleet
 from router.routing.model_sync import ModelSync
 from router.settings import RouterSettings
-from router.shared.load import ReplicaLoad
+from router.shared.replica_load import ReplicaLoad
 from router.upstream.pool import UpstreamPool
 
 

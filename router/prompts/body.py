@@ -74,7 +74,7 @@ _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 
 
-async def decode_body(raw: bytes, max_prompt_tokens: int, memo: TokenIdMemo | None = None) -> dict[str, Any]:
+async def parse_body(raw: bytes, max_prompt_tokens: int, memo: TokenIdMemo | None = None) -> dict[str, Any]:
     """The fields as a dict (absent ones left out); the prompt decoded, a long token-id prompt
     as an ``array('I')`` (through ``memo`` where given). Raises :class:`BodyError` with a one-line
     message."""

@@ -30,7 +30,7 @@ from types import TracebackType
 from router.routing.decide import Decision
 from router.routing.scoring import Candidate
 from router.routing.ttft import TtftLearner
-from router.shared.load import ReplicaLoad
+from router.shared.replica_load import ReplicaLoad
 from router.shared.shared_load import InflightLoad
 
 # An expectation stands in for the blocks a request computes and then holds on its worker. Past

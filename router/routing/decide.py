@@ -43,7 +43,7 @@ from router.routing.scoring import (
     predicted_cached_tokens,
 )
 from router.routing.ttft import TtftLearner
-from router.shared.load import ReplicaLoad
+from router.shared.replica_load import ReplicaLoad
 from router.shared.shared_load import InflightLoad, parse_expected, parse_totals
 
 log = logging.getLogger("router.decide")  # the name it always had: log filters rely on it
@@ -92,7 +92,7 @@ class Decision:
         """Every alive worker, best first."""
         return [scored.candidate for scored in self.choice.ranked]
 
-    def split(self, candidate: Candidate | None = None, reported: int | None = None) -> Split | None:
+    def lost_split(self, candidate: Candidate | None = None, reported: int | None = None) -> Split | None:
         """Why the prompt's prefix was or was not cached on ``candidate`` (default the chosen worker),
         given the engine's ``reported`` cached tokens (:mod:`router.routing.accounting`). None for a degraded
         decision: the index was not read, so no match is known."""

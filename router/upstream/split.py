@@ -93,7 +93,7 @@ def prefill_body(body: dict[str, Any]) -> bytes:
     return json.dumps(leg).encode()
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> bytes:
+def decode_leg_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> bytes:
     if kv_transfer_params is None:
         return json.dumps(body).encode()
     return json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()

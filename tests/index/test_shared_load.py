@@ -70,7 +70,7 @@ async def test_expected_prefixes_lapse(redis_client, unique_name):
 async def test_a_renewal_between_a_booking_and_its_flush_counts_it_once(redis_client, unique_name):
     """A router's lease snapshot already holds the changes it has not flushed yet: flushing them
     afterwards too would count them twice (phantom load on a worker until the next renewal)."""
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     await _another_replica(redis_client, unique_name)  # its changes are read: flushed
     shared = SharedLoad(redis_client, KeySchema(), "r")
@@ -100,7 +100,7 @@ async def test_a_renewal_between_a_booking_and_its_flush_counts_it_once(redis_cl
 async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, unique_name):
     """A replica leases a model on its first booking there, not at its next periodic renewal
     (up to a second later): until then no replica, itself included, saw that load."""
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     await _another_replica(redis_client, unique_name)  # its changes are read: flushed
     shared = SharedLoad(redis_client, KeySchema(), "fresh")
@@ -125,7 +125,7 @@ async def test_a_renewal_waits_for_a_batch_carrying_changes_it_includes(redis_cl
     """Changes handed to a decision's batch are in the local truth at once: a lease snapshot
     written before that batch lands would have Redis count them twice (until the next one)."""
     from kvindex.scripts import Scripts
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000)
@@ -147,7 +147,7 @@ async def test_a_renewal_waits_for_a_batch_carrying_changes_it_includes(redis_cl
 
 
 async def test_a_failed_carrying_batch_is_healed_by_the_next_renewal(redis_client, unique_name):
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000)
@@ -166,7 +166,7 @@ async def test_a_booking_keeps_its_expectation_until_settled_for_that_worker_onl
     """A booked expectation lasts the expected TTL, for this replica and (through Redis) the
     others, until the booking settles it: for the worker it names only, and never for longer."""
     from kvindex.scripts import Scripts
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
@@ -217,7 +217,7 @@ async def test_settling_ends_only_that_workers_expectation_and_never_extends_one
 
 async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, unique_name):
     from kvindex.scripts import Scripts
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)
@@ -237,7 +237,7 @@ async def test_a_replica_alone_writes_its_load_with_its_lease_only_until_another
     """Alone on a model (its last lease found no other replica), a replica's changes there are
     written by its lease snapshots only; once another replica reads its load, each change is
     flushed within the window again."""
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "first")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, alone_renewal_s=60.0).start(lambda: [])
@@ -271,7 +271,7 @@ async def test_a_replica_alone_writes_its_load_with_its_lease_only_until_another
 async def test_a_replica_alone_finds_a_newcomer_within_a_tenth_of_a_second(redis_client, unique_name):
     """Alone, a replica renews often (not every third of its lease), so that a replica starting
     beside it reads its whole load, and sees its changes, almost at once."""
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "lone")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, alone_renewal_s=0.05).start(lambda: [unique_name])
@@ -302,7 +302,7 @@ async def test_an_expectation_lasts_as_long_as_its_request(redis_client, unique_
     from router.routing.choice import choose
     from router.routing.decide import Decision, checkpoints
     from router.routing.scoring import Candidate, ScoringWeights
-    from router.shared.load import ReplicaLoad
+    from router.shared.replica_load import ReplicaLoad
 
     shared = SharedLoad(redis_client, KeySchema(), "r")
     load = ReplicaLoad(shared, lease_ttl_ms=60_000, expected_ttl_ms=60_000)

@@ -9,13 +9,13 @@ from array import array
 import pytest
 
 from kvtokens.sampling import SAMPLING_FIELDS
-from router.prompts.body import SLICE_BYTES, TOO_DEEP, BodyError, Fields, decode_body, decode_token_answer
+from router.prompts.body import SLICE_BYTES, TOO_DEEP, BodyError, Fields, decode_token_answer, parse_body
 
 LONG = [(i * 7919) % 200_000 for i in range(3 * SLICE_BYTES // 6)]  # ~3 slices of ids
 
 
 async def _decode(body: object, limit: int = 10**7) -> dict:
-    return await decode_body(json.dumps(body).encode(), limit)
+    return await parse_body(json.dumps(body).encode(), limit)
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ async def test_a_long_token_id_prompt_becomes_an_array_of_the_same_ids():
     decoded = await _decode({"model": "m", "prompt": LONG, "cache_salt": "s"})
     assert decoded["prompt"] == array("I", LONG) and decoded["cache_salt"] == "s"
     spaced = b'{"model": "m", "prompt": [ ' + b" ,  ".join(str(t).encode() for t in LONG) + b" ] }"
-    assert (await decode_body(spaced, 10**7))["prompt"] == array("I", LONG)
+    assert (await parse_body(spaced, 10**7))["prompt"] == array("I", LONG)
 
 
 async def test_of_a_long_batch_only_the_first_prompt_is_decoded():
@@ -72,7 +72,7 @@ async def test_a_bad_id_in_a_long_prompt_is_one_line(bad):
 )
 async def test_unreadable_bodies_are_one_line(raw, message):
     with pytest.raises(BodyError) as error:
-        await decode_body(raw, 10**7)
+        await parse_body(raw, 10**7)
     assert "\n" not in str(error.value) and error.value.status == 400
     if message is not None:
         assert str(error.value).startswith(message)

@@ -14,7 +14,7 @@ from router.routing.pd import Baseline, DecodeLegs, PdCosts, SplitMode, WholeOn,
 from router.routing.scoring import Candidate, ScoringWeights
 from router.routing.ttft import CostModel
 from router.shared.shared_load import InflightLoad
-from router.upstream.split import PREFILL_PARAMS, SseRewriter, decode_body, prefill_body, with_cached_tokens
+from router.upstream.split import PREFILL_PARAMS, SseRewriter, decode_leg_body, prefill_body, with_cached_tokens
 
 BS = 16
 MODEL = CostModel()
@@ -134,7 +134,7 @@ def test_the_prefill_leg_asks_for_one_token_and_a_remote_decode():
     assert (leg["stream"], leg["max_tokens"], leg["max_completion_tokens"]) == (False, 1, 1)
     assert "stream_options" not in leg and "min_tokens" not in leg
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
-    decoded = json.loads(decode_body(body, params))
+    decoded = json.loads(decode_leg_body(body, params))
     assert decoded == {**body, "kv_transfer_params": params}  # the client's body otherwise as sent
 
 
@@ -199,7 +199,7 @@ def test_decode_legs_that_take_longer_than_predicted_raise_the_next_splits_cost(
 
 def test_a_store_connectors_prefill_reply_names_no_params_and_the_decode_leg_goes_as_sent():
     body = {"model": "m", "prompt": [1, 2], "max_tokens": 9}
-    assert json.loads(decode_body(body, None)) == body
+    assert json.loads(decode_leg_body(body, None)) == body
 
 
 def test_a_degraded_decision_is_never_split_and_keeps_the_operators_whole_on():

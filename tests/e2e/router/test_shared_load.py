@@ -14,7 +14,7 @@ from kvindex.scripts import load_scripts
 from kvindex.settings import RedisSettings
 from kvroute.devstack.embedded_cluster import LocalCluster
 from router.main import RunningRouter
-from router.shared.load import FLUSH_WINDOW_S
+from router.shared.replica_load import FLUSH_WINDOW_S
 from router.shared.shared_load import InflightLoad, SharedLoad
 from tests.support import SimFleet, wait_for_workers, wait_until
 from tests.support.router import PREFIX, start_router
