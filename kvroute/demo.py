@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from kvindex.settings import RedisSettings
+from kvroute import charts
 from kvroute.bench.common import cached_tokens, hit_rate, percentile, text_table, write_json
 from kvroute.bench.lost_split import lost_shares, shares_text
 from kvroute.bench.replay import router_lost_tokens
@@ -258,11 +259,7 @@ def render(results: list[PolicyResult]) -> str:
 
 
 def chart(results: list[PolicyResult], path: Path, engines: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = charts.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     names = [r.policy for r in results]
     for axis, values, title in (
@@ -345,8 +342,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     def report(results: list[PolicyResult]) -> None:
         print(render(results))
-        chart(results, Path(args.chart), args.engines)
-        print(f"\nchart written to {Path(args.chart).resolve()}", flush=True)
+        print(
+            "\n" + charts.written(lambda: chart(results, Path(args.chart), args.engines), Path(args.chart)), flush=True
+        )
         if args.json:
             write_json(args.json, [asdict(r) for r in results], what="table")
         reported[:] = results

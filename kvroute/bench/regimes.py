@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.settings import RedisSettings
+from kvroute import charts
 from kvroute.bench.common import percentile, write_json
 from kvroute.bench.regimes_report import across_seeds, relative_to_best, render, summarize_policies
 from kvroute.bench.regimes_workload import (
@@ -353,6 +354,5 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.chart:
         from kvroute.bench.regimes_chart import chart
 
-        chart({**report, "cells": judged}, Path(args.chart))
-        print(f"chart written to {Path(args.chart).resolve()}")
+        print(charts.written(lambda: chart({**report, "cells": judged}, Path(args.chart)), Path(args.chart)))
     return 0

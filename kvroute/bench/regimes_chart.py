@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvroute import charts
+
 WORST_SHOWN = 2.0  # ratios at or above this get the darkest colour
 
 
@@ -37,11 +39,7 @@ def _note(run: dict[str, Any] | None, key: str) -> str:
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = charts.pyplot()
     rows, policies, ratios, ratio_notes = _grid(report, "ttft_vs_best")
     _, _, of_lru, lru_notes = _grid(report, "of_lru")
     height = 1.6 + 0.55 * len(rows)
@@ -51,7 +49,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
         (right, of_lru, lru_notes, "RdYlGn", (0.0, 1.2), "hit rate / shared-LRU reference"),
     )
     for axes, values, notes, colours, (low, high), title in panels:
-        cmap = matplotlib.colormaps[colours].copy()
+        cmap = plt.colormaps[colours].copy()
         cmap.set_bad("#ddd")
         image = axes.imshow(values, cmap=cmap, vmin=low, vmax=high, aspect="auto")
         axes.set_xticks(range(len(policies)), policies, fontsize=9)

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvindex.settings import RedisSettings
+from kvroute import charts
 from kvroute.bench.common import cached_tokens, percentile, write_json
 from kvroute.bench.lost_split import degraded_share, lost_during, lost_from_exposition, lost_shares
 from kvroute.bench.probe import Prober, probe_split
@@ -474,8 +475,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     check_args(args)
     results = asyncio.run(run_benchmark(args, load_requests(args)))
     print(render(results))
-    chart(results, Path(args.chart))
-    print(f"chart written to {Path(args.chart).resolve()}")
+    print(charts.written(lambda: chart(results, Path(args.chart)), Path(args.chart)))
     if args.json:
         write_json(args.json, results)
     return 0

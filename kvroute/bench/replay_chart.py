@@ -7,13 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvroute import charts
+
 
 def chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = charts.pyplot()
     runs = results["runs"]
     fig, (bars, over_time, cdf, lost) = plt.subplots(1, 4, figsize=(21, 4.2))
     repeated = bool(results.get("averages"))  # --repeats: several runs of each router
