@@ -145,6 +145,10 @@ class ModelSync:
         self._bug_logged = False
         self.status = SyncStatus(enabled=period_s > 0)
 
+    def learner(self, model: str) -> TtftLearner:
+        """The learner this replica shares for ``model``."""
+        return self._learner_for(model)
+
     async def sync(self, model: str) -> None:
         """Fold what was learned of ``model`` since the last sync into Redis; adopt the result."""
         learner = self._learner_for(model)

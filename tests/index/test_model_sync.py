@@ -61,10 +61,10 @@ def _learn(learner: TtftLearner, count: int, seed: int) -> None:
 
 async def test_a_replica_routes_by_what_another_learned(redis_index, unique_name):
     first, second = _replica(redis_index, "r1"), _replica(redis_index, "r2")
-    _learn(first._learner_for(unique_name), 60, seed=1)
+    _learn(first.learner(unique_name), 60, seed=1)
     await first.sync(unique_name)
     await second.sync(unique_name)
-    learned, adopted = first._learner_for(unique_name).model, second._learner_for(unique_name).model
+    learned, adopted = first.learner(unique_name).model, second.learner(unique_name).model
     assert adopted.utilization == pytest.approx(learned.utilization, rel=1e-9) and adopted.utilization > 0.6
     assert adopted.typical_uncached_tokens == pytest.approx(learned.typical_uncached_tokens, rel=1e-9)
     for worker in ("fast", "slow"):
@@ -107,23 +107,23 @@ async def test_a_malformed_batch_is_refused_and_changes_nothing(redis_index, uni
 
 async def test_a_lost_model_is_seeded_again_by_the_replicas(redis_index, unique_name):
     first = _replica(redis_index, "r1")
-    _learn(first._learner_for(unique_name), 40, seed=2)
+    _learn(first.learner(unique_name), 40, seed=2)
     await first.sync(unique_name)
-    learned = first._learner_for(unique_name).model
+    learned = first.learner(unique_name).model
     keys = KeySchema().for_model(unique_name)
     await redis_index.client.delete(keys.learned)  # its Redis lost it (a flush, a failover without a replica)
     await first.sync(unique_name)
     await first.sync(unique_name)
     fresh = _replica(redis_index, "r2")
     await fresh.sync(unique_name)
-    adopted = fresh._learner_for(unique_name).model
+    adopted = fresh.learner(unique_name).model
     assert adopted.utilization == pytest.approx(learned.utilization, rel=1e-9)
     assert adopted.params("slow").per_token_s == pytest.approx(learned.params("slow").per_token_s, rel=1e-9)
 
 
 async def test_a_worker_gone_long_enough_is_forgotten_everywhere(redis_index, unique_name):
     keeper = _replica(redis_index, "r1")
-    _learn(keeper._learner_for(unique_name), 30, seed=3)
+    _learn(keeper.learner(unique_name), 30, seed=3)
     await keeper.sync(unique_name)
     keys = KeySchema().for_model(unique_name)
     assert await redis_index.client.hexists(keys.learned, field_names(("s", "slow"))[0])
@@ -132,7 +132,7 @@ async def test_a_worker_gone_long_enough_is_forgotten_everywhere(redis_index, un
     await pruner.sync(unique_name)  # ... and deletes it
     assert not await redis_index.client.hexists(keys.learned, field_names(("s", "slow"))[0])
     assert await redis_index.client.hexists(keys.learned, field_names(("s", "fast"))[0])
-    assert "slow" not in pruner._learner_for(unique_name).worker_ids()
+    assert "slow" not in pruner.learner(unique_name).worker_ids()
 
 
 async def test_a_silent_replica_loses_its_batch_marker(redis_index, unique_name):
@@ -159,7 +159,7 @@ async def test_a_hash_too_large_is_not_read_back(redis_index, unique_name):
 
 async def test_a_tiers_load_cost_learned_by_one_replica_prices_loads_on_another(redis_index, unique_name):
     first, second = _replica(redis_index, "r1"), _replica(redis_index, "r2")
-    teacher = first._learner_for(unique_name)
+    teacher = first.learner(unique_name)
     rng = random.Random(7)
     for _ in range(300):
         tokens, loaded = rng.uniform(100, 3000), rng.uniform(256, 4096)
@@ -169,7 +169,7 @@ async def test_a_tiers_load_cost_learned_by_one_replica_prices_loads_on_another(
     await second.sync(unique_name)
     learned = teacher.model.tier_load("CPU")
     assert learned is not None and learned.per_token_s == pytest.approx(2e-5, rel=0.2)
-    adopted = second._learner_for(unique_name).model.tier_load("CPU")
+    adopted = second.learner(unique_name).model.tier_load("CPU")
     assert adopted is not None and adopted.per_token_s == pytest.approx(learned.per_token_s)
     assert adopted.wait_s == pytest.approx(learned.wait_s, abs=1e-9)
     assert "t:ly:CPU" in field_names(("t", "CPU"))

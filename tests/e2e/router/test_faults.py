@@ -113,9 +113,7 @@ async def _no_load(load: SharedLoad) -> bool:
 async def test_a_killed_engine_stops_receiving_traffic(fleet, router):
     victim = fleet.worker_id(0)
     fleet.agents[0].kill()  # engine and agent gone together: its HTTP port stays, answers nothing useful
-    engine_context = fleet._contexts[0]
-    await engine_context.__aexit__(None, None, None)
-    fleet._contexts[0] = None
+    await fleet.kill_engine(0)
     statuses, workers = [], []
 
     async def victim_dropped() -> bool:  # traffic goes on while the victim's heartbeat runs out
