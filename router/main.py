@@ -33,9 +33,6 @@ from router.upstream.pool import UpstreamPool
 from router.workers import run_workers
 
 log = logging.getLogger("router")
-# Connections kept from decision lookups: the fleet refresh, the lease renewal and the load writer
-# (the model's sync, once a second, waits for one of them: the pool blocks, it does not fail).
-RESERVED_CONNECTIONS = 3
 
 
 @dataclass
@@ -87,7 +84,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             settings.weights,
             settings.policy,
             settings.redis_timeout_s,
-            lookup_slots=settings.redis_pool_size - RESERVED_CONNECTIONS,
+            lookup_slots=settings.lookup_slots,
             backstop_s=settings.redis.socket_timeout_s,
         )
         decider.lookups.cancel_safe = index.scripts.cancel_safe  # no task per lookup when cancelling is free

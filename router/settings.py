@@ -20,7 +20,12 @@ from router.routing.pd import PdCosts
 from router.routing.scoring import Policy, ScoringWeights
 from router.routing.tiers import TierCosts, TierMode, parse_tier_values
 
-MIN_POOL_SIZE = 4  # one decision at a time, and the fleet refresh, the lease and the load writer
+# The replica's Redis connections (--redis-pool-size), budgeted here only: these stay free for the
+# fleet refresh, the lease and the load writer, so they never wait behind decisions (the model's
+# sync, once a second, waits for one of them: the pool blocks, it does not fail); the rest is the
+# decisions' (their lookups wait for a slot, router.routing.lookups).
+RESERVED_CONNECTIONS = 3
+MIN_POOL_SIZE = RESERVED_CONNECTIONS + 1  # and one decision at a time
 # Settings that a flag or a KVROUTE_* variable sets (the flag wins): name -> (variable, type).
 ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "max_body_bytes": ("KVROUTE_MAX_BODY_BYTES", int),
@@ -86,6 +91,11 @@ class RouterSettings:
     lean_front: bool = True  # kept for compatibility: one HTTP server serves every endpoint (router.http)
     http_server: HttpServerKind = HttpServerKind.BUILTIN  # the server of every endpoint
     upstream_client: UpstreamClientKind = UpstreamClientKind.BUILTIN  # the client to the workers
+
+    @property
+    def lookup_slots(self) -> int:
+        """The Redis connections decisions may hold at once (the pool less the reserved ones)."""
+        return self.redis_pool_size - RESERVED_CONNECTIONS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -20,6 +20,11 @@ def test_defaults():
     assert settings.redis_pool_size == 32 and settings.worker_retain_s == 30.0
 
 
+def test_the_redis_budget_keeps_three_connections_from_decisions():
+    assert _settings([]).lookup_slots == 29
+    assert _settings(["--redis-pool-size", "4"]).lookup_slots == 1  # the least: one decision at a time
+
+
 def test_variables_set_what_no_flag_does_and_flags_win():
     env = {
         "KVROUTE_MAX_BODY_BYTES": "2048",
