@@ -87,7 +87,6 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             lookup_slots=settings.lookup_slots,
             backstop_s=settings.redis.socket_timeout_s,
         )
-        decider.lookups.cancel_safe = index.scripts.cancel_safe  # no task per lookup when cancelling is free
         stack.push_async_callback(decider.lookups.aclose)
         model_sync = ModelSync(
             shared,

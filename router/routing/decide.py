@@ -201,7 +201,8 @@ class Decider:
         self._weights = weights
         self._policy = policy
         self._timeout = redis_timeout_s
-        self.lookups = Lookups(lookup_slots, redis_timeout_s, backstop_s)
+        # no task per lookup where cancelling one is free (a single server's pipelined connection)
+        self.lookups = Lookups(lookup_slots, redis_timeout_s, backstop_s, index.scripts.cancel_safe)
         self._turn = 0  # round robin's next turn
         self._rng = random.Random()
         self.degraded_count = 0
