@@ -24,7 +24,6 @@ from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.routing.booking import Booking
 from router.routing.scoring import Candidate
 from router.upstream.http1 import Reply, UpstreamBroken
 from router.upstream.pool import UpstreamPool
@@ -54,6 +53,20 @@ MAX_JSON_SNIFF = 4 << 20  # the usage of non-streamed replies larger than this i
 
 class UpstreamFailed(Exception):
     """Every worker tried failed before sending a byte (502)."""
+
+
+class Tries(Protocol):
+    """What the transport tells of each try on a worker to the request's load owner
+    (:class:`router.routing.booking.Booking`), without knowing it: a try starts, fails before its
+    first byte, gets its first byte, ends with the reply's usage."""
+
+    def attempt(self, candidate: Candidate, uncached: int | None = None) -> None: ...
+
+    def failed(self, candidate: Candidate) -> None: ...
+
+    def prefilled(self, candidate: Candidate) -> None: ...
+
+    def replied(self, candidate: Candidate, usage: dict | None) -> None: ...
 
 
 class Downstream(Protocol):
@@ -126,7 +139,7 @@ async def forward(
     pool: UpstreamPool,
     candidates: list[Candidate],
     reply_headers: Callable[[Candidate], dict[str, str]],
-    booking: Booking,
+    booking: Tries,
     on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> Forwarded:
     """Send to ``candidates[0]``, or to ``candidates[1]`` if the first fails before replying, and

@@ -33,7 +33,6 @@ from typing import Any
 
 from multidict import CIMultiDict
 
-from router.routing.booking import Booking
 from router.routing.scoring import Candidate
 from router.upstream.pool import UpstreamPool
 from router.upstream.proxy import (
@@ -41,6 +40,7 @@ from router.upstream.proxy import (
     MAX_TRIES,
     Downstream,
     Outgoing,
+    Tries,
     UpstreamFailed,
     failure_text,
     reply_headers,
@@ -103,7 +103,7 @@ async def prefill(
     outgoing: Outgoing,
     pool: UpstreamPool,
     candidates: list[Candidate],
-    booking: Booking,
+    booking: Tries,
     on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> Prefilled:
     """The prefill leg on ``candidates[0]``, or on ``candidates[1]`` if the first fails."""
@@ -148,7 +148,7 @@ async def decode(
     pool: UpstreamPool,
     candidates: list[Candidate],
     reply: tuple[Callable[[Candidate], dict[str, str]], int | None],
-    booking: Booking,
+    booking: Tries,
     on_failure: Callable[[Candidate, BaseException | int], None],
 ) -> tuple[Candidate, dict | None, float | None]:
     """The decode leg on ``candidates[0]``, relayed to ``downstream`` with ``reply``'s headers for
@@ -197,7 +197,7 @@ async def _relay_rewritten(
     downstream: Downstream,
     upstream: Any,
     extra_headers: dict[str, str],
-    booking: Booking,
+    booking: Tries,
     candidate: Candidate,
     cached_tokens: int | None,
 ) -> tuple[dict | None, float | None]:
