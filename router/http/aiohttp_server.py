@@ -14,8 +14,6 @@ drops it) rather than the connection closed at once.
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
 from collections.abc import Callable, Mapping
 
@@ -29,18 +27,16 @@ from router.http.edges import (
     Admission,
     ApiError,
     check_key,
-    error_body,
-    error_headers,
+    internal_error,
     log_access,
+    reply_broke_off,
     request_id,
 )
 from router.http.routes import Routes
 from router.http.server import SHUTDOWN_TIMEOUT_S, ServerRules
-from router.http.wire import JSON, Handler, HttpRequest, Reply
+from router.http.wire import Handler, HttpRequest, Reply, error_parts
 from router.upstream.http1 import UpstreamBroken
 
-error_log = logging.getLogger("router.errors")
-log = logging.getLogger("router.http")
 READ_CHUNK = 64 << 10
 
 
@@ -96,8 +92,7 @@ class AiohttpReply(Reply):
 
     def send_error(self, exc: ApiError) -> None:
         self._begin(exc.status)
-        body = json.dumps(error_body(exc.status, exc.message, exc.kind, exc.param)).encode()
-        headers = {"Content-Type": JSON, **error_headers(exc)}
+        headers, body = error_parts(exc)
         self.response = web.Response(status=exc.status, body=body, headers=headers)
         self.ended = True
 
@@ -154,8 +149,7 @@ class AiohttpServer:
             raise
         except (UpstreamBroken, TimeoutError) as exc:  # the worker's reply broke off or stalled after it began
             status = 502
-            log.warning("request %s: the worker's reply did not end: %r", rid, exc)
-            return reply.failed(ApiError(502, "the worker's reply broke off", "upstream_error"))
+            return reply.failed(reply_broke_off(rid, exc))
         except ConnectionError:  # the client went away: no reply can reach it
             status = CLIENT_GONE
             raise
@@ -163,9 +157,7 @@ class AiohttpServer:
             status = exc.status
             return reply.failed(exc)
         except Exception:
-            error_log.exception("internal error on %s %s (request %s)", request.method, request.path, rid)
-            message = f"internal error in the router; its log has the details under request id {rid}"
-            return reply.failed(ApiError(500, message, "internal_error"))
+            return reply.failed(internal_error(request.method, request.path, rid))
         finally:
             if admitted:
                 self.admission.leave()

@@ -26,6 +26,7 @@ from kvservice.logs import log_request
 
 access_log = logging.getLogger("router.access")
 error_log = logging.getLogger("router.errors")
+http_log = logging.getLogger("router.http")
 # Probes, and the dashboard's polls (every 2 s per open page): logged at DEBUG.
 QUIET_PATHS = frozenset({"/metrics", "/health", "/ready"})
 QUIET_PREFIXES = ("/dashboard",)
@@ -133,3 +134,17 @@ def check_key(headers: Mapping[str, str] | CIMultiDict[str], path: str, settings
 def log_access(method: str, path: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
     quiet = QUIET_PATHS | {path} if path.startswith(QUIET_PREFIXES) else QUIET_PATHS
     log_request(access_log, method, path, status, seconds, quiet, fields)
+
+
+def reply_broke_off(request_id: str, exc: BaseException) -> ApiError:
+    """The 502 of a worker's reply that broke off or stalled after it began, logged."""
+    http_log.warning("request %s: the worker's reply did not end: %r", request_id, exc)
+    return ApiError(502, "the worker's reply broke off", "upstream_error")
+
+
+def internal_error(method: str, path: str, request_id: str) -> ApiError:
+    """The 500 of a bug, not the client's mistake: the traceback goes to the log, once (call it
+    from the ``except``), and the client is told the request id to look for."""
+    error_log.exception("internal error on %s %s (request %s)", method, path, request_id)
+    message = f"internal error in the router; its log has the details under request id {request_id}"
+    return ApiError(500, message, "internal_error")

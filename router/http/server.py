@@ -43,14 +43,15 @@ from router.http.edges import (
     ApiError,
     EdgeSettings,
     check_key,
+    internal_error,
     log_access,
+    reply_broke_off,
     request_id,
 )
 from router.http.routes import Routes
 from router.http.wire import Handler, HttpRequest, Reply, error_reply
 from router.upstream.http1 import UpstreamBroken
 
-error_log = logging.getLogger("router.errors")
 log = logging.getLogger("router.http")
 MAX_LINE = 8190  # the request line's target, as aiohttp's limit: longer is a 414
 MAX_HEAD = 64 << 10  # the whole head: longer is a 431
@@ -363,8 +364,7 @@ class Connection(asyncio.Protocol):
             raise
         except (UpstreamBroken, TimeoutError) as exc:  # the worker's reply broke off or stalled after it began
             status = 502
-            log.warning("request %s: the worker's reply did not end: %r", request.request_id, exc)
-            self._reply_error(reply, ApiError(502, "the worker's reply broke off", "upstream_error"))
+            self._reply_error(reply, reply_broke_off(request.request_id, exc))
         except ConnectionError:  # a write found the client gone: no reply can reach it
             status = CLIENT_GONE
             self._close()
@@ -373,7 +373,7 @@ class Connection(asyncio.Protocol):
             self._reply_error(reply, exc)
         except Exception:
             status = 500
-            self._internal_error(request, reply)
+            self._reply_error(reply, internal_error(request.method, request.path, request.request_id))
         finally:
             self._task = None
             self._finish(request, status, incoming.log_fields)
@@ -400,14 +400,6 @@ class Connection(asyncio.Protocol):
             return
         with contextlib.suppress(ConnectionError):  # the client went away: still counted and logged
             reply.send_error(exc)
-
-    def _internal_error(self, request: _Request, reply: Reply) -> None:
-        # A bug, not the client's mistake: the traceback goes to the log, once, and the client
-        # gets an OpenAI-shaped 500 naming the request id to look for.
-        rid = request.request_id
-        error_log.exception("internal error on %s %s (request %s)", request.method, request.path, rid)
-        message = f"internal error in the router; its log has the details under request id {rid}"
-        self._reply_error(reply, ApiError(500, message, "internal_error"))
 
     def _next(self, keep_alive: bool) -> None:
         """A reply is done: the next request, or the close."""

@@ -44,21 +44,31 @@ class Wire(Protocol):
     async def drain(self) -> None: ...
 
 
+def splits_reply(name: str, value: str) -> bool:
+    """Whether a header holds a line break: written, it could split the reply (never written)."""
+    return "\n" in value or "\r" in value or "\n" in name or "\r" in name
+
+
 def encode_head(status: int, headers: Mapping[str, str], framing: bytes, keep_alive: bool) -> bytes:
     """A reply's head: the status line, ``headers`` (none with a line break: one could split the
     reply), ``framing`` (its length or chunked), and ``Connection: close`` when it is the last."""
     lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n"]
     for name, value in headers.items():
-        if "\n" not in value and "\r" not in value and "\n" not in name and "\r" not in name:
+        if not splits_reply(name, value):
             lines.append(f"{name}: {value}\r\n")
     closing = b"" if keep_alive else b"Connection: close\r\n"
     return "".join(lines).encode("utf-8", "surrogateescape") + framing + closing + b"\r\n"
 
 
+def error_parts(exc: ApiError) -> tuple[dict[str, str], bytes]:
+    """An API error's reply headers and body, in OpenAI's shape."""
+    body = json.dumps(error_body(exc.status, exc.message, exc.kind, exc.param)).encode()
+    return {"Content-Type": JSON, **error_headers(exc)}, body
+
+
 def error_reply(exc: ApiError, keep_alive: bool) -> bytes:
     """The whole reply of an API error, in OpenAI's shape."""
-    body = json.dumps(error_body(exc.status, exc.message, exc.kind, exc.param)).encode()
-    headers = {"Content-Type": JSON, **error_headers(exc)}
+    headers, body = error_parts(exc)
     return encode_head(exc.status, headers, b"Content-Length: %d\r\n" % len(body), keep_alive) + body
 
 

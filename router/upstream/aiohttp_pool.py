@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Iterable
 import aiohttp
 from multidict import CIMultiDict
 
-from router.settings import RouterSettings
 from router.upstream.http1 import Reply, UpstreamBroken
 from router.upstream.pool import IDLE_KEEP_S, UpstreamPool
 
@@ -70,15 +69,6 @@ class AiohttpPool(UpstreamPool):
         self._limits = limit, limit_per_worker
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
-
-    @classmethod
-    def from_settings(cls, settings: RouterSettings) -> AiohttpPool:
-        return cls(
-            settings.upstream_connections,
-            settings.upstream_connections_per_worker,
-            settings.connect_timeout_s,
-            settings.read_timeout_s,
-        )
 
     def _open(self) -> aiohttp.ClientSession:
         """The session, made at the first request (it needs the running loop)."""

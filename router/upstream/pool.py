@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import Self
 from urllib.parse import urlsplit
 
 from kvservice.deadlines import Deadlines
@@ -77,7 +78,7 @@ class UpstreamPool:
         self.queued = 0  # requests waiting for a connection now (the limits are reached)
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> UpstreamPool:
+    def from_settings(cls, settings: RouterSettings) -> Self:
         return cls(
             settings.upstream_connections,
             settings.upstream_connections_per_worker,
