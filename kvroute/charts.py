@@ -5,6 +5,7 @@ Without it a command that would draw a chart says so in one line and does everyt
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def pyplot() -> Any:
     return plt
 
 
-def written(draw: Any, path: Path) -> str:
+def written(draw: Callable[[], object], path: Path) -> str:
     """``draw()`` when matplotlib is there; the line to print about the chart at ``path``."""
     if not available():
         return MISSING
