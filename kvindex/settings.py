@@ -6,7 +6,7 @@ import argparse
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvindex.cluster import CLUSTER_SCHEMES, RedisClient, cluster_client, cluster_options, is_cluster_url, startup_nodes
 from kvindex.keys import DEFAULT_PREFIX, validate_prefix
-from kvservice.options import flag_or_env, parse_switch, typed
+from kvservice.declared import Kind, add_declared, declared_fields, read_declared, setting
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -92,14 +92,51 @@ class RedisSettings:
     ``tls_ca``, ``tls_cert`` and ``tls_key`` are files for a ``rediss://`` URL: the CA that
     signed the server's certificate, and this client's certificate and key (mutual TLS)."""
 
-    url: str = field(default=DEFAULT_REDIS_URL, repr=False)
-    prefix: str = DEFAULT_PREFIX
+    url: str = setting(
+        DEFAULT_REDIS_URL,
+        repr=False,
+        flag="--redis-url",
+        metavar="URL",
+        help="the index's Redis: redis://, rediss:// (TLS), unix://, or redis+cluster://HOST:PORT[,HOST:PORT...] "
+        "for a cluster (the only required setting)",
+    )
+    prefix: str = setting(DEFAULT_PREFIX, flag="--prefix", help="the index's key prefix")
     socket_timeout_s: float = 2.0
-    password: str | None = field(default=None, repr=False)
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    read_from_replicas: bool = False
+    password: str | None = setting(
+        None,
+        repr=False,
+        flag="--redis-password-file",
+        metavar="FILE",
+        parse=lambda where, path: read_secret_file(path, where),
+        help="the Redis password from the file's first line; the user name goes in the URL, "
+        "redis://USER@HOST:PORT/0 (docs/security.md)",
+    )
+    tls_ca: str | None = setting(
+        None,
+        flag="--redis-tls-ca",
+        metavar="FILE",
+        help="for a rediss:// URL: the CA (PEM) that signed the server's certificate",
+    )
+    tls_cert: str | None = setting(
+        None,
+        flag="--redis-tls-cert",
+        metavar="FILE",
+        help="for a rediss:// URL: this client's certificate (PEM), for mutual TLS",
+    )
+    tls_key: str | None = setting(
+        None,
+        flag="--redis-tls-key",
+        metavar="FILE",
+        help="for a rediss:// URL: this client's key (PEM), with --redis-tls-cert",
+    )
+    read_from_replicas: bool = setting(
+        False,
+        flag="--read-from-replicas",
+        variable="KVROUTE_REDIS_READ_FROM_REPLICAS",
+        kind=Kind.SWITCH,
+        help="with a redis+cluster:// URL, the index's reads (matches, liveness, load) go to each shard's replicas, "
+        "round robin",
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -140,18 +177,23 @@ class RedisSettings:
         )
 
     @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RedisSettings:
+        """From the flags of :func:`add_redis_arguments`, else the KVROUTE_REDIS_* variables and
+        KVROUTE_PREFIX (kvservice.declared); the password file is read here, so a missing or empty
+        one is a ValueError at start-up."""
+        return read_declared(cls, args, os.environ if env is None else env)
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RedisSettings:
-        """Build from the KVROUTE_REDIS_* variables and KVROUTE_PREFIX, with non-None
-        ``overrides`` (flags) winning. ``password_file`` (or KVROUTE_REDIS_PASSWORD_FILE) is read
-        here, so a missing or empty file is a ValueError at start-up."""
-        env = os.environ if env is None else env
-        named = {name for name, _, _ in _REDIS_VARIABLES}
-        values = flag_or_env(argparse.Namespace(**overrides), env, _REDIS_VARIABLES)
-        values.update({k: v for k, v in overrides.items() if v is not None and k not in named})
-        password_file = values.pop("password_file", None)
-        if password_file is not None:
-            values["password"] = read_secret_file(str(password_file), "--redis-password-file")
-        return cls(**values)  # type: ignore[arg-type]
+        """From the variables, with non-None ``overrides`` winning: ``url``, ``prefix``,
+        ``read_from_replicas``, ``password_file``, ``tls_*`` as their flags would give them, any
+        other field as itself."""
+        flags = {"url": "redis_url", "password_file": "redis_password_file"} | {
+            f"tls_{part}": f"redis_tls_{part}" for part in ("ca", "cert", "key")
+        }
+        given = {k: v for k, v in overrides.items() if v is not None}
+        as_flags = argparse.Namespace(**{flags.get(k, k): given.pop(k) for k in list(given) if k in _FLAG_NAMES})
+        return read_declared(cls, as_flags, os.environ if env is None else env, **given)
 
     def connection_options(self) -> dict[str, Any]:
         """The password and TLS files as keyword arguments of redis-py's ``from_url`` (sync or asyncio)."""
@@ -213,62 +255,26 @@ class RedisSettings:
         )
 
 
-# The file-valued settings, their flags' destinations and their variables.
-_FILE_VARIABLES = {
-    "password_file": "KVROUTE_REDIS_PASSWORD_FILE",
-    "tls_ca": "KVROUTE_REDIS_TLS_CA",
-    "tls_cert": "KVROUTE_REDIS_TLS_CERT",
-    "tls_key": "KVROUTE_REDIS_TLS_KEY",
-}
-# Every setting RedisSettings.from_env reads from a variable (kvservice.options.flag_or_env's rule).
-_REDIS_VARIABLES = (
-    ("url", "KVROUTE_REDIS_URL", typed(str)),
-    ("prefix", "KVROUTE_PREFIX", typed(str)),
-    ("read_from_replicas", "KVROUTE_REDIS_READ_FROM_REPLICAS", parse_switch),
-    *((name, variable, typed(str)) for name, variable in _FILE_VARIABLES.items()),
+# The keys of RedisSettings.from_env's overrides that stand for a flag.
+_FLAG_NAMES = frozenset({"url", "prefix", "read_from_replicas", "password_file", "tls_ca", "tls_cert", "tls_key"})
+_SECURITY_FLAGS = (
+    "--read-from-replicas",
+    "--redis-password-file",
+    "--redis-tls-ca",
+    "--redis-tls-cert",
+    "--redis-tls-key",
 )
 
 
 def add_redis_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--redis-url``, ``--prefix`` and :func:`add_redis_security_arguments`: the flags of every
-    command that talks to the index's Redis, declared once."""
-    parser.add_argument(
-        "--redis-url",
-        help="the index's Redis: redis://, rediss:// (TLS), or redis+cluster://HOST:PORT[,HOST:PORT...] "
-        "(env KVROUTE_REDIS_URL; default redis://127.0.0.1:6379/0)",
-    )
-    parser.add_argument("--prefix", help="the index's key prefix (env KVROUTE_PREFIX; default kvr)")
-    add_redis_security_arguments(parser)
+    command that talks to the index's Redis, declared once (on :class:`RedisSettings`)."""
+    add_declared(parser, RedisSettings)
 
 
 def add_redis_security_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The flags every command with ``--redis-url`` takes for a password file, TLS and replica reads."""
-    parser.add_argument(
-        "--read-from-replicas",
-        dest="read_from_replicas",
-        action="store_true",
-        default=None,
-        help="with a redis+cluster:// URL, send the index's reads (matches, liveness, load) to the replicas "
-        "of each shard, round robin (env KVROUTE_REDIS_READ_FROM_REPLICAS=1)",
-    )
-    parser.add_argument(
-        "--redis-password-file",
-        dest="redis_password_file",
-        metavar="FILE",
-        help="read the Redis password from FILE's first line (env KVROUTE_REDIS_PASSWORD_FILE); "
-        "put the user name in the URL: redis://USER@HOST:PORT/0",
-    )
-    for name, what in (
-        ("ca", "CA certificate that signed the server's"),
-        ("cert", "client certificate"),
-        ("key", "client key"),
-    ):
-        parser.add_argument(
-            f"--redis-tls-{name}",
-            dest=f"redis_tls_{name}",
-            metavar="FILE",
-            help=f"{what} (PEM) for a rediss:// URL (env KVROUTE_REDIS_TLS_{name.upper()})",
-        )
+    add_declared(parser, RedisSettings, only=_SECURITY_FLAGS)
 
 
 def redis_security_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -287,10 +293,7 @@ def export_redis_security_arguments(
 ) -> None:
     """Put the flags into the KVROUTE_REDIS_* variables, for commands (bench, demo) whose Redis
     clients are built by the processes they start: the children inherit the environment."""
-    for name, value in redis_security_overrides(args).items():
-        if value is None:
-            continue
-        if name == "read_from_replicas":
-            env["KVROUTE_REDIS_READ_FROM_REPLICAS"] = "1"
-        else:
-            env[_FILE_VARIABLES[name]] = str(value)
+    for _, declared in declared_fields(RedisSettings):
+        value = getattr(args, declared.dest, None)
+        if declared.flag in _SECURITY_FLAGS and value:
+            env[declared.env] = "1" if declared.kind is Kind.SWITCH else str(value)

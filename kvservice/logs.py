@@ -20,6 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvservice.declared import add_declared, read_declared, setting
+
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("text", "json")
 FIELDS = "fields"  # the ``extra`` key that carries structured fields
@@ -27,8 +29,22 @@ FIELDS = "fields"  # the ``extra`` key that carries structured fields
 
 @dataclass(frozen=True)
 class LogSettings:
-    level: str = "INFO"
-    format: str = "text"
+    level: str = setting(
+        "INFO",
+        flag="--log-level",
+        parse=lambda _, value: value.strip().upper(),
+        choices=LEVELS,
+        group="logging",
+        help="the least level logged",
+    )
+    format: str = setting(
+        "text",
+        flag="--log-format",
+        parse=lambda _, value: value.strip().lower(),
+        choices=FORMATS,
+        group="logging",
+        help="text (for people) or json (one JSON object per line, for log pipelines)",
+    )
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -38,24 +54,13 @@ class LogSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LogSettings:
-        return cls(str(args.log_level).upper(), str(args.log_format).lower())
+        return read_declared(cls, args, os.environ)
 
 
-def add_log_arguments(parser: argparse.ArgumentParser, default_level: str = "INFO") -> None:
-    """``--log-level`` and ``--log-format`` (defaults from KVROUTE_LOG_LEVEL / KVROUTE_LOG_FORMAT);
-    values are checked by :class:`LogSettings`, so a bad variable is reported like a bad flag."""
-    group = parser.add_argument_group("logging")
-    group.add_argument(
-        "--log-level",
-        default=os.environ.get("KVROUTE_LOG_LEVEL", default_level),
-        type=str.upper,
-        help=f"{', '.join(LEVELS)} (default {default_level}; env KVROUTE_LOG_LEVEL)",
-    )
-    group.add_argument(
-        "--log-format",
-        default=os.environ.get("KVROUTE_LOG_FORMAT", "text"),
-        help="text (for people) or json (one object per line); env KVROUTE_LOG_FORMAT",
-    )
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` (else KVROUTE_LOG_LEVEL / KVROUTE_LOG_FORMAT), declared
+    on :class:`LogSettings`, which checks a variable's value as it checks a flag's."""
+    add_declared(parser, LogSettings)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

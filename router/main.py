@@ -13,7 +13,7 @@ from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
 from kvservice.lifecycle import listening, run_service, serve_until_signal
-from kvservice.logs import LogSettings, configure_logging
+from kvservice.logs import configure_logging
 from kvservice.options import Parser, fail_settings
 from router.app import count_request, create_routes, edge_settings, new_admission
 from router.http.aiohttp_server import AiohttpServer
@@ -163,10 +163,9 @@ def build_parser(prog: str = "kvroute router") -> argparse.ArgumentParser:
 def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         settings = settings_from_args(args)
-        logging_settings = LogSettings.from_args(args)
     except ValueError as exc:
         fail_settings(parser, exc, args)
-    configure_logging(logging_settings)
+    configure_logging(settings.log)
     if args.lean_front is not None or os.environ.get("KVROUTE_LEAN_FRONT"):
         log.warning(
             "--lean-front/--no-lean-front (KVROUTE_LEAN_FRONT) is deprecated and has no effect: one HTTP server "

@@ -1,4 +1,6 @@
-"""The router's settings: one frozen dataclass, from flags and KVROUTE_* environment variables."""
+"""The router's settings: one frozen dataclass whose fields declare their flags and KVROUTE_*
+variables (kvservice.declared); argparse, the environment's reading and docs/router.md's table
+are made from it."""
 
 from __future__ import annotations
 
@@ -7,18 +9,17 @@ import os
 import secrets
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from kvindex.settings import RedisSettings, add_redis_arguments, read_secret_lines, redis_security_overrides
-from kvservice.logs import add_log_arguments
-from kvservice.options import choice, flag_or_env, parse_switch, typed
-from router.pd_settings import add_pd_arguments, pd_costs
+from kvindex.settings import RedisSettings, read_secret_lines
+from kvservice.declared import Kind, add_declared, nested, of_type, one_of, read_declared, setting
+from kvservice.logs import LogSettings
 from router.routing.allow import WorkerAllowList
-from router.routing.pd import PdCosts
-from router.routing.scoring import Policy, ScoringWeights
-from router.routing.tiers import TierCosts, TierMode, parse_tier_values
+from router.routing.pd import PD_GROUP, PdCosts
+from router.routing.scoring import OVERRIDES, Policy, ScoringWeights
+from router.routing.tiers import TIERS_GROUP
 
 # The replica's Redis connections (--redis-pool-size), budgeted here only: these stay free for the
 # fleet refresh, the lease and the load writer, so they never wait behind decisions (the model's
@@ -26,19 +27,21 @@ from router.routing.tiers import TierCosts, TierMode, parse_tier_values
 # decisions' (their lookups wait for a slot, router.routing.lookups).
 RESERVED_CONNECTIONS = 3
 MIN_POOL_SIZE = RESERVED_CONNECTIONS + 1  # and one decision at a time
-# Settings that a flag or a KVROUTE_* variable sets (the flag wins): name -> (variable, type).
-ENV_SETTINGS: dict[str, tuple[str, type]] = {
-    "max_body_bytes": ("KVROUTE_MAX_BODY_BYTES", int),
-    "max_prompt_tokens": ("KVROUTE_MAX_PROMPT_TOKENS", int),
-    "redis_pool_size": ("KVROUTE_REDIS_POOL_SIZE", int),
-    "worker_retain_s": ("KVROUTE_WORKER_RETAIN_S", float),
-    "model_sync_ms": ("KVROUTE_MODEL_SYNC_MS", int),
-    "header_timeout_s": ("KVROUTE_HEADER_TIMEOUT_S", float),
-    "body_timeout_s": ("KVROUTE_BODY_TIMEOUT_S", float),
-    "max_inflight": ("KVROUTE_MAX_INFLIGHT", int),
-    "upstream_connections": ("KVROUTE_UPSTREAM_CONNECTIONS", int),
-    "upstream_connections_per_worker": ("KVROUTE_UPSTREAM_CONNECTIONS_PER_WORKER", int),
+LIMITS = "limits and security"  # --help sections
+SECTIONS = {
+    OVERRIDES: "the cost is a predicted time to first token, learned online; these only re-weigh its terms",
+    TIERS_GROUP: "what a prefix in a worker's CPU, disk or remote tier is worth (docs/router.md, 'Cache tiers')",
+    PD_GROUP: "requests of a model with prefill workers (agents' --role) may be split (docs/router.md, "
+    "'Prefill/decode fleets')",
+    LIMITS: "see docs/router.md and docs/security.md",
 }
+
+
+def _tokenizer_pair(where: str, text: str) -> tuple[str, Path]:
+    model, sep, directory = text.partition("=")
+    if not sep or not model or not directory:
+        raise ValueError(f"{where} takes MODEL=DIR, got {text!r}")
+    return model, Path(directory)
 
 
 class HttpServerKind(StrEnum):
@@ -57,40 +60,201 @@ class UpstreamClientKind(StrEnum):
 
 @dataclass(frozen=True)
 class RouterSettings:
-    redis: RedisSettings = field(default_factory=RedisSettings)
-    host: str = "127.0.0.1"
-    port: int = 8080
-    policy: Policy = Policy.KV
-    tokenizers: tuple[tuple[str, Path], ...] = ()  # (model, model directory)
-    weights: ScoringWeights = field(default_factory=ScoringWeights)
-    pd: PdCosts = field(default_factory=PdCosts)  # prefill/decode fleets: whether and how to split
-    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_prompt_tokens: int = 1 << 20  # beyond any served context length; bounds hashing and caches
-    replica_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
-    redis_timeout_s: float = 0.05  # a routing decision waits this long for Redis, then degrades
+    redis: RedisSettings = nested(RedisSettings)
+    host: str = setting("127.0.0.1", flag="--host", help="listen address")
+    port: int = setting(8080, flag="--port", parse=of_type(int), help="listen port")
+    policy: Policy = setting(
+        Policy.KV,
+        flag="--policy",
+        parse=one_of(Policy),
+        choices=tuple(Policy),
+        help="kv: the learned cost (a predicted TTFT); the others for A/B comparisons",
+    )
+    tokenizers: tuple[tuple[str, Path], ...] = setting(
+        (),
+        flag="--tokenizer",
+        kind=Kind.LIST,
+        metavar="MODEL=DIR",
+        parse=_tokenizer_pair,
+        help="a model's directory with tokenizer.json and a chat template (repeatable); without one, the router "
+        "asks a worker's /tokenize and caches the answer",
+    )
+    weights: ScoringWeights = nested(ScoringWeights)
+    pd: PdCosts = nested(PdCosts)  # prefill/decode fleets: whether and how to split
+    api_keys: frozenset[str] = setting(
+        frozenset(),
+        repr=False,
+        flag="--api-key",
+        variable="KVROUTE_API_KEYS",
+        kind=Kind.LIST,
+        to_field=frozenset,
+        group=LIMITS,
+        help="an accepted bearer key (repeatable; the variable comma-separated); none: no auth, said by a WARNING "
+        "at start-up. The scheme is case-insensitive; keys are compared in constant time",
+    )
+    api_keys_from_file: frozenset[str] = setting(
+        frozenset(),
+        repr=False,
+        flag="--api-key-file",
+        metavar="FILE",
+        parse=lambda where, path: read_secret_lines(path, where),
+        group=LIMITS,
+        help="accepted bearer keys, one a line; with --api-key and KVROUTE_API_KEYS",
+    )
+    max_body_bytes: int = setting(
+        32 * 1024 * 1024,
+        flag="--max-body-bytes",
+        parse=of_type(int),
+        group=LIMITS,
+        shown_default="33554432 (32 MiB)",
+        help="larger bodies get 413",
+    )
+    max_prompt_tokens: int = setting(
+        1 << 20,
+        flag="--max-prompt-tokens",
+        parse=of_type(int),
+        group=LIMITS,
+        help="longer prompts get 413; above any served context length, it bounds what one request costs the router",
+    )
+    replica_id: str = setting(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+        flag="--replica-id",
+        shown_default="host-pid-random",
+        help="this replica's id in the shared load",
+    )
+    redis_timeout_s: float = setting(
+        0.05,
+        flag="--redis-timeout-ms",
+        parse=of_type(float),
+        to_field=lambda ms: ms / 1000,
+        shown_default="50",
+        help="a decision's budget for Redis before it routes by local load",
+    )
     lease_ttl_ms: int = 3_000
     expected_ttl_ms: int = 2_000
     workers_refresh_s: float = 1.0
-    worker_retain_s: float = 30.0  # last known workers kept while Redis lists none (lost data)
-    model_sync_ms: int = 1_000  # the learned cost model shared with the other replicas this often; 0: not
-    redis_pool_size: int = 32  # Redis connections of this replica, at most (decisions + background)
+    worker_retain_s: float = setting(
+        30.0,
+        flag="--worker-retain-s",
+        parse=of_type(float),
+        help="how long the last known workers of a model keep serving while Redis lists none alive (it lost its "
+        "data; 0: never)",
+    )
+    model_sync_ms: int = setting(
+        1_000,
+        flag="--model-sync-ms",
+        parse=of_type(int),
+        help="how often the learned cost model is shared with the other replicas through Redis (0: each replica "
+        "learns alone)",
+    )
+    redis_pool_size: int = setting(
+        32,
+        flag="--redis-pool-size",
+        parse=of_type(int),
+        help=f"the most Redis connections this replica opens, decisions and background together (at least "
+        f"{MIN_POOL_SIZE})",
+    )
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     # Hardening of the HTTP API (docs/router.md, "Limits and security").
-    header_timeout_s: float = 60.0  # a request's headers, and an idle keep-alive connection's next ones
-    body_timeout_s: float = 60.0  # a request's whole body; a client slower than this gets 408
-    max_inflight: int = 1024  # requests under /v1/ and /debug/ at once; past it: 429 with Retry-After
-    upstream_connections: int = 1024  # connections to workers, at most, all together
-    upstream_connections_per_worker: int = 256
-    enable_debug: bool = False  # /debug/* served at all
-    expose_routing_headers: bool | None = None  # x-kvroute-* on replies; None: only without API keys
-    worker_allow: tuple[str, ...] = ()  # worker URL hosts/networks routed to; empty: any (warned)
-    workers: int = 1  # router processes on this port (router.workers), each its own replica
+    header_timeout_s: float = setting(
+        60.0,
+        flag="--header-timeout-s",
+        parse=of_type(float),
+        group=LIMITS,
+        help="seconds for a request's headers, else the connection is closed; also how long an idle keep-alive "
+        "connection stays open",
+    )
+    body_timeout_s: float = setting(
+        60.0,
+        flag="--body-timeout-s",
+        parse=of_type(float),
+        group=LIMITS,
+        help="seconds for a request's whole body, else 408 and the connection is closed",
+    )
+    max_inflight: int = setting(
+        1024,
+        flag="--max-inflight",
+        parse=of_type(int),
+        group=LIMITS,
+        help="requests under /v1/ and /debug/ handled at once (body reads included); past it 429 with Retry-After",
+    )
+    upstream_connections: int = setting(
+        1024,
+        flag="--upstream-connections",
+        parse=of_type(int),
+        group=LIMITS,
+        help="connections to workers, all together; a request past it waits for one",
+    )
+    upstream_connections_per_worker: int = setting(
+        256,
+        flag="--upstream-connections-per-worker",
+        parse=of_type(int),
+        group=LIMITS,
+        help="connections to one worker; a request past it waits for one",
+    )
+    enable_debug: bool = setting(
+        False,
+        flag="--enable-debug",
+        kind=Kind.SWITCH,
+        group=LIMITS,
+        help="serve POST /debug/route (behind the API key when one is set)",
+    )
+    expose_routing_headers: bool | None = setting(
+        None,
+        flag="--expose-routing-headers",
+        kind=Kind.TOGGLE,
+        group=LIMITS,
+        shown_default="on without API keys, off with them",
+        help="the x-kvroute-worker and x-kvroute-cached-tokens reply headers; with keys there are tenants, and the "
+        "headers tell one of another's prefixes (docs/security.md)",
+    )
+    worker_allow: tuple[str, ...] = setting(
+        (),
+        flag="--worker-allow",
+        kind=Kind.LIST,
+        metavar="CIDR|HOST|.DOMAIN",
+        group=LIMITS,
+        shown_default="any (a WARNING at start-up)",
+        help="route only to workers whose URL host is in this network, is this host name or ends with this domain "
+        "(repeatable; the variable comma-separated); a worker outside is ignored with one WARNING",
+    )
+    workers: int = setting(
+        1,
+        flag="--workers",
+        parse=of_type(int),
+        help="router processes on this port (SO_REUSEPORT), each a replica of its own (--replica-id suffixed -w0, "
+        "-w1, ...) sharing only Redis; needs a fixed --port. The parent only supervises: a signal goes to all, and "
+        "when one exits on its own the others are stopped and the parent exits with its status",
+    )
     reuse_port: bool = False  # SO_REUSEPORT: set for each of --workers' processes
-    lean_front: bool = True  # kept for compatibility: one HTTP server serves every endpoint (router.http)
-    http_server: HttpServerKind = HttpServerKind.BUILTIN  # the server of every endpoint
-    upstream_client: UpstreamClientKind = UpstreamClientKind.BUILTIN  # the client to the workers
+    lean_front: bool = setting(
+        True,
+        flag="--lean-front",
+        kind=Kind.TOGGLE,
+        group=LIMITS,
+        help="deprecated: accepted, ignored, and said so by one WARNING at start-up (one HTTP server serves every "
+        "endpoint; --http-server chooses which)",
+    )
+    http_server: HttpServerKind = setting(
+        HttpServerKind.BUILTIN,
+        flag="--http-server",
+        parse=one_of(HttpServerKind),
+        choices=tuple(HttpServerKind),
+        group=LIMITS,
+        help="the HTTP server of every endpoint: builtin (llhttp on the socket) or aiohttp (aiohttp's low-level "
+        "server, same routes, handlers and edge rules)",
+    )
+    upstream_client: UpstreamClientKind = setting(
+        UpstreamClientKind.BUILTIN,
+        flag="--upstream-client",
+        parse=one_of(UpstreamClientKind),
+        choices=tuple(UpstreamClientKind),
+        group=LIMITS,
+        help="the HTTP client to the workers: builtin (llhttp on pooled connections) or aiohttp (aiohttp's client, "
+        "same limits, timeouts and failure rules)",
+    )
+    log: LogSettings = nested(LogSettings)
 
     @property
     def lookup_slots(self) -> int:
@@ -98,6 +262,8 @@ class RouterSettings:
         return self.redis_pool_size - RESERVED_CONNECTIONS
 
     def __post_init__(self) -> None:
+        # The keys of --api-key-file join the others here, so that every reader sees one set.
+        object.__setattr__(self, "api_keys", frozenset(self.api_keys) | self.api_keys_from_file)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be within 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
@@ -138,285 +304,11 @@ class RouterSettings:
         return {model: Path(directory) for model, directory in self.tokenizers}
 
 
-def _tokenizer_pair(text: str) -> tuple[str, Path]:
-    model, sep, directory = text.partition("=")
-    if not sep or not model or not directory:
-        raise argparse.ArgumentTypeError(f"--tokenizer takes MODEL=DIR, got {text!r}")
-    return model, Path(directory)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d, w = RouterSettings(), ScoringWeights()
-    add_redis_arguments(parser)
-    parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
-    parser.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
-    parser.add_argument("--policy", type=Policy, choices=list(Policy), default=Policy.KV, help="default kv")
-    parser.add_argument(
-        "--tokenizer",
-        type=_tokenizer_pair,
-        action="append",
-        default=[],
-        metavar="MODEL=DIR",
-        help="a model's directory with tokenizer.json + chat template (repeatable); without one, "
-        "the router asks a worker's /tokenize",
-    )
-    advanced = parser.add_argument_group(
-        "scoring overrides",
-        "the cost is a predicted time to first token, learned online; these only re-weigh its terms",
-    )
-    advanced.add_argument("--weight-prefill", type=float, default=w.prefill, help=f"own uncached tokens ({w.prefill})")
-    advanced.add_argument("--weight-queued", type=float, default=w.queued, help=f"prefill queued ahead ({w.queued})")
-    advanced.add_argument("--weight-active", type=float, default=w.active, help=f"in-flight prompt tokens ({w.active})")
-    advanced.add_argument("--weight-queue", type=float, default=w.queue, help=f"extra per queued request ({w.queue})")
-    advanced.add_argument(
-        "--weight-cache-pressure",
-        type=float,
-        default=None,
-        help="per token a prefill would evict from a full cache (default: the measured cache hit rate)",
-    )
-    tiers = parser.add_argument_group(
-        "cache tiers",
-        "what a prefix in a worker's CPU, disk or remote tier is worth (docs/router.md, 'Cache tiers')",
-    )
-    tiers.add_argument(
-        "--tier-cost",
-        choices=[m.value for m in TierMode],
-        help="time: a loaded block costs its load time, --tier-load-ms (default); learned: a load costs what "
-        "TTFTs taught, a wait per load and a time per token, starting from --tier-load-ms; weights: it counts "
-        "as cached by its tier's weight (--tier-weights); ignore: only GPU blocks count (env KVROUTE_TIER_COST)",
-    )
-    tiers.add_argument(
-        "--tier-load-ms",
-        metavar="TIER=MS,...",
-        help="load time per 1k tokens of each lower tier (default CPU=4,DISK=30,REMOTE=60: an 8B model's KV "
-        "over PCIe Gen5, a local NVMe, a remote store; env KVROUTE_TIER_LOAD_MS)",
-    )
-    tiers.add_argument(
-        "--tier-weights",
-        metavar="TIER=W,...",
-        help="with --tier-cost weights: each lower tier's weight of a GPU hit (default CPU=0.75,DISK=0.25,"
-        "REMOTE=0.25, Dynamo's; env KVROUTE_TIER_WEIGHTS)",
-    )
-    add_pd_arguments(parser)
-    parser.add_argument("--busy-kv-usage", type=float, default=w.busy_kv_usage, help=f"busy above ({w.busy_kv_usage})")
-    parser.add_argument(
-        "--busy-waiting", type=int, default=w.busy_waiting, help=f"busy at this queue ({w.busy_waiting})"
-    )
-    parser.add_argument("--temperature", type=float, default=w.temperature, help="softmax temperature (0: argmin)")
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="accepted bearer key (repeatable; env KVROUTE_API_KEYS, comma-separated); none: no auth",
-    )
-    parser.add_argument("--api-key-file", help="accepted bearer keys, one a line (env KVROUTE_API_KEY_FILE)")
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        help=f"larger request bodies get 413 (env KVROUTE_MAX_BODY_BYTES; default {d.max_body_bytes})",
-    )
-    parser.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        help=f"longer prompts get 413 (env KVROUTE_MAX_PROMPT_TOKENS; default {d.max_prompt_tokens})",
-    )
-    parser.add_argument("--replica-id", help="this replica's id in the shared load (default host-pid-random)")
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=d.workers,
-        help="router processes sharing the port (SO_REUSEPORT), each a replica of its own with --replica-id "
-        "suffixed -w0, -w1, ...; they share only Redis (default 1)",
-    )
-    parser.add_argument(
-        "--redis-timeout-ms",
-        type=float,
-        default=d.redis_timeout_s * 1000,
-        help="decision budget for Redis before routing by local load (default 50)",
-    )
-    parser.add_argument(
-        "--redis-pool-size",
-        type=int,
-        help=f"most Redis connections this replica opens (env KVROUTE_REDIS_POOL_SIZE; default {d.redis_pool_size})",
-    )
-    parser.add_argument(
-        "--worker-retain-s",
-        type=float,
-        help="seconds the last known workers of a model keep serving while Redis lists none alive (it "
-        f"lost its data; env KVROUTE_WORKER_RETAIN_S; default {d.worker_retain_s:g})",
-    )
-    parser.add_argument(
-        "--model-sync-ms",
-        type=int,
-        help="how often the learned cost model is shared with the other replicas through Redis, in ms "
-        f"(0: each replica learns alone; env KVROUTE_MODEL_SYNC_MS; default {d.model_sync_ms})",
-    )
-    _add_hardening_arguments(parser, d)
-    add_log_arguments(parser)
-
-
-def _add_hardening_arguments(parser: argparse.ArgumentParser, d: RouterSettings) -> None:
-    group = parser.add_argument_group("limits and security", "see docs/router.md and docs/security.md")
-    group.add_argument(
-        "--header-timeout-s",
-        type=float,
-        help="seconds for a request's headers, and an idle keep-alive connection's next request, "
-        f"before the connection is closed (env KVROUTE_HEADER_TIMEOUT_S; default {d.header_timeout_s:g})",
-    )
-    group.add_argument(
-        "--body-timeout-s",
-        type=float,
-        help=f"seconds for a request's whole body, else 408 (env KVROUTE_BODY_TIMEOUT_S; default {d.body_timeout_s:g})",
-    )
-    group.add_argument(
-        "--max-inflight",
-        type=int,
-        help="requests under /v1/ and /debug/ handled at once; more get 429 with Retry-After "
-        f"(env KVROUTE_MAX_INFLIGHT; default {d.max_inflight})",
-    )
-    group.add_argument(
-        "--upstream-connections",
-        type=int,
-        help="connections to workers, all together "
-        f"(env KVROUTE_UPSTREAM_CONNECTIONS; default {d.upstream_connections})",
-    )
-    group.add_argument(
-        "--upstream-connections-per-worker",
-        type=int,
-        help="connections to one worker (env KVROUTE_UPSTREAM_CONNECTIONS_PER_WORKER; "
-        f"default {d.upstream_connections_per_worker})",
-    )
-    group.add_argument(
-        "--enable-debug",
-        action="store_true",
-        default=None,
-        help="serve /debug/route (behind the API key when one is set; env KVROUTE_ENABLE_DEBUG=1)",
-    )
-    group.add_argument(
-        "--expose-routing-headers",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="x-kvroute-worker and x-kvroute-cached-tokens on replies (env KVROUTE_EXPOSE_ROUTING_HEADERS; "
-        "default: on without API keys, off with them, as they tell a tenant of another's prefixes)",
-    )
-    group.add_argument(
-        "--lean-front",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="deprecated, ignored with a warning: the router serves every endpoint on one HTTP server "
-        "(env KVROUTE_LEAN_FRONT)",
-    )
-    group.add_argument(
-        "--http-server",
-        type=HttpServerKind,
-        choices=list(HttpServerKind),
-        default=None,
-        help="the HTTP server of every endpoint: builtin (llhttp on the socket) or aiohttp (aiohttp's "
-        f"low-level server; same routes and edge rules) (env KVROUTE_HTTP_SERVER; default {d.http_server.value})",
-    )
-    group.add_argument(
-        "--upstream-client",
-        type=UpstreamClientKind,
-        choices=list(UpstreamClientKind),
-        default=None,
-        help="the HTTP client to the workers: builtin (llhttp on pooled connections) or aiohttp (aiohttp's "
-        f"client; same limits and timeouts) (env KVROUTE_UPSTREAM_CLIENT; default {d.upstream_client.value})",
-    )
-    group.add_argument(
-        "--worker-allow",
-        action="append",
-        default=[],
-        metavar="CIDR|HOST|.DOMAIN",
-        help="route only to workers whose URL host is in this network, is this host name or ends with this "
-        "domain (repeatable; env KVROUTE_WORKER_ALLOW, comma-separated; default: any, with a warning)",
-    )
+    """Every flag of ``kvroute router``, from :class:`RouterSettings`' declarations."""
+    add_declared(parser, RouterSettings, SECTIONS)
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterSettings:
-    env = os.environ if env is None else env
-    keys = set(args.api_key) | {k.strip() for k in env.get("KVROUTE_API_KEYS", "").split(",") if k.strip()}
-    keys |= read_secret_lines(args.api_key_file or env.get("KVROUTE_API_KEY_FILE"), "--api-key-file")
-    weights = ScoringWeights(
-        args.weight_prefill,
-        args.weight_queued,
-        args.weight_active,
-        args.weight_queue,
-        args.busy_kv_usage,
-        args.busy_waiting,
-        args.temperature,
-        args.weight_cache_pressure,
-        _tier_costs(args, env),
-    )
-    extra: dict[str, object] = {"replica_id": args.replica_id} if args.replica_id else {}
-    extra.update(_flag_or_env(args, env))
-    extra.update(_switches(args, env))
-    extra.update(
-        flag_or_env(
-            args,
-            env,
-            [
-                ("http_server", "KVROUTE_HTTP_SERVER", choice(HttpServerKind)),
-                ("upstream_client", "KVROUTE_UPSTREAM_CLIENT", choice(UpstreamClientKind)),
-            ],
-        )
-    )
-    allow = [*args.worker_allow, *(h.strip() for h in env.get("KVROUTE_WORKER_ALLOW", "").split(",") if h.strip())]
-    if allow:
-        extra["worker_allow"] = tuple(allow)
-    return RouterSettings(
-        redis=RedisSettings.from_env(env, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args)),
-        host=args.host,
-        port=args.port,
-        policy=args.policy,
-        tokenizers=tuple(args.tokenizer),
-        weights=weights,
-        pd=pd_costs(args, env),
-        api_keys=frozenset(keys),
-        redis_timeout_s=args.redis_timeout_ms / 1000,
-        workers=getattr(args, "workers", 1),
-        **extra,  # type: ignore[arg-type]
-    )
-
-
-_SWITCHES = (
-    ("enable_debug", "KVROUTE_ENABLE_DEBUG"),
-    ("expose_routing_headers", "KVROUTE_EXPOSE_ROUTING_HEADERS"),
-    ("lean_front", "KVROUTE_LEAN_FRONT"),
-)
-
-
-def _tier_costs(args: argparse.Namespace, env: Mapping[str, str]) -> TierCosts:
-    """--tier-cost, --tier-load-ms and --tier-weights, else their variables, else the defaults."""
-
-    def values(variable: str, text: str) -> dict[str, float]:
-        return parse_tier_values(text, variable)
-
-    given = flag_or_env(
-        argparse.Namespace(
-            mode=getattr(args, "tier_cost", None),
-            load_ms_per_1k=getattr(args, "tier_load_ms", None),
-            weights=getattr(args, "tier_weights", None),
-        ),
-        env,
-        [
-            ("mode", "KVROUTE_TIER_COST", choice(TierMode)),
-            ("load_ms_per_1k", "KVROUTE_TIER_LOAD_MS", values),
-            ("weights", "KVROUTE_TIER_WEIGHTS", values),
-        ],
-    )
-    for name, flag in (("load_ms_per_1k", "--tier-load-ms"), ("weights", "--tier-weights")):
-        if isinstance(given.get(name), str):  # the flag's text
-            given[name] = parse_tier_values(given[name], flag)
-    if isinstance(given.get("mode"), str):
-        given["mode"] = TierMode(given["mode"])
-    return TierCosts(**given)
-
-
-def _flag_or_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
-    """The :data:`ENV_SETTINGS` given by a flag, else by their variable (kvservice.options)."""
-    return flag_or_env(args, env, [(name, variable, typed(kind)) for name, (variable, kind) in ENV_SETTINGS.items()])
-
-
-def _switches(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
-    """The on/off settings: the flag, else the variable (1/true/yes/on or 0/false/no/off)."""
-    return flag_or_env(args, env, [(name, variable, parse_switch) for name, variable in _SWITCHES])
+    """The flags, else the KVROUTE_* variables, else the defaults (kvservice.declared)."""
+    return read_declared(RouterSettings, args, os.environ if env is None else env)

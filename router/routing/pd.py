@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kvindex.roles import BOTH, PREFILL, serves_decode_leg, serves_prefill_leg, serves_whole
+from kvservice.declared import of_type, one_of, setting
 from router.routing.scoring import Scored, predicted_cached_tokens
 from router.routing.ttft import CostModel
 
@@ -49,6 +50,7 @@ DEFAULT_HOP_MS = 1.0  # the prefill's reply and the decode's request: one more r
 # tokens in hand and one longer gap in it is felt less than a later first token, so it counts half:
 # a prompt is split when its prefill would stall enough decodes for long enough (docs/router.md).
 DEFAULT_DECODE_WEIGHT = 0.5
+PD_GROUP = "prefill/decode fleets"  # the --help section of the split settings
 
 
 class SplitMode(StrEnum):
@@ -67,11 +69,48 @@ class WholeOn(StrEnum):
 
 @dataclass(frozen=True)
 class PdCosts:
-    mode: SplitMode = SplitMode.AUTO
-    transfer_ms_per_1k: float = DEFAULT_TRANSFER_MS_PER_1K
-    hop_ms: float = DEFAULT_HOP_MS
-    whole_on: WholeOn = WholeOn.ANY
-    decode_weight: float = DEFAULT_DECODE_WEIGHT
+    mode: SplitMode = setting(
+        SplitMode.AUTO,
+        flag="--pd-split",
+        parse=one_of(SplitMode),
+        choices=tuple(SplitMode),
+        group=PD_GROUP,
+        help="a model with prefill workers (agents' --role): auto splits a request when that is predicted faster; "
+        "always whenever a prefill and a decode worker are alive; never: whole requests only (on the workers "
+        "--pd-whole-on names); off: roles ignored, every worker serves whole requests",
+    )
+    transfer_ms_per_1k: float = setting(
+        DEFAULT_TRANSFER_MS_PER_1K,
+        flag="--pd-transfer-ms",
+        parse=of_type(float),
+        group=PD_GROUP,
+        help="KV transfer time per 1k tokens, prefill to decode engine (the default: an 8B model's KV at ~25 GB/s)",
+    )
+    hop_ms: float = setting(
+        DEFAULT_HOP_MS,
+        flag="--pd-hop-ms",
+        parse=of_type(float),
+        group=PD_GROUP,
+        help="the extra round trip a split costs",
+    )
+    whole_on: WholeOn = setting(
+        WholeOn.ANY,
+        flag="--pd-whole-on",
+        parse=one_of(WholeOn),
+        choices=tuple(WholeOn),
+        group=PD_GROUP,
+        help="which workers take a request served whole: any (a prefill worker too, where that is cheapest: "
+        "complete engines such as vLLM's NIXL ones, all kv_both); decode: decode and both workers only, for "
+        "connectors whose prefill engines cannot serve alone",
+    )
+    decode_weight: float = setting(
+        DEFAULT_DECODE_WEIGHT,
+        flag="--pd-decode-weight",
+        parse=of_type(float),
+        group=PD_GROUP,
+        help="what a second of stall to the streams decoding on a worker counts against a second of the new "
+        "request's TTFT, in the split decision (0: TTFT alone; 1: every user's waiting alike)",
+    )
 
     def __post_init__(self) -> None:
         if not (self.transfer_ms_per_1k >= 0 and self.hop_ms >= 0):  # NaN too

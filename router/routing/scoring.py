@@ -26,11 +26,12 @@ are busy (the ranking itself: :mod:`router.routing.choice`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from kvindex.tiers import LOWER_TIERS
 from kvindex.types import WorkerLoad
+from kvservice.declared import nested, of_type, setting
 from router.routing.tiers import TierCosts, TierMode, loadable
 from router.routing.ttft import CostModel
 from router.routing.ttft_fit import attention_work
@@ -41,6 +42,7 @@ NO_TIER_COSTS = TierCosts()
 MAX_CONGESTION = 8.0
 MAX_UTILIZATION = 0.9  # beyond this the queueing estimate explodes; MAX_CONGESTION caps it anyway
 MAX_OWN_DELAYED = 1.0  # arrivals a prefill delays while it is computed (requests_behind)
+OVERRIDES = "scoring overrides"  # the --help section of the weights
 
 
 class Policy(StrEnum):
@@ -53,15 +55,64 @@ class Policy(StrEnum):
 
 @dataclass(frozen=True)
 class ScoringWeights:
-    prefill: float = 1.0  # per own uncached token
-    queued: float = 1.0  # per uncached token queued ahead
-    active: float = 0.0  # per in-flight prompt token (KV held there): off, time does not depend on it
-    queue: float = 0.0  # per request the engine queues, on top of the prefill ahead: off by default
-    busy_kv_usage: float = 0.97
-    busy_waiting: int = 16
-    temperature: float = 0.0
-    cache_pressure: float | None = None  # per evicted token; None: the measured reuse
-    tiers: TierCosts = field(default_factory=TierCosts)  # what a lower cache tier's blocks are worth
+    """Advanced overrides of the cost's terms; the cost is a predicted TTFT, learned online, and needs
+    no tuning (docs/router.md, "How a worker is chosen")."""
+
+    prefill: float = setting(
+        1.0, flag="--weight-prefill", parse=of_type(float), group=OVERRIDES, help="per own uncached token"
+    )
+    queued: float = setting(
+        1.0,
+        flag="--weight-queued",
+        parse=of_type(float),
+        group=OVERRIDES,
+        help="per uncached token queued ahead (0: load ignored, the longest match wins)",
+    )
+    # per in-flight prompt token (KV held there): off, time does not depend on it
+    active: float = setting(
+        0.0,
+        flag="--weight-active",
+        parse=of_type(float),
+        group=OVERRIDES,
+        help="per in-flight prompt token (legacy: time does not depend on it)",
+    )
+    queue: float = setting(
+        0.0,
+        flag="--weight-queue",
+        parse=of_type(float),
+        group=OVERRIDES,
+        help="extra per request the engine queues, on top of the prefill ahead (legacy)",
+    )
+    busy_kv_usage: float = setting(
+        0.97,
+        flag="--busy-kv-usage",
+        parse=of_type(float),
+        group=OVERRIDES,
+        help="a worker at or above this KV-cache usage is busy: chosen only if all are",
+    )
+    busy_waiting: int = setting(
+        16,
+        flag="--busy-waiting",
+        parse=of_type(int),
+        group=OVERRIDES,
+        help="a worker with this many requests waiting is busy: chosen only if all are",
+    )
+    temperature: float = setting(
+        0.0,
+        flag="--temperature",
+        parse=of_type(float),
+        group=OVERRIDES,
+        help="0: the lowest cost wins; above 0: softmax sampling over the costs",
+    )
+    cache_pressure: float | None = setting(
+        None,
+        flag="--weight-cache-pressure",
+        parse=of_type(float),
+        group=OVERRIDES,
+        shown_default="the measured cache hit rate",
+        help="per token a prefill would evict from a full cache, re-prefilled later with this probability",
+    )
+    tiers: TierCosts = nested(TierCosts)  # what a lower cache tier's blocks are worth
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.queued, self.active, self.queue, self.temperature) < 0:

@@ -15,15 +15,17 @@ learned. Two other modes stand beside it for comparison: fixed weights per tier 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
 from kvindex.tiers import LOWER_TIERS, parse_tiers
+from kvservice.declared import one_of, setting
 
 DEFAULT_LOAD_MS_PER_1K: Final = MappingProxyType({"CPU": 4.0, "DISK": 30.0, "REMOTE": 60.0})
 DYNAMO_WEIGHTS: Final = MappingProxyType({"CPU": 0.75, "DISK": 0.25, "REMOTE": 0.25})
+TIERS_GROUP = "cache tiers"  # the --help section of the tier settings
 
 
 class TierMode(StrEnum):
@@ -35,9 +37,33 @@ class TierMode(StrEnum):
 
 @dataclass(frozen=True)
 class TierCosts:
-    mode: TierMode = TierMode.TIME
-    load_ms_per_1k: Mapping[str, float] = field(default_factory=lambda: DEFAULT_LOAD_MS_PER_1K)
-    weights: Mapping[str, float] = field(default_factory=lambda: DYNAMO_WEIGHTS)
+    mode: TierMode = setting(
+        TierMode.TIME,
+        flag="--tier-cost",
+        parse=one_of(TierMode),
+        choices=tuple(TierMode),
+        group=TIERS_GROUP,
+        help="what a block in a worker's lower cache tier is worth: time (its load time, --tier-load-ms), "
+        "learned (a wait per load and a time per token learned from TTFTs, starting there), weights (a GPU hit "
+        "times its tier's weight, Dynamo's), ignore (only GPU blocks count)",
+    )
+    load_ms_per_1k: Mapping[str, float] = setting(
+        default_factory=lambda: DEFAULT_LOAD_MS_PER_1K,
+        flag="--tier-load-ms",
+        metavar="TIER=MS,...",
+        parse=lambda where, text: parse_tier_values(text, where),
+        group=TIERS_GROUP,
+        help="load time per 1k tokens of each lower tier (the defaults: an 8B model's KV over PCIe Gen5, a local "
+        "NVMe, a remote store)",
+    )
+    weights: Mapping[str, float] = setting(
+        default_factory=lambda: DYNAMO_WEIGHTS,
+        flag="--tier-weights",
+        metavar="TIER=W,...",
+        parse=lambda where, text: parse_tier_values(text, where),
+        group=TIERS_GROUP,
+        help="with --tier-cost weights: each lower tier's weight of a GPU hit (the defaults are Dynamo's)",
+    )
 
     def __post_init__(self) -> None:
         for name, values in (("--tier-load-ms", self.load_ms_per_1k), ("--tier-weights", self.weights)):

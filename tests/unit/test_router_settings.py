@@ -56,8 +56,8 @@ def test_the_http_server_comes_from_the_flag_else_the_variable():
         _settings(["--http-server", "builtin"], {"KVROUTE_HTTP_SERVER": "aiohttp"}).http_server
         is HttpServerKind.BUILTIN
     )
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--http-server", "uvicorn"])
+    with pytest.raises(ValueError, match="--http-server must be one of builtin, aiohttp, got 'uvicorn'"):
+        _settings(["--http-server", "uvicorn"])
 
 
 def test_the_upstream_client_comes_from_the_flag_else_the_variable():

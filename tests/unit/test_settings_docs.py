@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kvroute.cli.settings import DECLARED
+from kvservice.declared import settings_table
 from router.main import build_parser as router_parser
 from sim_engine.main import build_parser as sim_parser
 from tests.support import ROOT
@@ -49,3 +51,12 @@ def test_every_flag_has_a_row_and_every_row_a_flag(parser, page, start, end):
     flags, named = _flags(parser), _named(_table(page, start, end))
     assert not flags - named, f"flags without a row in docs/{page}'s settings table: {sorted(flags - named)}"
     assert not named - flags, f"rows in docs/{page} naming no flag: {sorted(named - flags)}"
+
+
+@pytest.mark.parametrize("command", sorted(DECLARED))
+def test_the_docs_table_is_the_declarations_table(command):
+    """The docs' table is ``kvroute settings COMMAND``'s output: a help text, default or variable
+    changed in the declarations and not in the page fails here (paste the command's output)."""
+    page = {"router": "router.md", "agent": "agent.md", "sim-engine": "sim-engine.md"}[command]
+    table = settings_table(*DECLARED[command])
+    assert table in (ROOT / "docs" / page).read_text(), f"docs/{page} lacks `kvroute settings {command}`'s table"
