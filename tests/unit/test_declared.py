@@ -67,13 +67,13 @@ def test_switches_toggles_and_lists():
 
 
 def test_errors_name_where_the_value_came_from():
-    with pytest.raises(ValueError, match="^--port must be an integer, got 'x'$"):
+    with pytest.raises(ValueError, match=r"^--port must be an integer, got 'x'$"):
         _read(["--name", "a", "--port", "x"])
-    with pytest.raises(ValueError, match="^KVROUTE_PORT must be an integer, got 'x'$"):
+    with pytest.raises(ValueError, match=r"^KVROUTE_PORT must be an integer, got 'x'$"):
         _read(["--name", "a"], {"KVROUTE_PORT": "x"})
-    with pytest.raises(ValueError, match="^KVROUTE_COLOUR must be one of red, blue, got 'green'$"):
+    with pytest.raises(ValueError, match=r"^KVROUTE_COLOUR must be one of red, blue, got 'green'$"):
         _read(["--name", "a"], {"KVROUTE_COLOUR": "green"})
-    with pytest.raises(ValueError, match="^KVROUTE_VERBOSE must be 1 or 0"):
+    with pytest.raises(ValueError, match=r"^KVROUTE_VERBOSE must be 1 or 0"):
         _read(["--name", "a"], {"KVROUTE_VERBOSE": "maybe"})
     with pytest.raises(ValueError, match=r"^missing required setting\(s\): --name \(or KVROUTE_NAME\)$"):
         _read([])
