@@ -27,7 +27,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.settings import redact_url
 from kvservice.http_runner import OpenAIErrorsRunner
 from kvservice.lifecycle import EXIT_BAD_SETTINGS, listening, on_signals, run_service
-from kvservice.logs import LogSettings, configure_logging
+from kvservice.logs import configure_logging
 from kvservice.options import Parser, naming_the_variable
 from worker_agent.agent import Agent
 from worker_agent.engine import EngineClient
@@ -126,11 +126,10 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """Settings from ``args`` (a mistake: one line, exit 2), logging, then the agent."""
     try:
         settings = settings_from_args(args)
-        log_settings = LogSettings.from_args(args)
     except ValueError as exc:
         print(f"{parser.prog}: error: {naming_the_variable(str(exc), args, os.environ)}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
-    configure_logging(log_settings)
+    configure_logging(settings.log)
     return run_service(parser.prog, lambda: run_agent(settings))
 
 

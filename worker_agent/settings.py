@@ -1,88 +1,189 @@
-"""The agent's settings: one frozen dataclass, from flags and KVROUTE_* environment variables.
-Logging (``--log-level``, ``--log-format``) is :mod:`kvservice.logs`'s, added to the same parser."""
+"""The agent's settings: one frozen dataclass whose fields declare their flags and KVROUTE_*
+variables (kvservice.declared); argparse, the environment's reading and docs/agent.md's table
+are made from it."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvindex.roles import BOTH, ROLES, role_of_kv_role
-from kvindex.settings import RedisSettings, add_redis_arguments, redis_security_overrides
+from kvindex.settings import RedisSettings
 from kvindex.tiers import TIERS, parse_tiers
-from kvservice.logs import add_log_arguments
-from kvservice.options import flag_or_env, parse_switch, typed
+from kvservice.declared import Kind, add_declared, nested, of_type, read_declared, setting
+from kvservice.logs import LogSettings
 from worker_agent.engine import root_url
 from worker_agent.engine_kinds import ENGINE_KINDS, TRTLLM
-
-# flag dest -> environment variable (flags win over the environment)
-ENV_VARS = {
-    "engine_url": "KVROUTE_ENGINE_URL",
-    "events": "KVROUTE_EVENTS",
-    "replay": "KVROUTE_REPLAY",
-    "topic": "KVROUTE_TOPIC",
-    "model": "KVROUTE_MODEL",
-    "block_size": "KVROUTE_BLOCK_SIZE",
-    "dp_rank": "KVROUTE_DP_RANK",
-    "worker_id": "KVROUTE_WORKER_ID",
-    "metrics_port": "KVROUTE_METRICS_PORT",
-    "metrics_host": "KVROUTE_METRICS_HOST",
-    "events_warn_after": "KVROUTE_EVENTS_WARN_AFTER",
-    "events_bind": "KVROUTE_EVENTS_BIND",
-    "tiers": "KVROUTE_TIERS",
-    "role": "KVROUTE_ROLE",
-    "kv_transfer_config": "KVROUTE_KV_TRANSFER_CONFIG",
-    "engine_kind": "KVROUTE_ENGINE_KIND",
-}
-_INTS = ("block_size", "dp_rank", "metrics_port")
-_FLOATS = ("events_warn_after",)
 
 
 @dataclass(frozen=True)
 class AgentSettings:
-    engine_url: str
+    engine_url: str = setting(
+        flag="--engine-url",
+        metavar="URL",
+        help="the engine's OpenAI base URL, where routers send requests; a trailing /v1 is dropped: the index stores "
+        "the server root and routers append /v1/...",
+    )
     # a ZMQ endpoint; for TensorRT-LLM an http(s) URL it is polled at, or None: the engine's /kv_cache_events
-    events: str | None = None
-    redis: RedisSettings = field(default_factory=RedisSettings)
-    replay: str | None = None
-    topic: str = ""
-    model: str | None = None  # None: ask the engine's /v1/models
-    block_size: int | None = None  # None: the engine's /metrics, else the first BlockStored
-    dp_rank: int = 0
-    worker_id: str | None = None  # None: "<engine root url>#<dp rank>"
-    metrics_host: str = "127.0.0.1"  # as the router's: listening beyond this host is the operator's choice
-    metrics_port: int = 0  # 0: no HTTP server
+    events: str | None = setting(
+        None,
+        flag="--events",
+        metavar="ENDPOINT",
+        shown_default="required (TensorRT-LLM: <engine>/kv_cache_events)",
+        help="the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557: the agent connects to tcp://host:port (vLLM "
+        "binds tcp://*:port), and binds a wildcard one with --events-bind. TensorRT-LLM: its POST /kv_cache_events "
+        "URL",
+    )
+    redis: RedisSettings = nested(RedisSettings)
+    replay: str | None = setting(
+        None,
+        flag="--replay",
+        metavar="ENDPOINT",
+        help="the engine's ZMQ replay (ROUTER) endpoint on the engine's host, e.g. tcp://127.0.0.1:5558 (a * host is "
+        "refused); without it, gaps cannot be repaired",
+    )
+    topic: str = setting("", flag="--topic", help="the KV-event topic (a ZMQ prefix match)")
+    model: str | None = setting(
+        None, flag="--model", shown_default="the engine's /v1/models", help="the served model name routers will ask for"
+    )  # None: ask the engine's /v1/models
+    block_size: int | None = setting(
+        None,
+        flag="--block-size",
+        parse=of_type(int),
+        shown_default="vLLM's /metrics, else its first event; 16 for SGLang",
+        help="tokens per index block: vLLM's blocks are the index's (stored runs of another size are counted and "
+        "skipped); SGLang's pages are re-blocked into it; every worker of a model needs the same one",
+    )  # None: the engine's /metrics, else the first BlockStored
+    dp_rank: int = setting(
+        0,
+        flag="--dp-rank",
+        parse=of_type(int),
+        help="the data-parallel rank (the engine metric label) whose events this agent follows",
+    )
+    worker_id: str | None = setting(
+        None, flag="--worker-id", shown_default="<engine url>#<rank>", help="the worker's id in the index"
+    )  # None: "<engine root url>#<dp rank>"
+    # as the router's: listening beyond this host is the operator's choice
+    metrics_host: str = setting(
+        "127.0.0.1",
+        flag="--metrics-host",
+        help="the address of /health and /metrics (0.0.0.0 for a scraper on another host, as compose.yaml's agents)",
+    )
+    metrics_port: int = setting(
+        0, flag="--metrics-port", parse=of_type(int), shown_default="0 (off)", help="the port of /health and /metrics"
+    )  # 0: no HTTP server
     heartbeat_interval_s: float = 1.0
-    ttl_ms: int = 5_000
+    ttl_ms: int = setting(
+        5_000, flag="--ttl-ms", parse=of_type(int), help="the heartbeat's TTL in ms (heartbeats go every second)"
+    )
     load_interval_s: float = 0.25
     health_interval_s: float = 1.0
     health_failures: int = 3  # consecutive /health failures that mean the engine is down
-    verify_interval_s: float = 5.0  # compare the index's block count with the mirror
-    reassert_interval_s: float = 3600.0  # rewrite everything anyway, so any drift heals
+    verify_interval_s: float = setting(
+        5.0,
+        flag="--verify-interval",
+        parse=of_type(float),
+        help="seconds between checks of the worker's block count in Redis against the agent's mirror",
+    )  # compare the index's block count with the mirror
+    reassert_interval_s: float = setting(
+        3600.0,
+        flag="--reassert-interval",
+        parse=of_type(float),
+        help="seconds between full re-asserts: every block rewritten even when nothing looks wrong, so any drift "
+        "heals (each agent starts at a random phase)",
+    )
     gc_interval_s: float = 10.0
     replay_timeout_s: float = 2.0  # a replay's idle timeout
-    replay_deadline_s: float = 5.0  # a replay's total time bound
+    replay_deadline_s: float = setting(
+        5.0,
+        flag="--replay-deadline",
+        parse=of_type(float),
+        help="seconds one replay from the engine may take in all, besides its 2 s idle timeout (docs/agent.md, Limits)",
+    )
     # Limits on what one engine can make the agent hold (see docs/agent.md, "Limits").
-    max_message_bytes: int = 16 << 20  # per ZMQ frame: ~27x a 64k-token step's batch
-    max_queued_messages: int = 100_000  # received, not yet applied (vLLM's own send HWM)
-    max_queued_bytes: int = 256 << 20
+    max_message_bytes: int = setting(
+        16 << 20,
+        flag="--max-message-bytes",
+        parse=of_type(int),
+        shown_default="16777216 (16 MiB)",
+        help="the largest KV-event frame accepted (ZMQ_MAXMSGSIZE; ~27x a 64k-token step's batch)",
+    )
+    max_queued_messages: int = setting(
+        100_000,
+        flag="--max-queued-messages",
+        parse=of_type(int),
+        help="KV-event messages received and not yet applied, before dropping (vLLM's own send HWM)",
+    )
+    max_queued_bytes: int = setting(
+        256 << 20,
+        flag="--max-queued-bytes",
+        parse=of_type(int),
+        shown_default="268435456 (256 MiB)",
+        help="KV-event bytes received and not yet applied, before dropping (a gap)",
+    )
     # Warn when the engine keeps serving requests this long with no KV event arriving (0: never).
-    events_warn_after_s: float = 30.0
+    events_warn_after_s: float = setting(
+        30.0,
+        flag="--events-warn-after",
+        parse=of_type(float),
+        help="seconds the engine may serve requests with no KV event arriving before the agent warns (a wrong "
+        "--events or --topic; 0: never)",
+    )
     # Listen for KV events on a wildcard --events endpoint (for an engine told to connect to the
     # agent). Off by default: a bound SUB takes events from any publisher that reaches the port.
-    events_bind: bool = False
+    events_bind: bool = setting(
+        False,
+        flag="--events-bind",
+        kind=Kind.SWITCH,
+        help="allow a wildcard --events (tcp://*:port, tcp://0.0.0.0:port, [::]), which the agent binds, for an engine "
+        "told to connect to it. Off by default, so the agent only connects: a bound SUB takes KV events from any "
+        "publisher that reaches the port, and whoever can publish there can claim any prefix for this worker",
+    )
     # The cache tiers indexed (kvindex/tiers.py): every tier the engine reports, by default.
-    tiers: frozenset[str] = frozenset(TIERS)
+    tiers: frozenset[str] = setting(
+        frozenset(TIERS),
+        flag="--tiers",
+        metavar="GPU,CPU,DISK,REMOTE",
+        parse=lambda where, text: _tiers(where, text),
+        shown_default="all the engine reports",
+        help="the cache tiers to index (the GPU's always; docs/router.md, Cache tiers)",
+    )
     # Its part in a prefill/decode split (kvindex/roles.py): --role, else the kv_role of the
-    # engine's --kv-transfer-config, else both.
-    role: str = BOTH
+    # engine's --kv-transfer-config, else both (resolved in __post_init__).
+    role: str = setting(
+        None,
+        flag="--role",
+        choices=ROLES,
+        shown_default="--kv-transfer-config's kv_role, else both",
+        help="the worker's part in a prefill/decode split (docs/router.md, Prefill/decode fleets)",
+    )
+    engine_role: str | None = setting(
+        None,
+        flag="--kv-transfer-config",
+        metavar="JSON",
+        parse=lambda where, text: _role_of_config(where, text),
+        shown_default="none",
+        help="the engine's --kv-transfer-config: its kv_role gives the role when --role is not given "
+        "(kv_producer: prefill, kv_consumer: decode, kv_both: both)",
+    )
     # vllm, sglang or trtllm (worker_agent/engine_kinds.py); None: what the engine's /v1/models says, else vllm
-    engine_kind: str | None = None
+    engine_kind: str | None = setting(
+        None,
+        flag="--engine-kind",
+        parse=lambda where, text: _engine_kind(where, text),
+        choices=ENGINE_KINDS,
+        shown_default="the owned_by of its /v1/models, else vllm",
+        help="the engine: its KV-event dialect, transport and metric names (Engine kinds, below); trtllm must be named "
+        "(its events are polled over HTTP), and --events may then be left out",
+    )
+    log: LogSettings = nested(LogSettings)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "role", self.role or self.engine_role or BOTH)
         if urlsplit(self.engine_url).scheme not in ("http", "https"):
             raise ValueError(f"--engine-url must be an http(s) URL, got {self.engine_url!r}")
         self._check_events()
@@ -169,100 +270,25 @@ class AgentSettings:
         return self.worker_id or f"{self.engine_root}#{self.dp_rank}"
 
 
-_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("--engine-url", str, "the engine's OpenAI base URL, where routers send requests"),
-    (
-        "--events",
-        str,
-        "the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (TensorRT-LLM: its POST /kv_cache_events URL, "
-        "by default <engine>/kv_cache_events)",
-    ),
-    ("--replay", str, "the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558"),
-    ("--topic", str, 'the KV-event topic (default "")'),
-    ("--model", str, "served model name (default: ask the engine's /v1/models)"),
-    (
-        "--engine-kind",
-        str,
-        "the engine: vllm, sglang or trtllm; its KV-event dialect and metric names "
-        "(default: the owned_by of its /v1/models, else vllm; trtllm must be named: its events are polled "
-        "over HTTP)",
-    ),
-    (
-        "--block-size",
-        int,
-        "tokens per index block (default: vLLM's /metrics, else its first event; 16 for SGLang, whose pages are "
-        "re-blocked into the index's blocks)",
-    ),
-    ("--dp-rank", int, "data-parallel rank this agent follows (default 0)"),
-    ("--worker-id", str, "worker id in the index (default <engine url>#<rank>)"),
-    ("--metrics-port", int, "port for /health and /metrics (default 0: off)"),
-    ("--metrics-host", str, "address for /health and /metrics (default 127.0.0.1; 0.0.0.0 for a scraper elsewhere)"),
-    ("--tiers", str, "cache tiers to index, of GPU,CPU,DISK,REMOTE (default all the engine reports; GPU always)"),
-    ("--role", str, "the worker's part in a prefill/decode split: both, prefill or decode (default both)"),
-    (
-        "--kv-transfer-config",
-        str,
-        "the engine's --kv-transfer-config JSON: its kv_role gives the role when --role is not given "
-        "(kv_producer: prefill, kv_consumer: decode, kv_both: both)",
-    ),
-    (
-        "--events-warn-after",
-        float,
-        "seconds the engine may serve requests with no KV event arriving before the agent warns "
-        "(a wrong --events or --topic; default 30, 0: never)",
-    ),
-)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, kind, help_text in _FLAGS:
-        variable = ENV_VARS[flag[2:].replace("-", "_")]
-        parser.add_argument(flag, type=kind, help=f"{help_text}; env {variable}")
-    parser.add_argument(
-        "--events-bind",
-        action="store_true",
-        default=None,
-        help="listen on a wildcard --events endpoint (tcp://*:5557) for an engine told to connect to this agent; "
-        "off by default: a bound socket takes events from any publisher; env KVROUTE_EVENTS_BIND",
-    )
-    add_redis_arguments(parser)
-    parser.add_argument("--ttl-ms", type=int, help="heartbeat TTL in ms (default 5000)")
-    parser.add_argument("--reassert-interval", type=float, help="seconds between full re-asserts (default 3600)")
-    parser.add_argument("--verify-interval", type=float, help="seconds between block-count checks (default 5)")
-    parser.add_argument(
-        "--replay-deadline", type=float, help="seconds one replay from the engine may take in all (default 5)"
-    )
-    parser.add_argument(
-        "--max-message-bytes", type=int, help="largest KV-event message frame accepted (default 16 MiB)"
-    )
-    parser.add_argument(
-        "--max-queued-messages", type=int, help="KV-event messages held before dropping (default 100000)"
-    )
-    parser.add_argument("--max-queued-bytes", type=int, help="KV-event bytes held before dropping (default 256 MiB)")
-    add_log_arguments(parser)
+    """Every flag of ``kvroute agent``, from :class:`AgentSettings`' declarations."""
+    add_declared(parser, AgentSettings)
 
 
-def _check_engine_kind(kind: object) -> None:
+def _check_engine_kind(kind: object, where: str = "--engine-kind") -> None:
     if kind is not None and kind not in ENGINE_KINDS:
-        raise ValueError(f"--engine-kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+        raise ValueError(f"{where} must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+
+
+def _engine_kind(where: str, text: str) -> str:
+    """Checked as it is read: it decides which other settings are required."""
+    _check_engine_kind(text, where)
+    return text
 
 
 def _is_wildcard(endpoint: str) -> bool:
     """A wildcard host (tcp://*:5557, tcp://[::]:5557, tcp://0.0.0.0:5557): the agent would bind."""
     return "*" in endpoint or "::" in endpoint or "//0.0.0.0:" in endpoint
-
-
-def _parser(name: str) -> Callable[[str, str], object]:
-    """How a setting's KVROUTE_* variable is read (kvservice.options)."""
-    if name == "events_bind":
-        return parse_switch
-    if name == "tiers":
-        return lambda variable, text: _tiers(variable, text)
-    if name in _INTS:
-        return typed(int)
-    if name in _FLOATS:
-        return typed(float)
-    return lambda _, text: text
 
 
 def _tiers(where: str, text: str) -> frozenset[str]:
@@ -272,52 +298,22 @@ def _tiers(where: str, text: str) -> frozenset[str]:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def _resolve_role(values: dict[str, object]) -> None:
-    """``role`` from --role, else from --kv-transfer-config's kv_role (which is then dropped)."""
-    config = values.pop("kv_transfer_config", None)
-    if "role" in values or config is None:
-        return
+def _role_of_config(where: str, config: str) -> str | None:
+    """The role an engine's --kv-transfer-config gives (its kv_role), None when it names none."""
     try:
-        parsed = json.loads(str(config))
+        parsed = json.loads(config)
     except ValueError as exc:
-        raise ValueError(f"--kv-transfer-config must be JSON, got {str(config)[:80]!r} ({exc})") from None
+        raise ValueError(f"{where} must be JSON, got {config[:80]!r} ({exc})") from None
     kv_role = parsed.get("kv_role") if isinstance(parsed, dict) else None
     if kv_role is None:
-        return  # no kv_role: the engine is complete
+        return None  # no kv_role: the engine is complete
     try:
-        values["role"] = role_of_kv_role(str(kv_role))
+        return role_of_kv_role(str(kv_role))
     except ValueError as exc:
-        raise ValueError(f"--kv-transfer-config: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentSettings:
-    """Flags first, then KVROUTE_* variables, then defaults. Raises ValueError with a message
-    naming the flag when something is missing or malformed."""
-    env = os.environ if env is None else env
-    values = flag_or_env(args, env, [(name, variable, _parser(name)) for name, variable in ENV_VARS.items()])
-    kind = values.get("engine_kind")
-    _check_engine_kind(kind)  # first: it decides what else is required
-    required = ("engine_url",) if kind == TRTLLM else ("engine_url", "events")
-    missing: Sequence[str] = [f"--{n.replace('_', '-')}" for n in required if n not in values]
-    if missing:
-        raise ValueError(f"missing required setting(s): {', '.join(missing)} (or their KVROUTE_* variables)")
-    if args.ttl_ms is not None:
-        values["ttl_ms"] = args.ttl_ms
-    if args.reassert_interval is not None:
-        values["reassert_interval_s"] = args.reassert_interval
-    if args.verify_interval is not None:
-        values["verify_interval_s"] = args.verify_interval
-    if args.replay_deadline is not None:
-        values["replay_deadline_s"] = args.replay_deadline
-    for name in ("max_message_bytes", "max_queued_messages", "max_queued_bytes"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    if isinstance(values.get("tiers"), str):  # the flag's text
-        values["tiers"] = _tiers("--tiers", values["tiers"])
-    _resolve_role(values)
-    if "events_warn_after" in values:
-        values["events_warn_after_s"] = values.pop("events_warn_after")
-    values["redis"] = RedisSettings.from_env(
-        env, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args)
-    )
-    return AgentSettings(**values)  # type: ignore[arg-type]
+    """Flags first, then KVROUTE_* variables, then defaults (kvservice.declared). Raises ValueError
+    with a message naming the flag or variable when something is missing or malformed."""
+    return read_declared(AgentSettings, args, os.environ if env is None else env)

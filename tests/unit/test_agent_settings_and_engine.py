@@ -70,7 +70,8 @@ def test_the_role_comes_from_the_flag_else_the_engines_kv_role():
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        ([], {}, "missing required setting(s): --engine-url, --events"),
+        ([], {}, "missing required setting(s): --engine-url (or KVROUTE_ENGINE_URL)"),
+        (["--engine-url", "http://e:8000"], {}, "missing required setting(s): --events (or KVROUTE_EVENTS)"),
         (["--engine-url", "flag:8000", "--events", "tcp://e:1"], {}, "must be an http(s) URL"),
         (["--engine-url", "http://e:8000", "--events", "e:5557"], {}, "must be a ZMQ endpoint"),
         (["--engine-url", "http://e:8000", "--events", "tcp://e:1", "--block-size", "0"], {}, "--block-size"),
@@ -106,7 +107,7 @@ def test_the_role_comes_from_the_flag_else_the_engines_kv_role():
         (
             ["--engine-url", "http://e:8000", "--events", "tcp://e:1"],
             {"KVROUTE_KV_TRANSFER_CONFIG": '{"kv_role": "kv_boss"}'},
-            "--kv-transfer-config: kv_role must be one of kv_producer, kv_consumer, kv_both, got 'kv_boss'",
+            "KVROUTE_KV_TRANSFER_CONFIG: kv_role must be one of kv_producer, kv_consumer, kv_both, got 'kv_boss'",
         ),
     ],
 )
