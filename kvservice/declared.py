@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from kvservice.options import parse_as, parse_switch
 
 SETTING = "kvroute.declared"
+DEFAULT_PREFIX = "KVROUTE_"  # a settings class's VARIABLE_PREFIX (a ClassVar) replaces it for its fields
 NESTED = "kvroute.nested"
 T = TypeVar("T")
 E = TypeVar("E", bound=StrEnum)
@@ -66,16 +67,18 @@ class Declared:
     help: str
     parse: Parse = text
     kind: Kind = Kind.VALUE
-    variable: str = ""  # empty: KVROUTE_ and the flag's name, upper case
+    variable: str = ""  # empty: the class's VARIABLE_PREFIX (KVROUTE_) and the flag's name, upper case
     metavar: str | None = None
     choices: tuple[str, ...] = ()  # shown by --help and the docs; ``parse`` checks them
     shown_default: str | None = None  # the default as a user reads it, where the value's own text is not
     group: str = ""  # the --help section
     to_field: Callable[[Any], Any] | None = None  # the parsed value in the field's unit or type
+    aliases: tuple[str, ...] = ()  # older flags that set it too
+    many: bool = False  # a list whose flag takes several values at once (--flag A B), as vLLM's
 
     @property
     def env(self) -> str:
-        return self.variable or "KVROUTE_" + self.flag[2:].replace("-", "_").upper()
+        return self.variable or DEFAULT_PREFIX + self.flag[2:].replace("-", "_").upper()
 
     @property
     def dest(self) -> str:
@@ -106,7 +109,16 @@ def declared_fields(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Declare
         if NESTED in f.metadata:
             yield from declared_fields(f.metadata[NESTED])
         elif SETTING in f.metadata:
-            yield f, f.metadata[SETTING]
+            yield f, _declared(cls, f)
+
+
+def _declared(cls: type, f: dataclasses.Field[Any]) -> Declared:
+    """The field's declaration, its variable named by the class's prefix where it names none."""
+    declared: Declared = f.metadata[SETTING]
+    if declared.variable:
+        return declared
+    prefix = getattr(cls, "VARIABLE_PREFIX", DEFAULT_PREFIX)
+    return dataclasses.replace(declared, variable=prefix + declared.flag[2:].replace("-", "_").upper())
 
 
 def add_declared(
@@ -132,13 +144,16 @@ def add_declared(
 def _add_flag(target: Any, declared: Declared, help_text: str) -> None:
     help_text = help_text.replace("%", "%%")  # argparse formats help with %
     if declared.kind is Kind.SWITCH:
-        target.add_argument(declared.flag, action="store_true", default=None, help=help_text)
+        target.add_argument(declared.flag, *declared.aliases, action="store_true", default=None, help=help_text)
     elif declared.kind is Kind.TOGGLE:
         target.add_argument(declared.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     else:
         target.add_argument(
             declared.flag,
-            action="append" if declared.kind is Kind.LIST else "store",
+            *declared.aliases,
+            dest=declared.dest,
+            action=("extend" if declared.many else "append") if declared.kind is Kind.LIST else "store",
+            nargs="+" if declared.many else None,
             default=None,
             # the choices are shown, and checked by ``parse`` (which may take any case)
             metavar=declared.metavar or ("{" + ",".join(declared.choices) + "}" if declared.choices else None),
@@ -159,11 +174,12 @@ def read_declared(cls: type[T], args: argparse.Namespace, env: Mapping[str, str]
         if NESTED in f.metadata:
             values[f.name] = read_declared(f.metadata[NESTED], args, env)
         elif SETTING in f.metadata:
-            value = _value(f.metadata[SETTING], args, env)
+            declared = _declared(cls, f)
+            value = _value(declared, args, env)
             if value is not _ABSENT:
                 values[f.name] = value
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                missing.append((f.name, f.metadata[SETTING]))
+                missing.append((f.name, declared))
     values.update(given)
     if unset := [d for name, d in missing if name not in given]:
         named = ", ".join(f"{d.flag} (or {d.env})" for d in unset)
@@ -232,7 +248,8 @@ def settings_table(*classes: type) -> str:
 def _flag_cell(declared: Declared) -> str:
     name = f"--[no-]{declared.flag[2:]}" if declared.kind is Kind.TOGGLE else declared.flag
     value = "|".join(declared.choices) if declared.choices else declared.metavar
-    return _cell(f"`{name} {value}`" if value else f"`{name}`")
+    flags = [f"`{name} {value}`" if value else f"`{name}`", *(f"`{alias}`" for alias in declared.aliases)]
+    return _cell(", ".join(flags))
 
 
 _PIPE = "\\|"  # a | inside a markdown table's cell

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from kvservice.lifecycle import run_service, serve_until_signal
-from kvservice.logs import LogSettings, configure_logging
+from kvservice.logs import configure_logging
 from kvservice.options import Parser, fail_settings
 from sim_engine.server import RunningEngine, running_engine
 from sim_engine.settings import SimEngineSettings, add_arguments, settings_from_args
@@ -52,10 +52,9 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """Validate ``args`` (a bad flag: argparse's message, exit 2), then serve until a signal."""
     try:
         settings = settings_from_args(args)
-        log_settings = LogSettings.from_args(args)
     except ValueError as exc:
         fail_settings(parser, exc, args)
-    configure_logging(log_settings)
+    configure_logging(settings.log)
     return run_service(parser.prog, lambda: serve(settings))
 
 

@@ -1,13 +1,18 @@
-"""The simulated engine's settings: a frozen dataclass built from ``kvroute sim-engine`` flags."""
+"""The simulated engine's settings: one frozen dataclass whose fields declare their flags and
+KVROUTE_SIM_* variables (kvservice.declared); argparse, the environment's reading and
+docs/sim-engine.md's table are made from it."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from kvservice.logs import add_log_arguments
+from kvservice.declared import Kind, add_declared, nested, of_type, read_declared, setting
+from kvservice.logs import LogSettings
 from sim_engine.engine import TimingModel
 from sim_engine.kv_transfer import DEFAULT_MS_PER_1K_TOKENS, DEFAULT_TIMEOUT_S
 from sim_engine.lora import parse_module
@@ -23,16 +28,6 @@ EVENTS_PORT_OFFSET = 8000 - 5557
 FIRST_EVENTS_PORT = 1024  # derived ports below this would need privileges
 METRICS_MODES = ("full", "minimal")
 ENGINE_KINDS = ("vllm", "sglang", "trtllm")  # the engine imitated: its KV-event wire, metric names, owned_by
-SLIDING_WINDOW_ENV = "KVROUTE_SIM_SLIDING_WINDOW"  # --sliding-window's default
-DISK_BLOCKS_ENV = "KVROUTE_SIM_DISK_BLOCKS"  # --disk-blocks' default
-DISK_LOAD_MS_ENV = "KVROUTE_SIM_DISK_LOAD_MS_PER_1K_TOKENS"  # --disk-load-ms-per-1k-tokens'
-# --kv-transfer and its settings' defaults
-KV_TRANSFER_ENV = "KVROUTE_SIM_KV_TRANSFER"
-KV_TRANSFER_MS_ENV = "KVROUTE_SIM_KV_TRANSFER_MS_PER_1K_TOKENS"
-KV_TRANSFER_TIMEOUT_ENV = "KVROUTE_SIM_KV_TRANSFER_TIMEOUT_S"
-KV_TRANSFER_HOST_ENV = "KVROUTE_SIM_KV_TRANSFER_HOST"
-SHARED_COMPUTE_ENV = "KVROUTE_SIM_SHARED_COMPUTE"  # --shared-compute's default
-SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
@@ -53,56 +48,198 @@ def default_events_endpoint(port: int, host: str = "127.0.0.1") -> str:
 
 @dataclass(frozen=True)
 class SimEngineSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    events_endpoint: str | None = AUTO  # AUTO becomes default_events_endpoint(port, host); None: no events
+    VARIABLE_PREFIX: ClassVar[str] = "KVROUTE_SIM_"  # its settings' variables (kvservice.declared)
+
+    host: str = setting("127.0.0.1", flag="--host", help="the HTTP address")
+    port: int = setting(8000, flag="--port", parse=of_type(int), help="the HTTP port (0 picks a free one)")
+    events_endpoint: str | None = setting(
+        AUTO,
+        flag="--events-endpoint",
+        metavar="ENDPOINT",
+        parse=lambda _, text: _events_endpoint(text),
+        help="the ZMQ PUB endpoint of KV events: bound when it is a wildcard like tcp://*:5557, connected otherwise "
+        f"(as vLLM); none: no events; auto: bound on --host at tcp://<host>:<--port - {EVENTS_PORT_OFFSET}> "
+        "(tcp://127.0.0.1:5557 for port 8000, a free port for --port 0, tcp://*:... for --host 0.0.0.0)",
+    )  # AUTO becomes default_events_endpoint(port, host); None: no events
     events_bind: bool = False  # bind events_endpoint whatever it names (the default's); else vLLM's rule
-    replay_endpoint: str | None = None
-    topic: str = ""
-    model: str = "tiny"
-    tokenizer: Path = TINY_MODEL_DIR
-    num_blocks: int = 2048
-    block_size: int = 16
-    max_model_len: int = 4096
-    dp_rank: int = 0
-    buffer_steps: int = 10_000
-    drop_events_every: int = 0  # fault injection: every Nth KV-event batch is not sent
-    timing: TimingModel = field(default_factory=TimingModel)
+    replay_endpoint: str | None = setting(
+        None,
+        flag="--replay-endpoint",
+        metavar="ENDPOINT",
+        shown_default="off",
+        help="the ZMQ ROUTER endpoint of replay (DEALER-compatible, with vLLM's end marker); needs events",
+    )
+    topic: str = setting("", flag="--topic", help="the KV-event topic")
+    model: str = setting("tiny", flag="--model", help="the served model name")
+    tokenizer: Path = setting(
+        TINY_MODEL_DIR,
+        flag="--tokenizer",
+        metavar="DIR",
+        parse=lambda _, text: Path(text),
+        shown_default="the bundled tiny model (sim_engine/tiny_model: the tokenizer and chat template of the model the "
+        "real-vLLM captures were made with, no weights)",
+        help="a model directory with tokenizer.json and a chat template",
+    )
+    num_blocks: int = setting(
+        2048,
+        flag="--num-blocks",
+        parse=of_type(int),
+        help="KV blocks (block 0 is vLLM's null block: N blocks hold N - 1)",
+    )
+    block_size: int = setting(16, flag="--block-size", parse=of_type(int), help="tokens per block")
+    max_model_len: int = setting(
+        4096, flag="--max-model-len", parse=of_type(int), help="the context length served: prompt + max_tokens"
+    )
+    dp_rank: int = setting(
+        0,
+        flag="--dp-rank",
+        parse=of_type(int),
+        help="the rank in events (data_parallel_rank) and metrics (the engine label)",
+    )
+    buffer_steps: int = setting(10_000, flag="--buffer-steps", parse=of_type(int), help="batches kept for replay")
+    drop_events_every: int = setting(
+        0,
+        flag="--drop-events-every",
+        parse=of_type(int),
+        help="fault injection: every Nth KV-event batch is kept for replay but not sent, so subscribers see sequence "
+        "gaps (0: send all)",
+    )
+    timing: TimingModel = nested(TimingModel)
     # "full": vLLM's whole metric set on /metrics; "minimal": only the running, waiting and
     # KV-usage gauges (an engine, or an older vLLM, that reports little). /debug/metrics is full.
-    metrics: str = "full"
+    metrics: str = setting(
+        "full",
+        flag="--metrics",
+        choices=METRICS_MODES,
+        help="what /metrics exports: full (vLLM's names) or minimal (only vllm:num_requests_running, "
+        "vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as an engine that reports little); /debug/metrics "
+        "always has the full set",
+    )
     # "vllm", or "sglang": SGLang's KV-event wire (kvevents/sglang.py: a block is a page of
     # --block-size tokens), its /metrics names and owned_by in /v1/models
-    engine_kind: str = "vllm"
+    engine_kind: str = setting(
+        "vllm",
+        flag="--engine-kind",
+        choices=ENGINE_KINDS,
+        help="the engine imitated: its KV-event wire, /metrics names and /v1/models owned_by (sglang: a block is a "
+        "page of --block-size tokens, 1 being SGLang's default page, its sglang:* metric names and owned_by sglang; "
+        "trtllm: TensorRT-LLM's events, queued up to --buffer-steps and drained by POST /kv_cache_events, JSON "
+        "iteration stats on GET /metrics, its Prometheus page on /prometheus/metrics, owned_by tensorrt_llm); "
+        "/debug/metrics keeps vLLM's names. Not with --sliding-window or --kv-transfer; trtllm not with "
+        "--cpu-blocks or --disk-blocks",
+    )
     # LoRA adapters served from the start (NAME, PATH), and whether they may be loaded and
     # unloaded at run time (vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING).
-    lora_modules: tuple[tuple[str, str], ...] = ()
-    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = setting(
+        (),
+        flag="--lora-modules",
+        kind=Kind.LIST,
+        many=True,
+        metavar="NAME=PATH",
+        parse=lambda _, text: parse_module(text),
+        help="LoRA adapters served from the start, as vLLM's flag (requests name them as the model); they imply "
+        "--enable-lora",
+    )
+    enable_lora: bool = setting(
+        False,
+        flag="--enable-lora",
+        kind=Kind.SWITCH,
+        help="also load and unload adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
     # A CPU tier behind the GPU cache (vLLM's native CPU offloading): its size in blocks (0: none)
     # and its load time (sim_engine/offload.py).
-    cpu_blocks: int = 0
-    cpu_load_ms_per_1k_tokens: float = 4.0
+    cpu_blocks: int = setting(
+        0,
+        flag="--cpu-blocks",
+        parse=of_type(int),
+        help="a CPU tier of this many blocks behind the GPU cache, as vLLM's CPU offloading (0: none)",
+    )
+    cpu_load_ms_per_1k_tokens: float = setting(
+        4.0,
+        flag="--cpu-load-ms-per-1k-tokens",
+        parse=of_type(float),
+        help="the CPU tier's load time per 1k tokens (the default: an 8B model's KV over PCIe Gen5)",
+    )
     # A disk tier behind it (LMCache's local-disk backend; without a CPU tier: right behind the
     # GPU cache): its size in blocks (0: none) and its load time (sim_engine/offload.py).
-    disk_blocks: int = 0
-    disk_load_ms_per_1k_tokens: float = 30.0
+    disk_blocks: int = setting(
+        0,
+        flag="--disk-blocks",
+        parse=of_type(int),
+        help="a disk tier of this many blocks behind the CPU tier (or the GPU cache without one), as LMCache's "
+        "local-disk backend (0: none)",
+    )
+    disk_load_ms_per_1k_tokens: float = setting(
+        30.0,
+        flag="--disk-load-ms-per-1k-tokens",
+        parse=of_type(float),
+        help="the disk tier's load time per 1k tokens (the default: an 8B model's KV from a local NVMe drive)",
+    )
     # A hybrid model's KV cache (sim_engine/hybrid.py): a sliding-window group of this many tokens
     # beside the full-attention one, as vLLM keeps for layer_types [sliding_attention,
     # full_attention]; 0: one full-attention group.
-    sliding_window: int = 0
+    sliding_window: int = setting(
+        0,
+        flag="--sliding-window",
+        metavar="TOKENS",
+        parse=of_type(int),
+        help="a hybrid model's KV cache: a sliding-window group of this many tokens beside the full-attention one, "
+        "sharing the blocks, as vLLM runs layer_types [sliding_attention, full_attention] (0: full attention only); "
+        "not with --cpu-blocks or --disk-blocks",
+    )
     # Prefill/decode disaggregation (sim_engine/kv_transfer.py): every engine can serve either leg,
     # as vLLM's NIXL connector with kv_role kv_both; a pull takes this long per 1k tokens; a
     # finished prefill keeps its blocks this long unless a decode engine holding a request for
     # them renews the lease (vLLM's kv_lease_duration); the host its replies name for pulls
     # (None: --host, or localhost when that is a wildcard).
-    kv_transfer: bool = False
-    kv_transfer_ms_per_1k_tokens: float = DEFAULT_MS_PER_1K_TOKENS
-    kv_transfer_timeout_s: float = DEFAULT_TIMEOUT_S
-    kv_transfer_host: str | None = None
+    kv_transfer: bool = setting(
+        False,
+        flag="--kv-transfer",
+        kind=Kind.SWITCH,
+        help="prefill/decode disaggregation as vLLM's NIXL connector (kv_both): a request's kv_transfer_params make "
+        "it a prefill leg that keeps its KV for a decode engine, or a decode leg that pulls it from one (off: "
+        "kv_transfer_params are ignored); not with --cpu-blocks, --disk-blocks or --sliding-window",
+    )
+    kv_transfer_ms_per_1k_tokens: float = setting(
+        DEFAULT_MS_PER_1K_TOKENS,
+        flag="--kv-transfer-ms-per-1k-tokens",
+        metavar="MS",
+        parse=of_type(float),
+        help="a decode leg's pull of its prompt's KV takes this long per 1k tokens pulled, divided by --speedup "
+        "(the default: an 8B model's KV over RDMA)",
+    )
+    kv_transfer_timeout_s: float = setting(
+        DEFAULT_TIMEOUT_S,
+        flag="--kv-transfer-timeout-s",
+        metavar="S",
+        parse=of_type(float),
+        help="a finished prefill leg keeps its blocks this long (wall clock) for a decode engine, renewed while a "
+        "decode engine holds a request for them (vLLM's kv_lease_duration)",
+    )
+    kv_transfer_host: str | None = setting(
+        None,
+        flag="--kv-transfer-host",
+        metavar="HOST",
+        shown_default="--host, or localhost when it is a wildcard",
+        help="the host a prefill reply names for the decode engine's pull (remote_host; the port is --port's)",
+    )
     # Engines that share their compute (sim_engine/shared_compute.py): those started with the same
     # directory share this many cores, as vLLM servers on one CPU do; None: a step's time alone.
-    shared_compute: Path | None = None
-    shared_cores: float = 1.0
+    shared_compute: Path | None = setting(
+        None,
+        flag="--shared-compute",
+        metavar="DIR",
+        parse=lambda _, text: Path(text),
+        help="share compute with the engines started with the same directory: while k of them run a step, each gets "
+        "--shared-cores / k of the compute, as vLLM servers on one CPU",
+    )
+    shared_cores: float = setting(
+        1.0,
+        flag="--shared-cores",
+        parse=of_type(float),
+        help="the cores --shared-compute's engines share (the default: vLLM's CPU binding puts every server on one)",
+    )
+    log: LogSettings = nested(LogSettings)
 
     @property
     def kv_transfer_address(self) -> str:
@@ -112,6 +249,8 @@ class SimEngineSettings:
         return "localhost" if self.host in WILDCARD_HOSTS else self.host
 
     def __post_init__(self) -> None:
+        if self.lora_modules and not self.enable_lora:  # as vLLM: adapters served need LoRA on
+            object.__setattr__(self, "enable_lora", True)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be within 0..65535, got {self.port}")
         if self.events_endpoint == AUTO:  # bound, whatever its host: vLLM's rule is for given endpoints
@@ -179,268 +318,17 @@ class SimEngineSettings:
             )
 
 
-def switch(value: object, name: str) -> bool:
-    """A switch given as a flag (a bool) or by its environment variable ``name`` (1/0, true/false, ...)."""
-    if isinstance(value, bool):
-        return value
-    parsed = SWITCH_VALUES.get(str(value).strip().lower())
-    if parsed is None:
-        raise ValueError(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {value!r}")
-    return parsed
+def _events_endpoint(text: str) -> str | None:
+    """--events-endpoint's text: none (no events), auto (the default's rule) or an endpoint."""
+    word = text.strip()
+    return None if word.lower() == "none" else AUTO if word.lower() == AUTO else word
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = SimEngineSettings()
-    parser.add_argument("--host", default=d.host, help=f"HTTP address (default {d.host})")
-    parser.add_argument("--port", type=int, default=d.port, help=f"HTTP port (default {d.port}; 0 picks a free one)")
-    parser.add_argument(
-        "--events-endpoint",
-        default=AUTO,
-        help="ZMQ PUB endpoint for KV events; bound when it is a wildcard like tcp://*:5557, connected otherwise "
-        f"(as vLLM); 'none' turns events off; default auto: bound on --host, tcp://<host>:<--port - "
-        f"{EVENTS_PORT_OFFSET}> (tcp://127.0.0.1:5557 for port 8000, a free port for --port 0; tcp://*:... for "
-        "--host 0.0.0.0)",
-    )
-    parser.add_argument("--replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay (default off)")
-    parser.add_argument("--topic", default=d.topic, help='KV-event topic (default "")')
-    parser.add_argument("--model", default=d.model, help=f"served model name (default {d.model})")
-    parser.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=d.tokenizer,
-        help="model dir with tokenizer.json and a chat template (default: the tiny model)",
-    )
-    parser.add_argument("--num-blocks", type=int, default=d.num_blocks, help=f"KV blocks (default {d.num_blocks})")
-    parser.add_argument(
-        "--block-size", type=int, default=d.block_size, help=f"tokens per block (default {d.block_size})"
-    )
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help=f"default {d.max_model_len}")
-    parser.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in events and metrics")
-    parser.add_argument("--buffer-steps", type=int, default=d.buffer_steps, help="batches kept for replay")
-    parser.add_argument(
-        "--drop-events-every",
-        type=int,
-        default=0,
-        help="fault injection: every Nth KV-event batch is kept for replay but not sent, so subscribers see "
-        "sequence gaps (default 0: send all)",
-    )
-    parser.add_argument(
-        "--metrics",
-        choices=METRICS_MODES,
-        default=d.metrics,
-        help="what /metrics exports: full (vLLM's names, default) or minimal (only vllm:num_requests_running, "
-        "vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as an engine that reports little); "
-        "/debug/metrics always has the full set",
-    )
-    parser.add_argument(
-        "--engine-kind",
-        choices=ENGINE_KINDS,
-        default=d.engine_kind,
-        help="the engine imitated: its KV-event wire, /metrics names and /v1/models owned_by (default vllm; "
-        "sglang: a block is a page of --block-size tokens; trtllm: events on POST /kv_cache_events, JSON "
-        "iteration stats on /metrics)",
-    )
-    _add_timing_arguments(parser, d.timing)
-    _add_kv_transfer_arguments(parser)
-    add_log_arguments(parser)
+    """Every flag of ``kvroute sim-engine``, from :class:`SimEngineSettings`' declarations."""
+    add_declared(parser, SimEngineSettings)
 
 
-def _add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-transfer",
-        action="store_true",
-        # a string default is checked by settings_from_args: a malformed variable is a one-line error
-        default=os.environ.get(KV_TRANSFER_ENV, "0"),
-        help="prefill/decode disaggregation as vLLM's NIXL connector (kv_both): a request's kv_transfer_params "
-        "make it a prefill leg that keeps its KV for a decode engine, or a decode leg that pulls it from one "
-        f"(default off: kv_transfer_params are ignored; env {KV_TRANSFER_ENV})",
-    )
-    parser.add_argument(
-        "--kv-transfer-ms-per-1k-tokens",
-        type=float,
-        default=os.environ.get(KV_TRANSFER_MS_ENV, str(DEFAULT_MS_PER_1K_TOKENS)),
-        metavar="MS",
-        help="a decode leg's pull of its prompt's KV takes this long per 1k tokens pulled, divided by --speedup "
-        f"(default {DEFAULT_MS_PER_1K_TOKENS:g}: an 8B model's KV over RDMA; env {KV_TRANSFER_MS_ENV})",
-    )
-    parser.add_argument(
-        "--kv-transfer-timeout-s",
-        type=float,
-        default=os.environ.get(KV_TRANSFER_TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S)),
-        metavar="S",
-        help="a finished prefill leg keeps its blocks this long (wall clock) for a decode engine, renewed while "
-        f"a decode engine holds a request for them (vLLM's kv_lease_duration; default {DEFAULT_TIMEOUT_S:g}; "
-        f"env {KV_TRANSFER_TIMEOUT_ENV})",
-    )
-    parser.add_argument(
-        "--kv-transfer-host",
-        default=os.environ.get(KV_TRANSFER_HOST_ENV),
-        metavar="HOST",
-        help="the host a prefill reply names for the decode engine's pull (remote_host; the port is --port's) "
-        f"(default --host, or localhost when it is a wildcard; env {KV_TRANSFER_HOST_ENV})",
-    )
-
-
-def _add_timing_arguments(parser: argparse.ArgumentParser, t: TimingModel) -> None:
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=t.max_num_batched_tokens,
-        help="tokens one engine step may schedule, shared by decodes and prefill chunks (chunked prefill, as "
-        f"vLLM; default {t.max_num_batched_tokens}, vLLM's default for an online server; 0: no budget)",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        "--max-running",
-        dest="max_num_seqs",
-        type=int,
-        default=t.max_num_seqs,
-        help=f"batch limit: requests running at once, more wait (default {t.max_num_seqs}; --max-running: the same)",
-    )
-    parser.add_argument(
-        "--prefill-ms-per-1k-tokens",
-        type=float,
-        default=t.prefill_ms_per_1k_tokens,
-        help=f"prefill ms per 1k uncached tokens (default {t.prefill_ms_per_1k_tokens})",
-    )
-    parser.add_argument(
-        "--decode-ms-per-step",
-        type=float,
-        default=t.decode_ms_per_step,
-        help=f"time of a step that decodes (default {t.decode_ms_per_step})",
-    )
-    parser.add_argument(
-        "--decode-ms-per-token",
-        type=float,
-        default=t.decode_ms_per_token,
-        help=f"added per decoding request in a step: large batches decode slower (default {t.decode_ms_per_token})",
-    )
-    parser.add_argument(
-        "--step-overhead-ms",
-        type=float,
-        default=t.step_overhead_ms,
-        help=f"fixed time per step (default {t.step_overhead_ms})",
-    )
-    parser.add_argument(
-        "--prefill-context-ns",
-        type=float,
-        default=t.prefill_context_ns,
-        help="attention's share of prefill: a chunk of N new tokens after P computed ones takes this many ns "
-        "x N x (P + N/2) more (default 0; an H200 with Llama-3.1-8B in bf16 measured 2.0 beside 18.5 us per token)",
-    )
-    parser.add_argument(
-        "--parallel-prefill",
-        action="store_true",
-        help="each request's prefill in its own lane: the token budget is per request and a step takes its "
-        "longest chunk's time, not their sum (an engine whose prefills do not queue behind each other)",
-    )
-    parser.add_argument("--speedup", type=float, default=t.speedup, help="run this many times faster than real time")
-    parser.add_argument(
-        "--shared-compute",
-        type=Path,
-        default=os.environ.get(SHARED_COMPUTE_ENV) or None,
-        metavar="DIR",
-        help="share compute with the engines started with the same directory: while k of them run a step, "
-        f"each gets --shared-cores / k of the compute, as vLLM servers on one CPU (default: none; env "
-        f"{SHARED_COMPUTE_ENV})",
-    )
-    parser.add_argument(
-        "--shared-cores",
-        type=float,
-        default=SimEngineSettings.shared_cores,
-        help="the cores --shared-compute's engines share (default 1: vLLM's CPU binding puts every server on one)",
-    )
-    parser.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters served from the start, as vLLM's flag (requests name them as the model)",
-    )
-    parser.add_argument(
-        "--cpu-blocks",
-        type=int,
-        default=SimEngineSettings.cpu_blocks,
-        help="a CPU tier of this many blocks behind the GPU cache, as vLLM's CPU offloading (default 0: none)",
-    )
-    parser.add_argument(
-        "--cpu-load-ms-per-1k-tokens",
-        type=float,
-        default=SimEngineSettings.cpu_load_ms_per_1k_tokens,
-        help="the CPU tier's load time per 1k tokens (default 4: an 8B model's KV over PCIe Gen5)",
-    )
-    parser.add_argument(
-        "--disk-blocks",
-        type=int,
-        default=os.environ.get(DISK_BLOCKS_ENV, str(SimEngineSettings.disk_blocks)),
-        help="a disk tier of this many blocks behind the CPU tier (or the GPU cache without one), as LMCache's "
-        f"local-disk backend (default 0: none; env {DISK_BLOCKS_ENV})",
-    )
-    parser.add_argument(
-        "--disk-load-ms-per-1k-tokens",
-        type=float,
-        default=os.environ.get(DISK_LOAD_MS_ENV, f"{SimEngineSettings.disk_load_ms_per_1k_tokens:g}"),
-        help="the disk tier's load time per 1k tokens (default 30: an 8B model's KV from a local NVMe drive; "
-        f"env {DISK_LOAD_MS_ENV})",
-    )
-    parser.add_argument(
-        "--sliding-window",
-        type=int,
-        # a string default goes through type=int: a malformed variable is argparse's error
-        default=os.environ.get(SLIDING_WINDOW_ENV, "0"),
-        metavar="TOKENS",
-        help="a hybrid model's KV cache: a sliding-window group of this many tokens beside the "
-        "full-attention one, sharing the blocks, as vLLM runs layer_types [sliding_attention, "
-        f"full_attention] (default 0: full attention only; env {SLIDING_WINDOW_ENV})",
-    )
-    parser.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="also load and unload adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)",
-    )
-
-
-def settings_from_args(args: argparse.Namespace) -> SimEngineSettings:
-    timing = TimingModel(
-        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
-        decode_ms_per_step=args.decode_ms_per_step,
-        step_overhead_ms=args.step_overhead_ms,
-        max_num_seqs=args.max_num_seqs,
-        speedup=args.speedup,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        decode_ms_per_token=args.decode_ms_per_token,
-        prefill_context_ns=args.prefill_context_ns,
-        parallel_prefill=args.parallel_prefill,
-    )
-    events = None if str(args.events_endpoint).lower() == "none" else str(args.events_endpoint).strip()
-    return SimEngineSettings(
-        host=args.host,
-        port=args.port,
-        events_endpoint=AUTO if events is not None and events.lower() == AUTO else events,
-        replay_endpoint=args.replay_endpoint,
-        topic=args.topic,
-        model=args.model,
-        tokenizer=args.tokenizer,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        dp_rank=args.dp_rank,
-        buffer_steps=args.buffer_steps,
-        drop_events_every=args.drop_events_every,
-        timing=timing,
-        metrics=args.metrics,
-        engine_kind=args.engine_kind,
-        lora_modules=tuple(parse_module(text) for text in args.lora_modules),
-        enable_lora=args.enable_lora or bool(args.lora_modules),
-        cpu_blocks=args.cpu_blocks,
-        cpu_load_ms_per_1k_tokens=args.cpu_load_ms_per_1k_tokens,
-        disk_blocks=args.disk_blocks,
-        disk_load_ms_per_1k_tokens=args.disk_load_ms_per_1k_tokens,
-        sliding_window=args.sliding_window,
-        kv_transfer=switch(args.kv_transfer, KV_TRANSFER_ENV),
-        kv_transfer_ms_per_1k_tokens=args.kv_transfer_ms_per_1k_tokens,
-        kv_transfer_timeout_s=args.kv_transfer_timeout_s,
-        kv_transfer_host=args.kv_transfer_host,
-        shared_compute=args.shared_compute,
-        shared_cores=args.shared_cores,
-    )
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> SimEngineSettings:
+    """The flags, else the KVROUTE_SIM_* variables (KVROUTE_LOG_* for logging), else the defaults."""
+    return read_declared(SimEngineSettings, args, os.environ if env is None else env)

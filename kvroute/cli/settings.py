@@ -9,12 +9,14 @@ from typing import Any
 
 from kvservice.declared import settings_table
 from router.settings import RouterSettings
+from sim_engine.settings import SimEngineSettings
 from worker_agent.settings import AgentSettings
 
 # The commands whose settings are declared, and their settings' dataclasses.
 DECLARED: dict[str, tuple[type, ...]] = {
     "router": (RouterSettings,),
     "agent": (AgentSettings,),
+    "sim-engine": (SimEngineSettings,),
 }
 
 
