@@ -42,7 +42,7 @@ READ_COMMANDS = (
     "exists", "get", "hget", "hmget", "hgetall", "hkeys", "hlen", "hexists", "zrange", "zrangebyscore",
     "zrevrangebyscore", "zscore", "zcard", "smembers", "sinter", "sismember", "scard", "strlen", "getrange", "pttl",
 )  # fmt: skip
-# The writes each role's scripts and clients send (lua/*.lua, kvindex, router/shared/shared_load.py).
+# The writes each role's scripts and clients send (lua/*.lua, kvindex, kvindex/shared_load.py).
 ROUTER_WRITES = ("hset", "hdel", "hincrby", "zadd", "zrem", "del", "unlink", "pexpire")
 AGENT_WRITES = (
     "hset", "hdel", "hincrby", "zadd", "zrem", "sadd", "srem", "append", "set", "del", "unlink", "pexpire",

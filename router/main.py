@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
+from kvindex.redis_routing import RedisRoutingIndex
 from kvindex.settings import redact_url
+from kvindex.shared_load import SharedLoad
 from kvservice.lifecycle import listening, run_service, serve_until_signal
 from kvservice.logs import configure_logging
 from kvservice.options import Parser, fail_settings
@@ -26,7 +28,6 @@ from router.routing.fleet import Fleet
 from router.routing.model_sync import ModelSync
 from router.settings import HttpServerKind, RouterSettings, UpstreamClientKind, add_arguments, settings_from_args
 from router.shared.replica_load import FLUSH_WINDOW_S, UNCARRIED_FLUSH_WINDOW_S, ReplicaLoad
-from router.shared.shared_load import SharedLoad
 from router.state import RouterState
 from router.upstream.aiohttp_pool import AiohttpPool
 from router.upstream.pool import UpstreamPool
@@ -55,9 +56,11 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         schema = KeySchema(settings.redis.prefix)
         index = RedisIndex(client, schema)
         stack.push_async_callback(index.scripts.aclose)  # its pipelined connection, after the last flush
+        shared = SharedLoad(client, schema, settings.replica_id, index.scripts)
+        routing = RedisRoutingIndex(index, shared)  # the router's one port onto Redis (kvindex.routing_index)
         _warn_if_open(settings)
         fleet = Fleet(
-            index, settings.workers_refresh_s, settings.worker_retain_s, WorkerAllowList(settings.worker_allow)
+            routing, settings.workers_refresh_s, settings.worker_retain_s, WorkerAllowList(settings.worker_allow)
         )
         if not await fleet.try_refresh():
             log.warning(
@@ -67,8 +70,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
             )
         fleet.start()
         stack.push_async_callback(fleet.stop)
-        shared = SharedLoad(client, schema, settings.replica_id, index.scripts)
-        window = FLUSH_WINDOW_S if index.scripts.cancel_safe else UNCARRIED_FLUSH_WINDOW_S
+        window = FLUSH_WINDOW_S if routing.cancel_safe else UNCARRIED_FLUSH_WINDOW_S
         load = ReplicaLoad(
             shared, settings.lease_ttl_ms, settings.expected_ttl_ms, settings.redis.socket_timeout_s, window
         )
@@ -78,7 +80,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         upstream = pool_kind.from_settings(settings)
         stack.push_async_callback(upstream.close)
         decider = Decider(
-            index,
+            routing,
             load,
             fleet,
             settings.weights,
@@ -102,7 +104,7 @@ async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRoute
         tokenization = Tokenization(settings.tokenizer_dirs, upstream, settings.max_prompt_tokens)
         state = RouterState(
             settings,
-            index,
+            routing,
             fleet,
             decider,
             load,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvindex.redis_index import RedisIndex
+from kvindex.routing_index import RoutingIndex
 from router.observe.metrics import RouterMetrics
 from router.prompts.id_memo import TokenIdMemo
 from router.prompts.tokenization import Tokenization
@@ -20,7 +20,7 @@ from router.upstream.pool import UpstreamPool
 @dataclass
 class RouterState:
     settings: RouterSettings
-    index: RedisIndex
+    index: RoutingIndex
     fleet: Fleet
     decider: Decider
     load: ReplicaLoad

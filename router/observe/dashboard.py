@@ -23,10 +23,10 @@ from dataclasses import fields
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from kvindex.shared_load import InflightLoad
 from router.http.routes import Routes
 from router.http.wire import Handler, HttpRequest, Reply
 from router.routing.accounting import Bucket, summary
-from router.shared.shared_load import InflightLoad
 
 if TYPE_CHECKING:
     from router.state import RouterState

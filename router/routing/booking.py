@@ -27,11 +27,11 @@ import asyncio
 import time
 from types import TracebackType
 
+from kvindex.shared_load import InflightLoad
 from router.routing.decide import Decision
 from router.routing.scoring import Candidate
 from router.routing.ttft import TtftLearner
 from router.shared.replica_load import ReplicaLoad
-from router.shared.shared_load import InflightLoad
 
 # An expectation stands in for the blocks a request computes and then holds on its worker. Past
 # the request it is a promise of blocks the worker's full cache may have evicted since (kept a

@@ -16,14 +16,11 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import partial
-from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
-from kvindex.pipelined import WireWatch, wire_watch
 from kvindex.prefix_memo import PrefixHashMemo
-from kvindex.redis_index import RedisIndex
-from kvindex.scripts import ScriptCall
+from kvindex.routing_index import IndexView, RoutingIndex
+from kvindex.shared_load import InflightLoad
 from kvindex.tiers import LOWER_TIERS, tier_holder
 from kvindex.types import WorkerRecord
 from router.prompts.hashing import PromptHasher
@@ -44,7 +41,6 @@ from router.routing.scoring import (
 )
 from router.routing.ttft import TtftLearner
 from router.shared.replica_load import ReplicaLoad
-from router.shared.shared_load import InflightLoad, parse_expected, parse_totals
 
 log = logging.getLogger("router.decide")  # the name it always had: log filters rely on it
 
@@ -120,16 +116,6 @@ class Decision:
         return [self.chain[d - 1] for d in checkpoints(len(self.chain))]
 
 
-@dataclass(frozen=True)
-class IndexView:
-    """One lookup's answer: matched blocks, every replica's booked load and the expected
-    prefixes, per worker id."""
-
-    matches: dict[str, int]
-    totals: dict[str, InflightLoad]
-    expected_depth: dict[str, int]
-
-
 def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
     """``candidate`` with the prefix a request in flight there computes or holds (an expectation
     lasts as long as its request): held, it is pinned there (``Candidate.held_blocks``, which no
@@ -160,32 +146,13 @@ def checkpoints(length: int) -> tuple[int, ...]:
     return tuple(sorted(d for d in depths if d > 0))
 
 
-class _RelayedWatch(WireWatch):
-    """Counts a batch's requests on the wire, and passes each on to the decision's own watch
-    (:mod:`router.routing.lookups` holds its slot until that one is settled)."""
-
-    def __init__(self, outer: WireWatch | None) -> None:
-        super().__init__()
-        self._outer = outer
-
-    def sent(self) -> None:
-        super().sent()
-        if self._outer is not None:
-            self._outer.sent()
-
-    def read(self) -> None:
-        if self._outer is not None:
-            self._outer.read()
-        super().read()
-
-
 class Decider:
     """Decisions for one replica. Pure of side effects on routing state: what a decision books
     (load, expected prefixes) is booked by the request's :class:`~router.routing.booking.Booking`."""
 
     def __init__(
         self,
-        index: RedisIndex,
+        index: RoutingIndex,
         replica_load: ReplicaLoad,
         fleet: Fleet,
         weights: ScoringWeights,
@@ -196,13 +163,12 @@ class Decider:
     ) -> None:
         self._index = index
         self._replica_load = replica_load
-        self._shared = replica_load.shared
         self._fleet = fleet
         self._weights = weights
         self._policy = policy
         self._timeout = redis_timeout_s
         # no task per lookup where cancelling one is free (a single server's pipelined connection)
-        self.lookups = Lookups(lookup_slots, redis_timeout_s, backstop_s, index.scripts.cancel_safe)
+        self.lookups = Lookups(lookup_slots, redis_timeout_s, backstop_s, index.cancel_safe)
         self._turn = 0  # round robin's next turn
         self._rng = random.Random()
         self.degraded_count = 0
@@ -300,62 +266,16 @@ class Decider:
         return [_expecting(c, depth[c.worker_id]) for c in candidates]
 
     async def _lookup(self, model: str, chain: list[int], prompt_tokens: int, block_size: int) -> IndexView:
-        """What Redis says of this prompt: one pipelined round trip (run by :mod:`router.routing.lookups`),
-        and for a hybrid model one more for its window groups' blocks (router.routing.hybrid)."""
-        view = await self._index_view(model, chain)
+        """What the index and the shared state say of this prompt: one lookup through the routing port
+        (run within the budget by :mod:`router.routing.lookups`; on Redis one pipelined round trip that
+        carries this replica's pending load changes), and for a hybrid model one more for its window
+        groups' blocks (router.routing.hybrid)."""
+        view = await self._index.lookup(model, chain, checkpoints(len(chain)), carrier=self._replica_load)
         groups = self._fleet.kv_groups(model)
         if groups:
             hits = await hybrid_matches(self._index, model, groups, chain, prompt_tokens, block_size, view.matches)
             view = IndexView(hits, view.totals, view.expected_depth)
         return view
-
-    async def _index_view(self, model: str, chain: list[int]) -> IndexView:
-        calls = self._index.match_calls(model, chain)
-        if self._shared.alone(model):
-            # No other replica books load or expects prefixes here (a replica that starts is
-            # seen at this one's next renewal, within ALONE_RENEWAL_S): its own come from its
-            # local truth, so the index is all there is to read.
-            replies = await self._call_carrying(calls)
-            return IndexView(await self._index.match_result(model, chain, replies), {}, {})
-        depths = checkpoints(len(chain))
-        *replies, totals_reply, expected_reply = await self._call_carrying(
-            [
-                *calls,
-                self._shared.totals_call(model, others_only=True),
-                self._shared.expected_call(model, [chain[d - 1] for d in depths]),
-            ]
-        )
-        for reply in (totals_reply, expected_reply):
-            if isinstance(reply, Exception):
-                raise reply
-        matches = await self._index.match_result(model, chain, replies)
-        expected_depth: dict[str, int] = defaultdict(int)
-        for depth, worker_id in zip(depths, parse_expected(expected_reply), strict=True):
-            if worker_id is not None:
-                expected_depth[worker_id] = max(expected_depth[worker_id], depth)
-        return IndexView(matches, parse_totals(totals_reply), expected_depth)
-
-    async def _call_carrying(self, calls: list[ScriptCall]) -> list[Any]:
-        """``calls``' replies, the batch also carrying this replica's pending load changes (no
-        flush of its own for them) where its replies are read whoever waits: a single server's
-        pipelined connection. The load's replies go to it once read, even past the budget."""
-        scripts = self._index.scripts
-        carried = self._replica_load.carry() if scripts.cancel_safe else []
-        if not carried:
-            return await scripts.call_many(calls)
-        watch = _RelayedWatch(wire_watch.get())
-        token = wire_watch.set(watch)
-        replies: list[Any] | None = None
-        try:
-            replies = await scripts.call_many([*calls, *carried])
-            return replies[: len(calls)]
-        finally:
-            wire_watch.reset(token)
-            done = partial(self._replica_load.carried, replies[len(calls) :] if replies is not None else None)
-            if watch.pending == 0:  # every reply read (or nothing sent: the batch's load is not written)
-                done()
-            else:  # given up while its replies are on the wire: done when they are read
-                watch.on_settled = done
 
     def _candidates(self, model: str, view: IndexView, workers: list[WorkerRecord]) -> list[Candidate]:
         """The workers as Redis sees them (the other replicas' load), plus this replica's own

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.groups import GroupSpec, is_hybrid, parse_groups
-from kvindex.redis_index import RedisIndex
 from kvindex.roles import PREFILL
+from kvindex.routing_index import RoutingIndex
 from kvindex.tiers import GPU
 from kvindex.types import WorkerRecord
 from router.routing.allow import WorkerAllowList
@@ -45,7 +45,7 @@ class Served:
 class Fleet:
     def __init__(
         self,
-        index: RedisIndex,
+        index: RoutingIndex,
         refresh_s: float = 1.0,
         retain_s: float = DEFAULT_RETAIN_S,
         allow: WorkerAllowList | None = None,

@@ -6,9 +6,15 @@ blocks along the prompt (:func:`hybrid_matches`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvindex.groups import GroupSpec, group_block_hash, hybrid_hit, window_groups
-from kvindex.interface import KVIndex
+
+
+class GroupHolders(Protocol):
+    """What a hybrid hit reads: the routing port (kvindex.routing_index), or an index itself."""
+
+    async def group_holders(self, model: str, names: Sequence[int]) -> list[set[str]]: ...
 
 
 def hit_limits(
@@ -24,7 +30,7 @@ def hit_limits(
 
 
 async def hybrid_matches(
-    index: KVIndex,
+    index: GroupHolders,
     model: str,
     groups: Sequence[GroupSpec],
     chain: Sequence[int],
@@ -64,7 +70,7 @@ def _window_below(group: GroupSpec, limit_tokens: int) -> range:
 
 
 async def _read(
-    index: KVIndex,
+    index: GroupHolders,
     model: str,
     chain: Sequence[int],
     block_size: int,

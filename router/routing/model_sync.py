@@ -30,9 +30,9 @@ from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.replies import decode
+from kvindex.shared_load import SharedLoad
 from router.routing import tier_load, trade_check
 from router.routing.ttft import SUM_FIELDS, GroupChange, GroupKey, TtftLearner
-from router.shared.shared_load import SharedLoad
 
 log = logging.getLogger("router.model_sync")  # the name it always had: log filters rely on it
 FORGET_REPLICA_MS = 24 * 3600 * 1000  # a replica silent a day: its last batch id is dropped

@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvindex.shared_load import InflightLoad
 from kvindex.tiers import LOWER_TIERS
 from kvindex.types import WorkerLoad
 from kvservice.declared import nested, of_type, setting
 from router.routing.tiers import TierCosts, TierMode, loadable
 from router.routing.ttft import CostModel
 from router.routing.ttft_fit import attention_work
-from router.shared.shared_load import InflightLoad
 
 NO_LOAD = InflightLoad()
 NO_TIER_COSTS = TierCosts()

@@ -1,6 +1,6 @@
 """This replica's in-flight requests per worker: the local truth behind its shared load.
 
-Every booking and release is also sent to Redis (HINCRBY, via :class:`~router.shared.shared_load.SharedLoad`)
+Every booking and release is also sent to Redis (HINCRBY, via :class:`~kvindex.shared_load.SharedLoad`)
 within :data:`FLUSH_WINDOW_S`: carried by this replica's next decision's own batch, or flushed;
 every second the lease is renewed with a full snapshot of this truth, which heals any update that
 was lost while Redis was unreachable. A replica alone on a model writes only the snapshots there.
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvindex.errors import REDIS_FAILURES
-from kvindex.scripts import ScriptCall
-from router.shared.shared_load import Expectation, InflightLoad, SharedLoad
+from kvindex.routing_index import LoadDeltas, SharedState
+from kvindex.shared_load import Expectation, InflightLoad
 
 log = logging.getLogger("router.load")  # the name it always had: log filters rely on it
 # Changes are gathered this long before they are written, unless a decision's own lookup batch
@@ -55,7 +55,7 @@ ALONE_RENEWAL_S = 0.1
 class ReplicaLoad:
     def __init__(
         self,
-        shared: SharedLoad,
+        shared: SharedState,
         lease_ttl_ms: int,
         expected_ttl_ms: int = 2_000,
         write_timeout_s: float = 2.0,
@@ -172,20 +172,21 @@ class ReplicaLoad:
             self._flush_due = None
         return {k: v for k, v in taken.items() if v != InflightLoad()}, expects
 
-    def carry(self) -> list[ScriptCall]:
-        """The pending changes as script calls for a batch about to be written (a decision's
-        lookup on the pipelined connection, whose replies are read even if its caller stops
-        waiting), now being written: the batch's writer calls :meth:`carried` once its replies
-        are read or lost. Nothing while a lease snapshot or flush is being written (they go to
-        the next one), nor for a model with no lease yet (its first snapshot is the flush's)."""
+    def carry(self) -> tuple[LoadDeltas, list[Expectation]] | None:
+        """The pending changes for a batch about to be written (a decision's lookup on the
+        pipelined connection, whose replies are read even if its caller stops waiting), now being
+        written: the batch's writer calls :meth:`carried` once its replies are read or lost (the
+        routing port's LoadCarrier). None while a lease snapshot or flush is being written (they go
+        to the next one), for a model with no lease yet (its first snapshot is the flush's), and
+        when nothing is pending."""
         if self._writing.locked() or (not self._deltas and not self._expects):
-            return []
+            return None
         deltas, expects = self._take(leased_only=True)
-        calls = self.shared.write_calls(deltas, expects)
-        if calls:
-            self._carrying += 1
-            self._none_carried.clear()
-        return calls
+        if not deltas and not any(e.blocks for e in expects):
+            return None
+        self._carrying += 1
+        self._none_carried.clear()
+        return deltas, expects
 
     def carried(self, replies: Sequence[Any] | None) -> None:
         """The batch of a :meth:`carry` is done: its replies (None: lost, or not waited for).

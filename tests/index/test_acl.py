@@ -20,9 +20,9 @@ from kvindex.keys import BucketKeys, KeySchema, ModelKeys
 from kvindex.redis_index import RedisIndex
 from kvindex.scripts import load_scripts
 from kvindex.settings import RedisSettings
+from kvindex.shared_load import InflightLoad, SharedLoad
 from kvindex.types import StoredRun, WorkerInfo, WorkerLoad
 from kvroute.devstack.embedded_redis import RedisServer
-from router.shared.shared_load import InflightLoad, SharedLoad
 from tests.support import ROOT, raw_call
 
 PASSWORDS = {"router": "router-pw", "agent": "agent-pw", "admin": "admin-pw"}

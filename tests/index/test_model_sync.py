@@ -13,9 +13,9 @@ from kvindex.errors import KVIndexError
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
 from kvindex.settings import RedisSettings
+from kvindex.shared_load import SharedLoad
 from router.routing.model_sync import ModelSync, field_names
 from router.routing.ttft import TtftLearner
-from router.shared.shared_load import SharedLoad
 from tests.conftest import server_kinds
 from tests.support import raw_call, wait_until
 

@@ -7,7 +7,7 @@ import time
 
 from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
-from router.shared.shared_load import Expectation, InflightLoad, SharedLoad
+from kvindex.shared_load import Expectation, InflightLoad, SharedLoad
 from tests.support import wait_until
 
 
@@ -111,7 +111,7 @@ async def test_a_first_booking_for_a_new_model_counts_at_once(redis_client, uniq
 
     try:
         load.book(unique_name, "w", InflightLoad(1, 64, 64))
-        assert load.carry() == []  # no lease yet: the flush's first snapshot writes it
+        assert load.carry() is None  # no lease yet: the flush's first snapshot writes it
         await wait_until(flushed, 5, interval=0.001)
         assert await shared.totals(unique_name) == {"w": InflightLoad(1, 64, 64)}
         load.release(unique_name, "w", InflightLoad(0, 0, 64))
@@ -133,9 +133,9 @@ async def test_a_renewal_waits_for_a_batch_carrying_changes_it_includes(redis_cl
     await load.renew_all([unique_name])  # leased: its changes may be carried
     booked = InflightLoad(1, 160, 160)
     load.book(unique_name, "w", booked, expected=[7])
-    calls = load.carry()  # the batch's writer: a decision, played here by the test
+    calls = _carried_calls(load)  # the batch's writer: a decision, played here by the test
     assert [call.name for call in calls] == ["inflight_add", "expect"]
-    assert load.carry() == [] and not load.idle()  # handed out once; being written
+    assert load.carry() is None and not load.idle()  # handed out once; being written
     renewal = asyncio.create_task(load.renew_all([unique_name]))
     done, _ = await asyncio.wait({renewal}, timeout=0.2)
     assert not done  # it waits for the batch
@@ -154,7 +154,7 @@ async def test_a_failed_carrying_batch_is_healed_by_the_next_renewal(redis_clien
     await _another_replica(redis_client, unique_name)  # decisions carry only what others read
     await load.renew_all([unique_name])
     load.book(unique_name, "w", InflightLoad(2, 20, 0))
-    assert load.carry()
+    assert load.carry() is not None
     load.carried(None)  # lost (its decision gave up, or the connection went)
     assert load.idle()
     assert await shared.totals(unique_name) == {}
@@ -174,7 +174,7 @@ async def test_a_booking_keeps_its_expectation_until_settled_for_that_worker_onl
     await load.renew_all([unique_name])
     load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7])
     load.book(unique_name, "w2", InflightLoad(1, 160, 160), expected=[9])
-    calls = load.carry()
+    calls = _carried_calls(load)
     assert [(c.name, c.args[1]) for c in calls if c.name == "expect"] == [("expect", 60_000)] * 2
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 9]) == ["w", "w2"]
@@ -182,11 +182,11 @@ async def test_a_booking_keeps_its_expectation_until_settled_for_that_worker_onl
     assert load.expected_worker(unique_name, 7) == "w"
     load.settle_expected(unique_name, "w2", [9], 30.0)  # within 30 s: not yet
     assert load.expected_worker(unique_name, 9) == "w2"
-    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    load.carried(await Scripts(redis_client).call_many(_carried_calls(load)))
     assert await shared.expected(unique_name, [7, 9]) == ["w", "w2"]
     load.settle_expected(unique_name, "w", [7], 0.0)
     assert load.expected_worker(unique_name, 7) is None
-    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    load.carried(await Scripts(redis_client).call_many(_carried_calls(load)))
     assert await shared.expected(unique_name, [7, 9]) == [None, "w2"]
 
 
@@ -224,10 +224,10 @@ async def test_settling_is_carried_to_redis_with_the_next_batch(redis_client, un
     await _another_replica(redis_client, unique_name)  # decisions carry only what others read
     await load.renew_all([unique_name])
     load.book(unique_name, "w", InflightLoad(1, 160, 160), expected=[7, 8])
-    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    load.carried(await Scripts(redis_client).call_many(_carried_calls(load)))
     assert await shared.expected(unique_name, [7, 8]) == ["w", "w"]
     load.settle_expected(unique_name, "w", [7, 8], 0.0)
-    calls = load.carry()
+    calls = _carried_calls(load)
     assert [(c.name, c.args[1]) for c in calls] == [("settle", 0)]
     load.carried(await Scripts(redis_client).call_many(calls))
     assert await shared.expected(unique_name, [7, 8]) == [None, None]
@@ -315,13 +315,20 @@ async def test_an_expectation_lasts_as_long_as_its_request(redis_client, unique_
     booking.attempt(choice.chosen)
     depths = checkpoints(len(chain))
     assert [load.expected_worker(unique_name, chain[d - 1]) for d in depths] == ["w"] * len(depths)
-    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    load.carried(await Scripts(redis_client).call_many(_carried_calls(load)))
     assert await shared.expected(unique_name, [chain[-1]]) == ["w"]
     booking.prefilled(choice.chosen)  # the first byte: the request still holds its blocks
-    load.carried(await Scripts(redis_client).call_many(load.carry() or []))
+    load.carried(await Scripts(redis_client).call_many(_carried_calls(load)))
     assert load.expected_worker(unique_name, chain[-1]) == "w"
     assert await shared.expected(unique_name, [chain[-1]]) == ["w"]
     booking.close()
     assert load.expected_worker(unique_name, chain[-1]) is None
-    load.carried(await Scripts(redis_client).call_many(load.carry()))
+    load.carried(await Scripts(redis_client).call_many(_carried_calls(load)))
     assert await shared.expected(unique_name, [chain[-1]]) == [None]
+
+
+def _carried_calls(load) -> list:
+    """What a decision's batch would carry of ``load``'s pending changes, as script calls (the
+    routing port's Redis side turns them into these: kvindex.redis_routing)."""
+    pending = load.carry()
+    return load.shared.write_calls(*pending) if pending is not None else []

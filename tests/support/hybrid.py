@@ -41,7 +41,7 @@ async def wait_hybrid_indexed(router: RunningRouter, prompt: list[int], model: s
 
     async def indexed() -> bool:
         await router.state.fleet.refresh()
-        matched = await router.state.index.match(model, chain)
+        matched = (await router.state.index.lookup(model, chain)).matches
         return max(matched.values(), default=0) >= len(chain) and is_hybrid(router.state.fleet.kv_groups(model))
 
     await wait_until(indexed, 30)
@@ -52,7 +52,7 @@ async def hybrid_outcome(
 ) -> tuple[int, int, int]:
     """Send ``prompt`` through the router and wait until the index holds it: (predicted, reported
     cached tokens, and what the full-attention group alone would have predicted)."""
-    full = await router.state.index.match(model, sequence_hashes(prompt, block_size))
+    full = (await router.state.index.lookup(model, sequence_hashes(prompt, block_size))).matches
     full_only = min(max(full.values(), default=0) * block_size, (len(prompt) - 1) // block_size * block_size)
     body = {"model": model, "prompt": prompt, "max_tokens": 2}
     async with session.post(router.url + "/v1/completions", json=body) as response:

@@ -26,12 +26,14 @@ async def start_router(redis_url: str, **settings) -> tuple[object, RunningRoute
 
 async def wait_indexed(where: RunningRouter | RedisIndex, prompt: list[int], salt: str | None = None) -> str:
     """Wait until a worker holds all of ``prompt``'s full blocks in the index; that worker."""
-    index = where.state.index if isinstance(where, RunningRouter) else where
     chain = sequence_hashes(prompt, 16, cache_salt=salt)
     holders: list[str] = []
 
     async def indexed() -> bool:
-        matches = await index.match("tiny", chain)
+        if isinstance(where, RunningRouter):  # through the router's own port onto the index
+            matches = (await where.state.index.lookup("tiny", chain)).matches
+        else:
+            matches = await where.match("tiny", chain)
         holders[:] = [worker for worker, blocks in matches.items() if blocks == len(chain)]
         return bool(holders)
 

@@ -7,12 +7,12 @@ from collections import Counter
 
 import pytest
 
+from kvindex.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
 from router.routing.activity import WorkerActivity
 from router.routing.choice import choose
 from router.routing.decide import home_key
 from router.routing.scoring import Candidate, ScoringWeights
-from router.shared.shared_load import InflightLoad
 
 
 class Clock:

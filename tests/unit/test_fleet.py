@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from kvindex.reference import ReferenceIndex
+from kvindex.reference_routing import MemorySharedState, MemoryStore, ReferenceRoutingIndex
 from kvindex.types import WorkerRecord
 from router.routing.fleet import Fleet
+
+
+def _reference() -> ReferenceRoutingIndex:
+    """An empty index: these tests hand the fleet its listings themselves."""
+    return ReferenceRoutingIndex(ReferenceIndex(), MemorySharedState(MemoryStore(), "r"))
 
 
 def _worker(name: str, model: str = "m") -> WorkerRecord:
@@ -27,7 +34,7 @@ def _ids(fleet: Fleet, model: str = "m") -> list[str]:
 
 
 def test_an_empty_listing_keeps_the_last_known_workers_for_the_retain_time():
-    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet = Fleet(index=_reference(), retain_s=30)
     fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=100)
     fleet.apply_listing({}, now=101)  # FLUSHALL: no model, no worker
     assert _ids(fleet) == ["a", "b"] and fleet.known("m") and fleet.retained_models() == ["m"]
@@ -40,7 +47,7 @@ def test_an_empty_listing_keeps_the_last_known_workers_for_the_retain_time():
 
 
 def test_redis_listing_workers_again_ends_the_retention_and_wins():
-    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet = Fleet(index=_reference(), retain_s=30)
     fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=0)
     fleet.apply_listing({}, now=1)
     fleet.apply_listing({"m": [_worker("b")]}, now=2)  # one agent re-registered: Redis's view wins
@@ -50,7 +57,7 @@ def test_redis_listing_workers_again_ends_the_retention_and_wins():
 
 
 def test_a_retained_worker_the_proxy_dropped_is_not_offered_again():
-    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet = Fleet(index=_reference(), retain_s=30)
     fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=0)
     fleet.apply_listing({}, now=1)
     fleet.drop("m", "a")
@@ -62,7 +69,7 @@ def test_a_retained_worker_the_proxy_dropped_is_not_offered_again():
 
 
 def test_other_models_are_not_affected_and_retain_zero_forgets_at_once():
-    fleet = Fleet(index=None, retain_s=0)  # type: ignore[arg-type]
+    fleet = Fleet(index=_reference(), retain_s=0)
     fleet.apply_listing({"m": [_worker("a")], "n": [_worker("x", "n")]}, now=0)
     fleet.apply_listing({"n": [_worker("x", "n")]}, now=1)
     assert _ids(fleet) == [] and _ids(fleet, "n") == ["x"] and not fleet.known("m")
@@ -72,7 +79,7 @@ def test_workers_that_deregistered_are_not_retained_and_their_model_is_forgotten
     """The last worker's agent stopped cleanly: its record is gone while Redis still lists the
     model, so it left (no retention, no request sent to it) and the model is unknown (404). A
     worker whose record stays but whose heartbeat is late may be a failover's lost writes: kept."""
-    fleet = Fleet(index=None, retain_s=30)  # type: ignore[arg-type]
+    fleet = Fleet(index=_reference(), retain_s=30)
     fleet.apply_listing({"m": [_worker("a"), _worker("b")]}, now=0, recorded={"m": {"a", "b"}})
     fleet.apply_listing({"m": [_worker("b")]}, now=1, recorded={"m": {"b"}})  # a left
     assert _ids(fleet) == ["b"]

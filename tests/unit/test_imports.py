@@ -154,6 +154,18 @@ def test_the_routers_rooms_import_downwards() -> None:
 
 def test_the_graph_is_read_at_all() -> None:
     graph = import_graph()
-    assert "kvindex.redis_index" in graph["router.routing.decide"]  # a test that could not see imports would pass
+    assert "kvindex.routing_index" in graph["router.routing.decide"]  # a test that could not see imports would pass
     assert "kvroute.devstack.processes" in graph["kvroute.bench.router"]
     assert len(graph) > 100
+
+
+def test_the_router_reaches_redis_through_its_port_only() -> None:
+    """The router is typed on the routing port (kvindex.routing_index); which backend it runs on
+    (the Redis index and its scripts, or the reference in memory) is chosen where it is built."""
+    backends = {"kvindex.redis_index", "kvindex.redis_routing", "kvindex.scripts", "kvindex.calls"}
+    wrong = [
+        f"{module} imports {sorted(imported & backends)}"
+        for module, imported in import_graph().items()
+        if module.startswith("router.") and module != "router.main" and imported & backends
+    ]
+    assert wrong == []

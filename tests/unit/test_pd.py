@@ -8,12 +8,12 @@ import random
 
 import pytest
 
+from kvindex.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
 from router.routing.choice import choose
 from router.routing.pd import Baseline, DecodeLegs, PdCosts, SplitMode, WholeOn, decode_load, plan
 from router.routing.scoring import Candidate, ScoringWeights
 from router.routing.ttft import CostModel
-from router.shared.shared_load import InflightLoad
 from router.upstream.split import PREFILL_PARAMS, SseRewriter, decode_leg_body, prefill_body, with_cached_tokens
 
 BS = 16

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvindex.shared_load import InflightLoad
 from kvindex.types import WorkerLoad
 from router.routing.choice import choose
 from router.routing.scoring import (
@@ -23,7 +24,6 @@ from router.routing.scoring import (
     requests_behind,
 )
 from router.routing.ttft import CostModel, TtftParams
-from router.shared.shared_load import InflightLoad
 
 W = ScoringWeights()
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from kvindex.shared_load import InflightLoad
 from router.routing.scoring import Candidate, ScoringWeights, score
 from router.routing.trade_check import PRIOR_ERROR, PRIOR_WEIGHT, TradeSums
 from router.routing.ttft import CostModel, TtftLearner
-from router.shared.shared_load import InflightLoad
 
 
 def _replies(sums: TradeSums, count: int, time_of, seed: int = 0, workers: int = 4) -> None:

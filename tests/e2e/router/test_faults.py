@@ -11,8 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from kvindex.keys import KeySchema
+from kvindex.shared_load import SharedLoad
 from kvroute.devstack.embedded_redis import free_port
-from router.shared.shared_load import SharedLoad
 from tests.support import ROOT, wait_for_workers, wait_until
 from tests.support.router import (
     PREFIX,

@@ -13,9 +13,9 @@ from redis.asyncio import Redis
 
 from kvindex.keys import KeySchema
 from kvindex.redis_index import RedisIndex
+from kvindex.shared_load import SharedLoad
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
-from router.shared.shared_load import SharedLoad
 from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
 from tests.support.router import (
     PREFIX,

@@ -12,10 +12,10 @@ from redis.asyncio import Redis
 from kvindex.keys import KeySchema
 from kvindex.scripts import load_scripts
 from kvindex.settings import RedisSettings
+from kvindex.shared_load import InflightLoad, SharedLoad
 from kvroute.devstack.embedded_cluster import LocalCluster
 from router.main import RunningRouter
 from router.shared.replica_load import FLUSH_WINDOW_S
-from router.shared.shared_load import InflightLoad, SharedLoad
 from tests.support import SimFleet, wait_for_workers, wait_until
 from tests.support.router import PREFIX, start_router
 
