@@ -19,7 +19,7 @@ from router.http.wire import HttpRequest, Reply
 from router.observe.dashboard import add_dashboard_routes
 from router.observe.openapi import document_bytes
 from router.outcomes import split_fields
-from router.routing.decide import Decision
+from router.routing.decision import Decision, predicted_cached_tokens
 from router.routing.ttft import TtftLearner
 from router.state import RouterState
 
@@ -46,7 +46,7 @@ def _explain(decision: Decision) -> dict[str, Any]:
         "block_size": decision.block_size,
         "degraded": decision.degraded,
         "chosen": decision.choice.chosen.worker_id,
-        "predicted_cached_tokens": decision.predicted_cached_tokens(),
+        "predicted_cached_tokens": predicted_cached_tokens(decision),
         **split_fields(decision),
         "workers": [
             {

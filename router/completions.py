@@ -18,8 +18,9 @@ from router.http.wire import HttpRequest
 from router.outcomes import account, log_fields, on_failure, record_usage, reported_cached
 from router.prompts.body import TOO_DEEP, BodyError, parse_body
 from router.prompts.tokenization import BadPrompt, PromptTooLong, TokenizeFailed
+from router.routing.accounting import lost_split
 from router.routing.booking import Booking
-from router.routing.decide import Decision, NoWorkers
+from router.routing.decision import Decision, NoWorkers, predicted_cached_tokens
 from router.routing.fleet import Fleet
 from router.routing.pd import Baseline, Plan, SplitMode, plan
 from router.routing.scoring import Candidate, Policy
@@ -132,7 +133,7 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
             return {"x-request-id": request_id}
         return {
             "x-kvroute-worker": candidate.worker_id,
-            "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(candidate)),
+            "x-kvroute-cached-tokens": str(predicted_cached_tokens(decision, candidate)),
             "x-request-id": request_id,
         }
 
@@ -152,14 +153,14 @@ async def proxy_completion(state: RouterState, incoming: HttpRequest, downstream
     state.metrics.decisions.labels(decision.model, forwarded.candidate.worker_id, policy).inc()
     record_usage(state, decision, forwarded.candidate, forwarded.usage)
     reported = reported_cached(forwarded.usage)
-    found = decision.lost_split(forwarded.candidate, reported)
+    found = lost_split(decision, forwarded.candidate, reported)
     account(state, decision, forwarded.candidate, found)
     incoming.log_fields = {
         "model": decision.model,
         "worker": forwarded.candidate.worker_id,
         "prompt_tokens": decision.prompt_tokens,
         "degraded": decision.degraded,
-        "predicted_cached_tokens": decision.predicted_cached_tokens(forwarded.candidate),
+        "predicted_cached_tokens": predicted_cached_tokens(decision, forwarded.candidate),
         "cached_tokens": reported,
         **log_fields(found),
         "decision_ms": round(decision.seconds * 1000, 3),

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from kvindex.roles import BOTH
 from kvindex.tiers import LOWER_TIERS
-from router.routing.accounting import Split
-from router.routing.decide import Decision
+from router.routing.accounting import Split, lost_split, shared_prefix
+from router.routing.decision import Decision, predicted_cached_tokens, scored_on
 from router.routing.scoring import Candidate
 from router.state import RouterState
 
@@ -24,7 +24,7 @@ def reported_cached(usage: dict | None) -> int | None:
 
 def split_fields(decision: Decision, candidate: Candidate | None = None, reported: int | None = None) -> dict:
     """The accounting's fields of the access log and /debug/route (None: unknown, for a degraded decision)."""
-    return log_fields(decision.lost_split(candidate, reported))
+    return log_fields(lost_split(decision, candidate, reported))
 
 
 def log_fields(found: Split | None) -> dict:
@@ -49,9 +49,9 @@ def account(state: RouterState, decision: Decision, candidate: Candidate, found:
     if found.regret:
         state.metrics.regretted_requests.labels(decision.model).inc()
         state.metrics.regret_tokens.labels(decision.model).inc(found.regret)
-    if (prefix := decision.shared_prefix()) is not None:
+    if (prefix := shared_prefix(decision)) is not None:
         state.prefixes.note(decision.model, *prefix, now=now)
-    loaded = decision.scored(candidate).loaded  # from the CPU, disk, remote tiers
+    loaded = scored_on(decision, candidate).loaded  # from the CPU, disk, remote tiers
     for tier, blocks in zip(LOWER_TIERS, loaded, strict=False):
         if blocks:
             state.metrics.loaded_tokens.labels(decision.model, tier).inc(blocks * decision.block_size)
@@ -66,7 +66,7 @@ def record_usage(state: RouterState, decision: Decision, candidate: Candidate, u
     cached = details.get("cached_tokens")
     if cached is None:
         return
-    predicted = decision.predicted_cached_tokens(candidate)
+    predicted = predicted_cached_tokens(decision, candidate)
     state.decider.learner_for(model).note_usage(int(usage.get("prompt_tokens") or 0), int(cached))
     state.metrics.cached_tokens.labels(model).inc(int(cached))
     state.metrics.predicted_cached_tokens.labels(model).inc(predicted)

@@ -19,8 +19,9 @@ from typing import Any
 from router.http.edges import ApiError
 from router.http.wire import HttpRequest
 from router.outcomes import account, log_fields, on_failure, record_usage
+from router.routing.accounting import lost_split
 from router.routing.booking import Booking
-from router.routing.decide import Decision
+from router.routing.decision import Decision, predicted_cached_tokens
 from router.routing.pd import Plan, decode_leg_s
 from router.routing.scoring import Candidate
 from router.state import RouterState
@@ -96,7 +97,7 @@ def _reply_headers(
     return {
         "x-kvroute-worker": decoder.worker_id,
         "x-kvroute-prefill-worker": prefill.worker_id,
-        "x-kvroute-cached-tokens": str(decision.predicted_cached_tokens(prefill)),
+        "x-kvroute-cached-tokens": str(predicted_cached_tokens(decision, prefill)),
         "x-request-id": request_id,
     }
 
@@ -116,7 +117,7 @@ def _accounted(
     state.metrics.split_requests.labels(decision.model).inc()
     record_usage(state, decision, prefill, prefilled.usage)
     reported = prefilled.cached_tokens
-    found = decision.lost_split(prefill, reported)
+    found = lost_split(decision, prefill, reported)
     account(state, decision, prefill, found)
     incoming.log_fields = {
         "model": decision.model,
@@ -124,7 +125,7 @@ def _accounted(
         "prefill_worker": prefill.worker_id,
         "prompt_tokens": decision.prompt_tokens,
         "degraded": decision.degraded,
-        "predicted_cached_tokens": decision.predicted_cached_tokens(prefill),
+        "predicted_cached_tokens": predicted_cached_tokens(decision, prefill),
         "cached_tokens": reported,
         **log_fields(found),
         "decision_ms": round(decision.seconds * 1000, 3),

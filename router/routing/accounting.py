@@ -30,7 +30,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
-from router.routing.scoring import predicted_cached_tokens
+from router.routing.decision import Decision, hit_blocks
+from router.routing.expectations import checkpoints
+from router.routing.scoring import Candidate, predicted_cached_tokens
 
 REASONS = ("load_tradeoff", "stale_index", "cold")
 DEGRADED = "degraded_decisions"  # decisions made without Redis (round robin)
@@ -269,3 +271,27 @@ class SharedPrefixes:
 
     def __len__(self) -> int:
         return len(self._table)
+
+
+def lost_split(decision: Decision, candidate: Candidate | None = None, reported: int | None = None) -> Split | None:
+    """Why the decision's prompt prefix was or was not cached on ``candidate`` (default the chosen
+    worker), given the engine's ``reported`` cached tokens. None for a degraded decision: the
+    index was not read, so no match is known."""
+    if decision.degraded:
+        return None
+    chosen = candidate or decision.choice.chosen
+    hits = [s.hit_blocks for s in decision.choice.ranked]
+    others = [s.hit_blocks for s in decision.choice.ranked if s.candidate.worker_id != chosen.worker_id]
+    blocks = decision.prompt_tokens, decision.block_size, decision.prompt_blocks
+    return split(*blocks, hits, hit_blocks(decision, chosen), reported, others)
+
+
+def shared_prefix(decision: Decision) -> tuple[int, int, int] | None:
+    """(block hash, tokens, holders) of the deepest checkpoint of the prompt that the
+    best-matching worker held, and how many alive workers held it; None when none did."""
+    matched = [min(s.candidate.matched_blocks, decision.prompt_blocks) for s in decision.choice.ranked]
+    best = max(matched, default=0)
+    if decision.degraded or best <= 0:
+        return None
+    depth = max(d for d in checkpoints(decision.prompt_blocks) if d <= best)
+    return decision.chain[depth - 1], depth * decision.block_size, sum(1 for m in matched if m >= depth)

@@ -28,7 +28,8 @@ import time
 from types import TracebackType
 
 from kvindex.shared_load import InflightLoad
-from router.routing.decide import Decision
+from router.routing.decision import Decision, elsewhere_ahead, predicted_cached_tokens, scored_on
+from router.routing.expectations import expected_blocks
 from router.routing.scoring import Candidate
 from router.routing.ttft import TtftLearner
 from router.shared.replica_load import ReplicaLoad
@@ -67,18 +68,18 @@ class Booking:
         ones (a split request's decode leg loads the prompt's KV and computes next to nothing)."""
         decision = self._decision
         if uncached is None:
-            uncached = decision.prompt_tokens - decision.predicted_cached_tokens(candidate)
-        attention = round(decision.scored(candidate).own_attention)
+            uncached = decision.prompt_tokens - predicted_cached_tokens(decision, candidate)
+        attention = round(scored_on(decision, candidate).own_attention)
         load = InflightLoad(1, decision.prompt_tokens, uncached, attention)
         self._release(candidate.worker_id)  # a second try on the same worker books once
-        self._load.book(decision.model, candidate.worker_id, load, decision.expected_blocks())
+        self._load.book(decision.model, candidate.worker_id, load, expected_blocks(decision.chain))
         self._held[candidate.worker_id] = load
         self._sent_at[candidate.worker_id] = time.perf_counter()
         if self._learner is not None:
             self._learner.note_request(uncached)
         if not self._streamed and uncached:
             self._cancel_timer()
-            predicted_ttft_s = decision.scored(candidate).ttft_s
+            predicted_ttft_s = scored_on(decision, candidate).ttft_s
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(predicted_ttft_s, self._release_prefill, candidate.worker_id)
 
@@ -86,7 +87,7 @@ class Booking:
         """The reply's first byte arrived."""
         sent_at = self._sent_at.get(candidate.worker_id)
         if self._learner is not None and sent_at is not None:
-            scored = self._decision.scored(candidate)
+            scored = scored_on(self._decision, candidate)
             waited, attention = scored.prefill_tokens, scored.attention
             seconds = time.perf_counter() - sent_at
             self._first_byte_s[candidate.worker_id] = seconds
@@ -127,8 +128,8 @@ class Booking:
             return
         output = completion if isinstance(completion, int) and not self._streamed else 0
         decision = self._decision
-        ahead = decision.scored(candidate).ahead_tokens
-        self._learner.observe_trade(prompt - cached, ahead, decision.elsewhere_ahead(candidate), output, seconds)
+        ahead = scored_on(decision, candidate).ahead_tokens
+        self._learner.observe_trade(prompt - cached, ahead, elsewhere_ahead(decision, candidate), output, seconds)
 
     def _release_prefill(self, worker_id: str) -> None:
         held = self._held.get(worker_id)
@@ -145,7 +146,7 @@ class Booking:
 
     def _settle(self, worker_id: str) -> None:
         decision = self._decision
-        self._load.settle_expected(decision.model, worker_id, decision.expected_blocks(), 0.0)
+        self._load.settle_expected(decision.model, worker_id, expected_blocks(decision.chain), 0.0)
 
     def close(self) -> None:
         self._cancel_timer()

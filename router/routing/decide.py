@@ -9,13 +9,12 @@ would cost its connection). The index makes routing better, never a request fail
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvindex.errors import REDIS_FAILURES
 from kvindex.prefix_memo import PrefixHashMemo
@@ -24,9 +23,10 @@ from kvindex.shared_load import InflightLoad
 from kvindex.tiers import LOWER_TIERS, tier_holder
 from kvindex.types import WorkerRecord
 from router.prompts.hashing import PromptHasher
-from router.routing.accounting import Split, split
 from router.routing.activity import WorkerActivity
-from router.routing.choice import Choice, choose
+from router.routing.choice import choose
+from router.routing.decision import Decision, NoWorkers
+from router.routing.expectations import checkpoints
 from router.routing.fleet import Fleet
 from router.routing.hybrid import hybrid_matches
 from router.routing.lookups import BudgetExpired, Lookups
@@ -34,86 +34,13 @@ from router.routing.pd import DecodeLegs
 from router.routing.scoring import (
     Candidate,
     Policy,
-    Scored,
     ScoringWeights,
     busy_share,
-    predicted_cached_tokens,
 )
 from router.routing.ttft import TtftLearner
 from router.shared.replica_load import ReplicaLoad
 
 log = logging.getLogger("router.decide")  # the name it always had: log filters rely on it
-
-
-class NoWorkers(Exception):
-    """No alive worker serves the model (503)."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    model: str
-    prompt_tokens: int
-    block_size: int
-    chain: list[int]
-    choice: Choice
-    degraded: bool
-    seconds: float
-    degraded_cause: str | None = None  # "budget", "busy" (no lookup slot in time) or "error"
-    turn: int = 0  # its round-robin turn (a split request's legs take their own turns: router.routing.pd)
-
-    @property
-    def prompt_blocks(self) -> int:
-        return len(self.chain)
-
-    def predicted_cached_tokens(self, candidate: Candidate | None = None) -> int:
-        """The cached tokens the engine will report: the matched blocks predicted to survive
-        until the prompt is scheduled there (:func:`router.routing.scoring.surviving_blocks`)."""
-        chosen = candidate or self.choice.chosen
-        return predicted_cached_tokens(self.hit_blocks(chosen), self.prompt_tokens, self.block_size)
-
-    def hit_blocks(self, candidate: Candidate) -> int:
-        scored = next((s for s in self.choice.ranked if s.candidate.worker_id == candidate.worker_id), None)
-        return scored.hit_blocks if scored is not None else candidate.matched_blocks
-
-    def scored(self, candidate: Candidate) -> Scored:
-        return next(s for s in self.choice.ranked if s.candidate.worker_id == candidate.worker_id)
-
-    def elsewhere_ahead(self, candidate: Candidate) -> float:
-        """The prefill queued on the other workers, all of it, as this decision saw it (what the
-        queue's price is measured against: router.routing.trade_check)."""
-        return sum(s.ahead_tokens for s in self.choice.ranked if s.candidate.worker_id != candidate.worker_id)
-
-    @property
-    def candidates(self) -> list[Candidate]:
-        """Every alive worker, best first."""
-        return [scored.candidate for scored in self.choice.ranked]
-
-    def lost_split(self, candidate: Candidate | None = None, reported: int | None = None) -> Split | None:
-        """Why the prompt's prefix was or was not cached on ``candidate`` (default the chosen worker),
-        given the engine's ``reported`` cached tokens (:mod:`router.routing.accounting`). None for a degraded
-        decision: the index was not read, so no match is known."""
-        if self.degraded:
-            return None
-        chosen = candidate or self.choice.chosen
-        hits = [s.hit_blocks for s in self.choice.ranked]
-        others = [s.hit_blocks for s in self.choice.ranked if s.candidate.worker_id != chosen.worker_id]
-        blocks = self.prompt_tokens, self.block_size, self.prompt_blocks
-        return split(*blocks, hits, self.hit_blocks(chosen), reported, others)
-
-    def shared_prefix(self) -> tuple[int, int, int] | None:
-        """(block hash, tokens, holders) of the deepest checkpoint of the prompt that the
-        best-matching worker held, and how many alive workers held it; None when none did."""
-        matched = [min(s.candidate.matched_blocks, self.prompt_blocks) for s in self.choice.ranked]
-        best = max(matched, default=0)
-        if self.degraded or best <= 0:
-            return None
-        depth = max(d for d in checkpoints(self.prompt_blocks) if d <= best)
-        return self.chain[depth - 1], depth * self.block_size, sum(1 for m in matched if m >= depth)
-
-    def expected_blocks(self) -> list[int]:
-        """The prompt's blocks that a worker it is sent to is marked "expected" to hold (the
-        checkpoints that other decisions look up)."""
-        return [self.chain[d - 1] for d in checkpoints(len(self.chain))]
 
 
 def _expecting(candidate: Candidate, expected_depth: int) -> Candidate:
@@ -136,14 +63,6 @@ def home_key(chain: Sequence[int], candidates: Sequence[Candidate]) -> int | Non
         return None
     best = max((c.matched_blocks for c in candidates), default=0)
     return chain[min(best, len(chain) - 1)]
-
-
-@functools.lru_cache(maxsize=4096)
-def checkpoints(length: int) -> tuple[int, ...]:
-    """Depths checked against expected prefixes: powers of two and the full length. Remembered:
-    a decision asks for them up to four times (~1% of the router's CPU when computed each time)."""
-    depths = {length} | {1 << k for k in range(length.bit_length()) if 1 << k <= length}
-    return tuple(sorted(d for d in depths if d > 0))
 
 
 class Decider:

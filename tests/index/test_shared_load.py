@@ -300,7 +300,8 @@ async def test_an_expectation_lasts_as_long_as_its_request(redis_client, unique_
     from kvindex.scripts import Scripts
     from router.routing.booking import Booking
     from router.routing.choice import choose
-    from router.routing.decide import Decision, checkpoints
+    from router.routing.decision import Decision
+    from router.routing.expectations import checkpoints
     from router.routing.scoring import Candidate, ScoringWeights
     from router.shared.replica_load import ReplicaLoad
 

@@ -14,7 +14,8 @@ from kvindex.reference import ReferenceIndex
 from kvindex.reference_routing import MemorySharedState, MemoryStore, ReferenceRoutingIndex
 from kvindex.shared_load import InflightLoad
 from kvindex.types import StoredRun, WorkerInfo
-from router.routing.decide import Decider, NoWorkers
+from router.routing.decide import Decider
+from router.routing.decision import NoWorkers, hit_blocks, predicted_cached_tokens
 from router.routing.fleet import Fleet
 from router.routing.scoring import Policy, ScoringWeights
 from router.shared.replica_load import ReplicaLoad
@@ -54,8 +55,8 @@ async def test_the_decision_goes_to_the_worker_holding_the_longest_prefix(fleet_
     replica = await _replica(index, store, "r1")
     decision = await replica.decider.decide(MODEL, PROMPT)
     assert decision.choice.chosen.worker_id == "b" and not decision.degraded
-    assert decision.hit_blocks(decision.choice.chosen) == 6
-    assert decision.predicted_cached_tokens() == 96
+    assert hit_blocks(decision, decision.choice.chosen) == 6
+    assert predicted_cached_tokens(decision) == 96
 
 
 async def test_a_replica_sees_the_load_another_booked(fleet_of_two):
