@@ -33,7 +33,7 @@ def test_the_prediction_reads_the_chosen_workers_hit():
 
 def test_the_accounting_of_a_hit_a_miss_and_a_degraded_decision():
     decision = _decision()
-    near, far = decision.candidates
+    _, far = decision.candidates
     found = lost_split(decision, reported=128)
     assert found is not None and (found.best_match, found.chosen_match, found.lost_load) == (128, 128, 0)
     moved = lost_split(decision, far, reported=32)
