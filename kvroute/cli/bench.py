@@ -40,6 +40,14 @@ def add_parser(commands: Any) -> None:
     _real_flags(benchmark("real", "the policies on real vLLM engines (or the simulated engine, checked against them)"))
     _soak_flags(benchmark("soak", "the whole stack under a steady chat load for N minutes, memory sampled"))
     _hybrid_flags(benchmark("hybrid", "what a hybrid model's decision reads beside the match (its window blocks)"))
+    _path_flags(benchmark("path", "the router's files one completion passes through, and its returns to them"))
+
+
+def _path_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=positive_int, default=2048, help="the prompt's length in token ids (2048)")
+    p.add_argument("--warmup", type=positive_int, default=5, help="requests sent first, not counted (5)")
+    p.add_argument("--runs", type=positive_int, default=5, help="completions counted, one line each (5)")
+    p.add_argument("--trail", action="store_true", help="print each run's files in the order entered")
 
 
 def _hybrid_flags(p: argparse.ArgumentParser) -> None:
