@@ -112,6 +112,11 @@ def declared_fields(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Declare
             yield f, _declared(cls, f)
 
 
+def variables_of(cls: type) -> dict[str, str]:
+    """Each flag of ``cls``' declared fields (its aliases too) -> its variable."""
+    return {flag: d.env for _, d in declared_fields(cls) for flag in (d.flag, *d.aliases)}
+
+
 def _declared(cls: type, f: dataclasses.Field[Any]) -> Declared:
     """The field's declaration, its variable named by the class's prefix where it names none."""
     declared: Declared = f.metadata[SETTING]

@@ -86,16 +86,24 @@ class Parser(argparse.ArgumentParser):
 _LEADING_FLAG = re.compile(r"--([a-z0-9][a-z0-9-]*)")
 
 
-def naming_the_variable(message: str, args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """A setting's error names its flag; when the flag was not given and its ``KVROUTE_*``
-    variable was (the value came from there), it names the variable instead: the user set that."""
+def naming_the_variable(
+    message: str, args: argparse.Namespace, env: Mapping[str, str], variables: Mapping[str, str] | None = None
+) -> str:
+    """A setting's error names its flag; when the flag was not given and its variable was (the
+    value came from there), it names the variable instead: the user set that. ``variables``: each
+    flag's variable (kvservice.declared.variables_of), else ``KVROUTE_`` and the flag's name."""
     flag = _LEADING_FLAG.match(message)
     if flag is None or getattr(args, flag.group(1).replace("-", "_"), None) is not None:
         return message
-    variable = "KVROUTE_" + flag.group(1).replace("-", "_").upper()
+    variable = (variables or {}).get(flag.group(0)) or "KVROUTE_" + flag.group(1).replace("-", "_").upper()
     return variable + message[flag.end() :] if env.get(variable) else message
 
 
-def fail_settings(parser: argparse.ArgumentParser, exc: ValueError, args: argparse.Namespace) -> NoReturn:
+def fail_settings(
+    parser: argparse.ArgumentParser,
+    exc: ValueError,
+    args: argparse.Namespace,
+    variables: Mapping[str, str] | None = None,
+) -> NoReturn:
     """A setting's mistake as the parser's one line (exit 2), naming the variable it came from."""
-    parser.error(naming_the_variable(str(exc), args, os.environ))
+    parser.error(naming_the_variable(str(exc), args, os.environ, variables))

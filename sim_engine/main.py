@@ -6,6 +6,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 
+from kvservice.declared import variables_of
 from kvservice.lifecycle import run_service, serve_until_signal
 from kvservice.logs import configure_logging
 from kvservice.options import Parser, fail_settings
@@ -53,7 +54,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
-        fail_settings(parser, exc, args)
+        fail_settings(parser, exc, args, variables_of(SimEngineSettings))
     configure_logging(settings.log)
     return run_service(parser.prog, lambda: serve(settings))
 

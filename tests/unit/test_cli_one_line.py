@@ -46,3 +46,19 @@ def test_the_variable_is_named_only_when_the_value_came_from_it():
     assert naming_the_variable(message, argparse.Namespace(max_body_bytes=-5), env) == message  # the flag won
     assert naming_the_variable(message, from_env, {}) == message
     assert naming_the_variable("no flag here", from_env, env) == "no flag here"
+
+
+def test_a_sim_engine_variable_is_named_by_its_own_prefix():
+    from kvservice.declared import variables_of
+    from sim_engine.settings import SimEngineSettings
+
+    variables = variables_of(SimEngineSettings)
+    assert (
+        variables["--num-blocks"] == "KVROUTE_SIM_NUM_BLOCKS"
+        and variables["--max-running"] == "KVROUTE_SIM_MAX_NUM_SEQS"
+    )
+    assert variables["--log-level"] == "KVROUTE_LOG_LEVEL"  # logging's are every command's
+    message = "--num-blocks must be >= 2 (block 0 is the null block), got 1"
+    env = {"KVROUTE_SIM_NUM_BLOCKS": "1"}
+    named = naming_the_variable(message, argparse.Namespace(num_blocks=None), env, variables)
+    assert named == "KVROUTE_SIM_NUM_BLOCKS must be >= 2 (block 0 is the null block), got 1"
