@@ -164,18 +164,23 @@ async def alive_us_per_call(client: RedisCluster, nodes: Nodes, model: str, call
 async def time_matches(
     client: RedisCluster, nodes: Nodes, model: str, chains: list[list[int]]
 ) -> tuple[float, float, float, dict[str, float]]:
-    """p50 and p99 client latency (ms), Redis CPU per match (us, all nodes), bytes per match."""
+    """p50 and p99 client latency (ms), Redis CPU per match (us, all nodes), bytes per match and
+    this process's CPU per match (``client_cpu_us``: ``time.process_time()`` around the matches, one
+    at a time: what a router's ``RedisIndex.match`` costs its own process, keys, calls, the event
+    loop and the sockets included)."""
     index = RedisIndex(client)
     for chain in chains[:8]:  # load the scripts on every node involved, warm the gid name cache
         await index.match(model, chain)
     await nodes.resetstat()
     before = await traffic(nodes)
     samples = []
+    cpu_started = time.process_time()
     for chain in chains:
         start = time.perf_counter()
         await index.match(model, chain)
         samples.append((time.perf_counter() - start) * 1000)
-    network = per(await traffic(nodes) - before, len(chains))
+    client_cpu_us = (time.process_time() - cpu_started) * 1e6 / len(chains)
+    network = {**per(await traffic(nodes) - before, len(chains)), "client_cpu_us": client_cpu_us}
     usec = sum(u for _, u in (await read_script_usage(nodes)).values())
     return statistics.median(samples), percentile(samples, 0.99), usec / len(chains), network
 
@@ -265,9 +270,15 @@ async def run_cluster_benchmark(url: str, args: argparse.Namespace) -> dict[str,
             for mode, client in reads.items():
                 p50, p99, cpu, network = await time_matches(client, nodes, model, chains)
                 process_cpu = network.get("master_cpu_us", 0) + network.get("replica_cpu_us", 0)
-                row = MatchRow(blocks, workers, mode, p50, p99, cpu, network["net_in"], network["net_out"], process_cpu)
+                client_cpu = network["client_cpu_us"]
+                row = MatchRow(
+                    blocks, workers, mode, p50, p99, cpu, network["net_in"], network["net_out"], process_cpu, client_cpu
+                )
                 results["match"].append(asdict(row))
-                print(f"  {blocks:5d} blocks, {mode:8s}: p50 {p50:.3f} ms  p99 {p99:.3f} ms  redis {cpu:.1f} us/match")
+                print(
+                    f"  {blocks:5d} blocks, {mode:8s}: p50 {p50:.3f} ms  p99 {p99:.3f} ms  redis {cpu:.1f} us/match"
+                    f"  client CPU {client_cpu:.0f} us/match"
+                )
         hot = [c for c in range(fleet.conversations) if c % args.roots == 0]
         layouts = {
             "spread roots": [fleet.chain(rng.randrange(fleet.conversations)) for _ in range(256)],
@@ -300,6 +311,7 @@ class MatchRow:
     bytes_in_per_match: float
     bytes_out_per_match: float
     process_cpu_us_per_match: float  # INFO cpu of every node: the scripts plus network and parsing
+    client_cpu_us_per_match: float  # this process's CPU per match (a router's share of a lookup)
 
 
 def vars_of(args: argparse.Namespace) -> dict[str, object]:
@@ -329,13 +341,15 @@ def render(results: dict[str, list]) -> str:
         )
     lines += [
         "",
-        "| prompt blocks | workers | reads | p50 ms | p99 ms | script us/match | CPU us/match | B in | B out |",
+        "| prompt blocks | workers | reads | p50 ms | p99 ms | script us/match | CPU us/match | client CPU us/match "
+        "| B in | B out |",
     ]
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["match"]:
         lines.append(
             f"| {r['prompt_blocks']} | {r['workers']} | {r['reads']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
-            f"| {r['redis_us_per_match']:.1f} | {r['process_cpu_us_per_match']:.1f} | {r['bytes_in_per_match']:,.0f} "
+            f"| {r['redis_us_per_match']:.1f} | {r['process_cpu_us_per_match']:.1f} "
+            f"| {r['client_cpu_us_per_match']:.0f} | {r['bytes_in_per_match']:,.0f} "
             f"| {r['bytes_out_per_match']:,.0f} |"
         )
     lines += ["", "Liveness alone (every match reads it on the model's control shard): "]
