@@ -57,9 +57,9 @@ class EngineMetrics:
 
     @property
     def work(self) -> float | None:
-        """The sum of the work counters present (prompt tokens, finished requests); None when the
-        page has neither."""
-        work = (self.names.prompt_tokens, self.names.finished)
+        """The sum of the work counters present (prompt tokens, or the engine's own progress counter,
+        and finished requests); None when the page has neither."""
+        work = (self.names.progress, self.names.finished)
         present = [self.counters[name] for name in work if name in self.counters]
         return sum(present) if present else None
 
@@ -241,7 +241,7 @@ class EngineClient:
         iterations, completed = work_done(stats)
         self._iterations += iterations
         self._completed += completed
-        counters = {self.names.prompt_tokens: float(self._iterations), self.names.finished: float(self._completed)}
+        counters = {self.names.progress: float(self._iterations), self.names.finished: float(self._completed)}
         return EngineMetrics(load, None, counters, names=self.names)
 
     async def served_models(self) -> ServedModels | None:

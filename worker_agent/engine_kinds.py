@@ -47,6 +47,13 @@ class MetricNames:
     cache_config: str | None = None  # vLLM's info metric (labels block_size, num_gpu_blocks)
     capacity_tokens: str | None = None  # the KV cache's size in tokens (SGLang)
     start_time: str = "process_start_time_seconds"  # a new value is a new process
+    # What says the engine has worked, beside the finished requests: its prompt-token counter,
+    # unless it has none and names another (TensorRT-LLM: the iterations the agent counts).
+    work_counter: str | None = None
+
+    @property
+    def progress(self) -> str:
+        return self.work_counter or self.prompt_tokens
 
     @property
     def load(self) -> tuple[str, str, str]:
@@ -92,7 +99,8 @@ TRTLLM_METRICS: Final = MetricNames(
     running="numActiveRequests",
     waiting="numQueuedRequests",
     kv_usage="kvCacheStats",
-    prompt_tokens="iterations",
+    prompt_tokens="",  # its stats count no prompt tokens
+    work_counter="iterations",
     finished="numCompletedRequests",
     cached_tokens="",
     generated_tokens="",
