@@ -106,5 +106,5 @@ async def test_vllm_sglang_and_tensorrt_llm_workers_are_routed_by_prefix_and_pre
 
 async def holds(router: RunningRouter, worker: str, prompt: list[int], tokens: int) -> bool:
     """Whether the index says ``worker`` holds ``tokens`` of ``prompt``."""
-    matches = await router.state.index.match(MODEL, sequence_hashes(prompt, BS))
+    matches = (await router.state.index.lookup(MODEL, sequence_hashes(prompt, BS))).matches
     return matches.get(worker, 0) * BS >= tokens

@@ -58,7 +58,7 @@ async def wait_indexed(router: RunningRouter, prompt: list[int]) -> None:
     chain = sequence_hashes(prompt, BS)
 
     async def indexed() -> bool:
-        matched = await router.state.index.match(MODEL, chain)
+        matched = (await router.state.index.lookup(MODEL, chain)).matches
         return max(matched.values(), default=0) >= len(chain)
 
     await wait_until(indexed, 30)

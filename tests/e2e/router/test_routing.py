@@ -16,6 +16,7 @@ from kvindex.redis_index import RedisIndex
 from kvindex.shared_load import SharedLoad
 from kvindex.types import WorkerInfo
 from kvroute.devstack.embedded_redis import free_port
+from router.main import RunningRouter
 from tests.support import ROOT, SimFleet, wait_for_workers, wait_until
 from tests.support.router import (
     PREFIX,
@@ -216,7 +217,7 @@ async def test_a_streamed_request_stops_queueing_prefill_at_its_first_token(rout
         await client.aclose()
 
 
-async def _hit_rate(urls: list[str], index: RedisIndex, seed: int) -> float:
+async def _hit_rate(urls: list[str], index: RunningRouter | RedisIndex, seed: int) -> float:
     """Multi-turn conversations (each turn extends the last prompt), spread over ``urls``."""
     rng = __import__("random").Random(seed)
     conversations = [[rng.randrange(10, 1900) for _ in range(48)] for _ in range(9)]
@@ -243,7 +244,7 @@ async def test_four_replicas_route_as_well_as_one(fleet, redis_server):
             await wait_for_workers(router, fleet.count)
             contexts.append(context)
             routers.append(router)
-        index = routers[0].state.index
+        index = routers[0]  # wait_indexed reads the index through the router's port
         one = await _hit_rate([routers[0].url], index, seed=1)
         four = await _hit_rate([r.url for r in routers], index, seed=2)
         print(f"hit rate: 1 replica {one:.3f}, 4 replicas {four:.3f}")

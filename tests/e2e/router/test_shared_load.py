@@ -70,7 +70,7 @@ async def _ready_to_carry(router: RunningRouter, model: str, redis_url: str) -> 
 
 async def test_a_decisions_batch_carries_the_pending_booking(router: RunningRouter, redis_server):
     load, decider = router.state.load, router.state.decider
-    assert router.state.index.scripts.cancel_safe  # a single server: the pipelined connection
+    assert router.state.index.cancel_safe  # a single server: the pipelined connection
     await _ready_to_carry(router, "tiny", redis_server.url)
     flushes = load.flushes
     load.flush_window_s = 60.0  # no flush due while the decision runs, however slow the machine
@@ -117,7 +117,7 @@ async def test_on_a_cluster_the_flush_writes_the_booking(
     cluster_router: RunningRouter, unique_name: str, redis_cluster
 ):
     load, decider = cluster_router.state.load, cluster_router.state.decider
-    assert not cluster_router.state.index.scripts.cancel_safe
+    assert not cluster_router.state.index.cancel_safe
     await _ready_to_carry(cluster_router, unique_name, redis_cluster.url)
     flushes = load.flushes
     load.flush_window_s = 60.0  # no flush due while the decision runs, however slow the machine

@@ -68,8 +68,8 @@ async def test_a_prefix_only_the_cpu_tier_holds_draws_its_prompt_and_is_predicte
 
     async def only_the_cpu_holds_it() -> bool:
         # settled: the last filler's stores are in, and so is every eviction before them (in order)
-        settled = (await router.state.index.match("tiny", last)).get(worker, 0) == len(last)
-        matched = await router.state.index.match("tiny", chain)
+        settled = ((await router.state.index.lookup("tiny", last)).matches).get(worker, 0) == len(last)
+        matched = (await router.state.index.lookup("tiny", chain)).matches
         cpu = matched.get(tier_holder(worker, "CPU"), 0) == len(chain)
         return settled and cpu and matched.get(worker, 0) < len(chain)
 
@@ -116,8 +116,8 @@ async def test_a_prefix_only_the_disk_tier_holds_draws_its_prompt_and_is_predict
         async def only_the_disk_holds_it() -> bool:
             # the last prompt's GPU blocks indexed: every change before them is too (the prefix's
             # blocks leaving the GPU; each batch's lower tiers are written before its GPU changes)
-            settled = (await router.state.index.match("tiny", last)).get(worker, 0) == len(last)
-            matched = await router.state.index.match("tiny", chain)
+            settled = ((await router.state.index.lookup("tiny", last)).matches).get(worker, 0) == len(last)
+            matched = (await router.state.index.lookup("tiny", chain)).matches
             gpu_blocks[:] = [matched.get(worker, 0)]
             held = matched.get(tier_holder(worker, "DISK"), 0) == len(chain)
             return settled and held and gpu_blocks[0] < len(chain) and not matched.get(tier_holder(worker, "CPU"))
