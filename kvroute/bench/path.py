@@ -80,9 +80,12 @@ async def _upstream(port: int) -> web.AppRunner:
         await request.read()
         return web.json_response(REPLY)
 
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", lambda _: web.Response(text="ok"))
+    app.router.add_get("/health", health)
     return await serve_app(app, port)
 
 
