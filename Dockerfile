@@ -1,4 +1,5 @@
-# The kvroute image: routers, agents and simulated engines all run from it (compose.yaml).
+# The kvroute image: routers, endpoint pickers, agents and simulated engines all run from it
+# (compose.yaml, deploy/kubernetes/).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -11,7 +12,7 @@ COPY router router
 COPY worker_agent worker_agent
 COPY sim_engine sim_engine
 COPY lua lua
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[epp]"
 # The services run as a user of their own, not root: they read their compose secrets (mode 644,
 # secrets/create.sh) and write nothing but their home's caches.
 RUN useradd --system --create-home --uid 10001 kvroute

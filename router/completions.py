@@ -52,7 +52,7 @@ async def route_request(state: RouterState, body: dict[str, Any], chat: bool, dr
     """The decision for a request; ``dry_run`` (/debug/route) changes no routing state and no metric."""
     served = state.fleet.served(body["model"])
     if served is None:
-        raise _no_worker_error(state, body["model"])
+        raise no_worker_error(state, body["model"])
     model, adapter = served.model, served.adapter  # an adapter's prompt is the base model's text
     workers = state.fleet.alive(model, adapter)
     tokens: Sequence[int]
@@ -93,7 +93,7 @@ async def route_request(state: RouterState, body: dict[str, Any], chat: bool, dr
     return decision
 
 
-def _no_worker_error(state: RouterState, model: str) -> ApiError:
+def no_worker_error(state: RouterState, model: str) -> ApiError:
     """404 only when the index says the model does not exist; 503 when the router cannot know."""
     fleet = state.fleet
     if not fleet.has_view:

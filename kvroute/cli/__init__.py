@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import __version__
-from kvroute.cli import agent, bench, demo, index, redis_users, router, settings, sim
+from kvroute.cli import agent, bench, demo, epp, index, redis_users, router, settings, sim
 from kvservice.lifecycle import EXIT_BAD_SETTINGS, EXIT_INTERRUPTED, StartupError
 from kvservice.options import Parser
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (demo, index, agent, sim, router, bench, redis_users, settings):
+    for module in (demo, index, agent, sim, router, epp, bench, redis_users, settings):
         module.add_parser(commands)
     for command in commands.choices.values():  # the innermost parser given, for its own errors
         _own_parser_below(command)

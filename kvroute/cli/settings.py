@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from kvservice.declared import settings_table
+from router.epp.settings import EppSettings
 from router.settings import RouterSettings
 from sim_engine.settings import SimEngineSettings
 from worker_agent.settings import AgentSettings
@@ -16,6 +17,7 @@ from worker_agent.settings import AgentSettings
 DECLARED: dict[str, tuple[type, ...]] = {
     "router": (RouterSettings,),
     "agent": (AgentSettings,),
+    "epp": (EppSettings,),
     "sim-engine": (SimEngineSettings,),
 }
 

@@ -57,6 +57,6 @@ def test_every_flag_has_a_row_and_every_row_a_flag(parser, page, start, end):
 def test_the_docs_table_is_the_declarations_table(command):
     """The docs' table is ``kvroute settings COMMAND``'s output: a help text, default or variable
     changed in the declarations and not in the page fails here (paste the command's output)."""
-    page = {"router": "router.md", "agent": "agent.md", "sim-engine": "sim-engine.md"}[command]
+    page = {"router": "router.md", "agent": "agent.md", "sim-engine": "sim-engine.md", "epp": "kubernetes.md"}[command]
     table = settings_table(*DECLARED[command])
     assert table in (ROOT / "docs" / page).read_text(), f"docs/{page} lacks `kvroute settings {command}`'s table"
