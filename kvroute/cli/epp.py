@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvservice.lifecycle import StartupError
@@ -20,6 +21,8 @@ def add_parser(commands: Any) -> None:
     add_arguments(parser)
 
     def run(args: Any) -> int:
+        # gRPC's core logs to stderr on its own (a failed bind, twice over): kvroute says it once
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
         try:
             from router.epp.server import run_from_args
         except ImportError as exc:  # the epp extra is not installed

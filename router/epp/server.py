@@ -72,31 +72,39 @@ class RunningEpp:
 
 @asynccontextmanager
 async def running_epp(settings: EppSettings) -> AsyncIterator[RunningEpp]:
-    """The replica and its gRPC server, until the block exits (tests, ``kvroute epp``)."""
-    async with running_router(settings.router) as router:
-        server = grpc.aio.server()
-        picker = Picker(router.state)
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-        checks = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        checks.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-        address = f"{settings.grpc_host}:{settings.grpc_port}"
-        with listening("the endpoint picker's gRPC", address, "--grpc-port (or --grpc-host)"):
+    """The replica and its gRPC server, until the block exits (tests, ``kvroute epp``). The gRPC
+    port is bound first: a port in use is one line before anything else starts."""
+    server = grpc.aio.server()
+    try:
+        port = _bind(server, f"{settings.grpc_host}:{settings.grpc_port}")
+        async with running_router(settings.router) as router:
+            picker = Picker(router.state)
+            ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+            checks = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+            checks.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+            await server.start()
+            mirror = asyncio.create_task(_mirror_readiness(router.state, checks))
             try:
-                port = server.add_insecure_port(address)
-            except RuntimeError:  # grpc says only that it failed to bind: the usual cause, said so
-                port = 0
-            if port == 0:
-                raise OSError(errno.EADDRINUSE, "the address is already in use")
-        await server.start()
-        mirror = asyncio.create_task(_mirror_readiness(router.state, checks))
+                yield RunningEpp(router, port, picker)
+            finally:
+                mirror.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await mirror
+                await server.stop(STOP_GRACE_S)  # before the router: streams in flight close their bookings
+    finally:
+        await server.stop(None)
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    with listening("the endpoint picker's gRPC", address, "--grpc-port (or --grpc-host)"):
         try:
-            yield RunningEpp(router, port, picker)
-        finally:
-            mirror.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await mirror
-            await server.stop(STOP_GRACE_S)
+            port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc says only that it failed to bind: the usual cause, said so
+            port = 0
+        if port == 0:
+            raise OSError(errno.EADDRINUSE, "the address is already in use")
+    return port
 
 
 async def _mirror_readiness(state: RouterState, checks: health.HealthServicer) -> None:

@@ -111,7 +111,9 @@ class EnvoyStream:
             answer = await self._read()
             if answer.HasField("immediate_response"):
                 return self._pick([answer])
-        chunks = [raw[i : i + chunk_size] for i in range(0, len(raw), chunk_size)] if chunk_size else [raw]
+        # Buffered, Envoy sends the whole body once; streamed, in the chunks it reads.
+        streamed = chunk_size and self._mode == "duplex"
+        chunks = [raw[i : i + chunk_size] for i in range(0, len(raw), chunk_size)] if streamed else [raw]
         for i, chunk in enumerate(chunks):
             end = i == len(chunks) - 1
             await self._send(ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=chunk, end_of_stream=end)))
@@ -141,16 +143,22 @@ class EnvoyStream:
 
     async def reply(self, status: int, chunks: list[bytes], served: str | None = None) -> list[bytes]:
         """The worker's reply through the stream; what the picker sent back of its body."""
+        await self.reply_headers(status, served, end=not chunks)
+        return await self.reply_body(chunks)
+
+    async def reply_headers(self, status: int, served: str | None = None, end: bool = False) -> None:
+        """The reply's headers (with the endpoint that served, when given)."""
         headers = ext_proc.ProcessingRequest(
-            response_headers=ext_proc.HttpHeaders(
-                headers=_header_map({":status": str(status)}), end_of_stream=not chunks
-            )
+            response_headers=ext_proc.HttpHeaders(headers=_header_map({":status": str(status)}), end_of_stream=end)
         )
         if served is not None:
             headers.metadata_context.CopyFrom(_metadata("envoy.lb", "x-gateway-destination-endpoint-served", served))
         await self._send(headers)
         await self._read()
-        if self._mode == "headers":
+
+    async def reply_body(self, chunks: list[bytes]) -> list[bytes]:
+        """The reply's body; what the picker sent back of it."""
+        if self._mode == "headers" or not chunks:
             return []  # no body is sent to the picker in that mode
         if self._mode == "buffered":
             chunks = [b"".join(chunks)]  # Envoy buffers the whole body, then sends it once

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.epp.server import RunningEpp
 from router.epp.wire import endpoint_of
-from tests.support import SimFleet, wait_until
+from tests.support import SimFleet, wait_for_workers, wait_until
 from tests.support.envoy import EnvoyStream, relay
-from tests.support.router import PREFIX, wait_indexed
+from tests.support.router import PREFIX, start_router, wait_indexed
 
 COMPLETIONS = "/v1/completions"
 
@@ -40,8 +40,8 @@ async def _released(epp: RunningEpp) -> None:
     await wait_until(none_booked, 5)
 
 
-async def _debug_route(epp: RunningEpp, body: dict) -> str:
-    async with aiohttp.ClientSession() as session, session.post(epp.router.url + "/debug/route", json=body) as reply:
+async def _debug_route(url: str, body: dict) -> str:
+    async with aiohttp.ClientSession() as session, session.post(url + "/debug/route", json=body) as reply:
         return (await reply.json())["chosen"]
 
 
@@ -70,20 +70,32 @@ async def test_a_pick_names_the_worker_holding_the_prefix_and_the_reply_closes_i
     assert metrics.predicted_cached_tokens.labels("tiny")._value.get() >= 480  # the replies' usage was read
 
 
-async def test_picks_equal_the_http_routers_decisions(epp, channel, fleet: SimFleet):
-    """Request by request, the picker's choice is the HTTP router's /debug/route for the same prompt."""
-    async with aiohttp.ClientSession() as session:
-        async with EnvoyStream(channel) as stream:
-            pick = await stream.request(COMPLETIONS, _body([*PREFIX, 1]))
-            await relay(stream, session, pick.endpoints[0], COMPLETIONS, _body([*PREFIX, 1]))
-        await wait_indexed(epp.router, PREFIX)
-        prompts = [[*PREFIX, 9], [*PREFIX[:32], 7, 7], [(i * 7) % 1900 + 3 for i in range(200)], [5, 6, 7]]
-        for prompt in prompts:
-            expected = await _debug_route(epp, _body(prompt))
+async def test_picks_equal_the_http_routers_decisions(epp, channel, fleet: SimFleet, redis_server):
+    """Request by request, the picker's choice is the HTTP router's decision for the same prompt
+    (/debug/route: the decision without sending it) on the same replica's state; and another
+    replica sharing the Redis sends a prompt whose prefix one worker holds where the picker does
+    (replicas differ where they learned differently: ties among equally good workers)."""
+    context, router = await start_router(redis_server.url)
+    try:
+        await wait_for_workers(router, fleet.count)
+        async with aiohttp.ClientSession() as session:
             async with EnvoyStream(channel) as stream:
-                pick = await stream.request(COMPLETIONS, _body(prompt))
-                assert _worker_of(epp, pick.endpoints[0]) == expected, prompt
-                await relay(stream, session, pick.endpoints[0], COMPLETIONS, _body(prompt))
+                pick = await stream.request(COMPLETIONS, _body([*PREFIX, 1]))
+                await relay(stream, session, pick.endpoints[0], COMPLETIONS, _body([*PREFIX, 1]))
+            await wait_indexed(router, PREFIX)
+            prompts = [[*PREFIX, 9], [*PREFIX[:32], 7, 7], [(i * 7) % 1900 + 3 for i in range(200)], [5, 6, 7]]
+            for prompt in prompts:
+                await _released(epp)
+                expected = await _debug_route(epp.router.url, _body(prompt))
+                elsewhere = await _debug_route(router.url, _body(prompt))
+                async with EnvoyStream(channel) as stream:
+                    pick = await stream.request(COMPLETIONS, _body(prompt))
+                    picked = _worker_of(epp, pick.endpoints[0])
+                    assert picked == expected, prompt
+                    assert picked == elsewhere or prompt[:16] != PREFIX[:16], prompt
+                    await relay(stream, session, pick.endpoints[0], COMPLETIONS, _body(prompt))
+    finally:
+        await context.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
 
 async def test_a_header_only_pick_uses_the_model_header(epp, channel):
@@ -132,10 +144,10 @@ async def test_a_fallback_that_served_takes_the_booking(epp, channel):
         first, second = pick.endpoints[0], pick.endpoints[1]
         async with session.post(f"http://{second}{COMPLETIONS}", json=_body([7, 8, 9] * 40)) as response:
             chunks = [chunk async for chunk in response.content.iter_any()]
-            await stream.reply(response.status, [], served=second)
+            await stream.reply_headers(response.status, served=second)
             assert set(_booked(epp)) == {_worker_of(epp, second)} != {_worker_of(epp, first)}
+            await stream.reply_body(chunks)
     await _released(epp)
-    assert chunks
 
 
 async def test_grpc_health_serves_liveness_and_readiness(epp, channel):
