@@ -124,7 +124,7 @@ def _multi_turn_bodies(kind: str, count: int, seed: int) -> list[bytes]:
     return out
 
 
-def _cpu_s(pids: list[int]) -> float:
+def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of ``pids`` and their children so far (Linux /proc), 0 elsewhere."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     total = 0.0
@@ -136,7 +136,7 @@ def _cpu_s(pids: list[int]) -> float:
         total += sum(int(f) for f in fields[11:13]) / ticks  # utime, stime
         children = Path(f"/proc/{pid}/task/{pid}/children")
         if children.exists():
-            total += _cpu_s([int(c) for c in children.read_text().split()])
+            total += cpu_s([int(c) for c in children.read_text().split()])
     return total
 
 
@@ -170,7 +170,7 @@ def _short_request(text: bool, i: int, n: int) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 1}
 
 
-def _bodies(kind: str, count: int, seed: int = 5) -> list[bytes]:
+def token_bodies(kind: str, count: int, seed: int = 5) -> list[bytes]:
     rng = random.Random(seed)
     shared = [rng.randrange(10, 2000) for _ in range(6000)]
     words = ["cache", "block", "router", "prefix", "token", "engine", "worker", "index"]
@@ -214,9 +214,9 @@ async def _measure(
         rate = MULTI_TURN_RATE if kind in ("chat", "turns") else args.rate
         warm, bodies = _latency_bodies(kind, args.requests)
         await _open_loop(session, url + path, warm, rate)
-        cpu = _cpu_s(pids or [])
+        cpu = cpu_s(pids or [])
         routed = await _open_loop(session, url + path, bodies, rate)
-        cpu = _cpu_s(pids or []) - cpu
+        cpu = cpu_s(pids or []) - cpu
         plain = await _open_loop(session, direct + path, bodies, rate)
         results[f"{name}:{kind}"] = {
             "direct_p50_ms": round(1000 * statistics.median(plain), 3),
@@ -235,7 +235,7 @@ def _latency_bodies(kind: str, count: int) -> tuple[list[bytes], list[bytes]]:
     the measured ones find only their own earlier turns remembered."""
     if kind in ("chat", "turns"):
         return _multi_turn_bodies(kind, 50, seed=1), _multi_turn_bodies(kind, count, seed=2)
-    bodies = _bodies(kind, count)
+    bodies = token_bodies(kind, count)
     return bodies[:50], bodies
 
 
@@ -249,9 +249,9 @@ async def _max_rps(
     pids: list[int] | None = None,
 ) -> None:
     urls = [url + "/v1/completions"]
-    cpu = _cpu_s(pids or [])
+    cpu = cpu_s(pids or [])
     done, took = await closed_loop(session, urls, args.seconds, args.concurrency, partial(_short_request, text))
-    cpu = _cpu_s(pids or []) - cpu
+    cpu = cpu_s(pids or []) - cpu
     kind = "text" if text else "ids"
     results[f"{name}:max_rps_{kind}"] = round(done / took, 1)
     if pids and done:

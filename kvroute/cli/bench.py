@@ -41,6 +41,14 @@ def add_parser(commands: Any) -> None:
     _soak_flags(benchmark("soak", "the whole stack under a steady chat load for N minutes, memory sampled"))
     _hybrid_flags(benchmark("hybrid", "what a hybrid model's decision reads beside the match (its window blocks)"))
     _path_flags(benchmark("path", "the router's files one completion passes through, and its returns to them"))
+    _epp_flags(benchmark("epp", "how fast one kvroute epp process picks: ext_proc round latency and picks/s"))
+
+
+def _epp_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kinds", type=lambda t: t.split(","), default=["ids8k", "text2k"], help="ids8k,text2k (both)")
+    p.add_argument("--requests", type=positive_int, default=300, help="rounds timed per kind, one at a time (300)")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="streams at once for picks/s (16)")
+    p.add_argument("--seconds", type=positive_int, default=5, help="how long picks/s is measured (5)")
 
 
 def _path_flags(p: argparse.ArgumentParser) -> None:
