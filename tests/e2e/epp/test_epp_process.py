@@ -4,11 +4,15 @@ ext_proc from its own process (what a Kubernetes probe and Envoy reach)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
+import aiohttp
 import grpc
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.devstack.embedded_redis import RedisServer, free_port
@@ -34,8 +38,8 @@ def test_a_grpc_port_in_use_is_one_line(redis_server: RedisServer):
     assert f"cannot listen on 127.0.0.1:{port} for the endpoint picker's gRPC" in one_line(result, 2)
 
 
-def _start(command: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 async def test_the_picker_process_serves_grpc_health(redis_server: RedisServer):
@@ -56,6 +60,78 @@ async def test_the_picker_process_serves_grpc_health(redis_server: RedisServer):
                 return reply.status == health_pb2.HealthCheckResponse.SERVING
 
             await wait_until(ready, 30)
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 10)
+    assert process.returncode == 0
+
+
+def _manifest_container(name: str) -> dict:
+    for document in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / f"{name}.yaml").read_text()):
+        if document and document["kind"] == "Deployment":
+            return document["spec"]["template"]["spec"]["containers"][0]
+    raise AssertionError(f"no Deployment in deploy/kubernetes/{name}.yaml")
+
+
+def _as_in_the_manifest(name: str, redis_url: str, tmp_path: Path, ports: dict[str, int]) -> tuple[list[str], dict]:
+    """The container's command, arguments and environment, pointed at a private Redis and free ports."""
+    container = _manifest_container(name)
+    words = [*container["command"], *container["args"]]
+    for flag, port in ports.items():
+        words[words.index(flag) + 1] = str(port)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    for variable in container["env"]:
+        value = variable.get("value", "a-pod")
+        if variable["name"].endswith("_FILE"):
+            (tmp_path / variable["name"]).write_text("a-secret\n")
+            value = str(tmp_path / variable["name"])
+        env[variable["name"]] = value
+    env["KVROUTE_REDIS_URL"] = redis_url  # a private server without users: no password
+    del env["KVROUTE_REDIS_PASSWORD_FILE"]
+    return [sys.executable, "-m", *words], env
+
+
+async def test_the_picker_starts_with_the_manifests_arguments(redis_server: RedisServer, tmp_path):
+    grpc_port = free_port()
+    command, env = _as_in_the_manifest("epp", redis_server.url, tmp_path, {"--grpc-port": grpc_port, "--port": 0})
+    process = _start(command, env)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            async def serving() -> bool:
+                assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1)
+                except grpc.aio.AioRpcError:
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            await wait_until(serving, 30)
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 10)
+    assert process.returncode == 0
+
+
+async def test_the_router_starts_with_the_manifests_arguments(redis_server: RedisServer, tmp_path):
+    port = free_port()
+    command, env = _as_in_the_manifest("router", redis_server.url, tmp_path, {"--port": port})
+    process = _start(command, env)
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def healthy() -> bool:
+                assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as reply:
+                        return reply.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await wait_until(healthy, 30)
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={}) as reply:
+                assert reply.status == 401  # the API key file of the manifest is in force
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait, 10)
