@@ -71,6 +71,10 @@ class EnvoyStream:
             while await self._call.read() is not grpc.aio.EOF:
                 pass
 
+    async def status(self) -> grpc.StatusCode:
+        """How the stream ended (waits for its end)."""
+        return await self._call.code()
+
     def cancel(self) -> None:
         """The client went away: Envoy resets the stream."""
         self._call.cancel()
