@@ -11,7 +11,7 @@ from worker_agent.settings import add_arguments
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "agent",
-        help="bridge one vLLM engine's KV-cache events into the index",
+        help="bridge one engine's KV-cache events (vLLM, SGLang or TensorRT-LLM) into the index",
         description="Bridge one vLLM engine's KV-cache events into the shared index in Redis.",
     )
     add_arguments(parser)

@@ -9,6 +9,10 @@ from sim_engine.settings import add_arguments
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("sim-engine", help="run a simulated vLLM engine", description=DESCRIPTION)
+    parser = commands.add_parser(
+        "sim-engine",
+        help="run a simulated engine (vLLM's API and KV events; SGLang's or TensorRT-LLM's with --engine-kind)",
+        description=DESCRIPTION,
+    )
     add_arguments(parser)
     parser.set_defaults(handler=lambda args: run_from_args(args, parser))

@@ -38,6 +38,22 @@ def test_a_grpc_port_in_use_is_one_line(redis_server: RedisServer):
     assert f"cannot listen on 127.0.0.1:{port} for the endpoint picker's gRPC" in one_line(result, 2)
 
 
+async def _until_serving(process: subprocess.Popen[bytes], port: int, service: str) -> None:
+    """Until the picker process's gRPC health says ``service`` is serving (failing if it exits)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        async def serving() -> bool:
+            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+            except grpc.aio.AioRpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        await wait_until(serving, 30)
+
+
 def _start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -48,18 +64,7 @@ async def test_the_picker_process_serves_grpc_health(redis_server: RedisServer):
     command += ["--grpc-host", "127.0.0.1", "--grpc-port", str(port)]
     process = _start(command)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-
-            async def ready() -> bool:
-                assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
-                except grpc.aio.AioRpcError:
-                    return False
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-            await wait_until(ready, 30)
+        await _until_serving(process, port, "readiness")
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait, 10)
@@ -96,18 +101,7 @@ async def test_the_picker_starts_with_the_manifests_arguments(redis_server: Redi
     command, env = _as_in_the_manifest("epp", redis_server.url, tmp_path, {"--grpc-port": grpc_port, "--port": 0})
     process = _start(command, env)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-
-            async def serving() -> bool:
-                assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1)
-                except grpc.aio.AioRpcError:
-                    return False
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-            await wait_until(serving, 30)
+        await _until_serving(process, grpc_port, "liveness")
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait, 10)
