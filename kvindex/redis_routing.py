@@ -41,12 +41,12 @@ class RedisRoutingIndex:
         checkpoints: Sequence[int] = (),
         carrier: LoadCarrier | None = None,
     ) -> IndexView:
-        calls = self.index.match_calls(model, list(chain))
+        calls = self.index.match_calls(model, chain)
         if self.shared.alone(model):
             # No other replica books load or expects prefixes here (a replica that starts is
             # seen at this one's next renewal): the index is all there is to read.
             replies = await self._call_carrying(calls, carrier)
-            return IndexView(await self.index.match_result(model, list(chain), replies), {}, {})
+            return IndexView(await self.index.match_result(model, chain, replies), {}, {})
         *replies, totals_reply, expected_reply = await self._call_carrying(
             [
                 *calls,
@@ -58,7 +58,7 @@ class RedisRoutingIndex:
         for reply in (totals_reply, expected_reply):
             if isinstance(reply, Exception):
                 raise reply
-        matches = await self.index.match_result(model, list(chain), replies)
+        matches = await self.index.match_result(model, chain, replies)
         expected_depth: dict[str, int] = defaultdict(int)
         for depth, worker_id in zip(checkpoints, parse_expected(expected_reply), strict=True):
             if worker_id is not None:

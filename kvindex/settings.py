@@ -277,17 +277,6 @@ def add_redis_security_arguments(parser: argparse.ArgumentParser | argparse._Arg
     add_declared(parser, RedisSettings, only=_SECURITY_FLAGS)
 
 
-def redis_security_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """The flags of :func:`add_redis_security_arguments` as ``RedisSettings.from_env`` overrides."""
-    return {
-        "read_from_replicas": getattr(args, "read_from_replicas", None) or None,
-        "password_file": getattr(args, "redis_password_file", None),
-        "tls_ca": getattr(args, "redis_tls_ca", None),
-        "tls_cert": getattr(args, "redis_tls_cert", None),
-        "tls_key": getattr(args, "redis_tls_key", None),
-    }
-
-
 def export_redis_security_arguments(
     args: argparse.Namespace, env: os._Environ[str] | dict[str, str] = os.environ
 ) -> None:

@@ -78,7 +78,7 @@ class Declared:
 
     @property
     def env(self) -> str:
-        return self.variable or DEFAULT_PREFIX + self.flag[2:].replace("-", "_").upper()
+        return self.variable or DEFAULT_PREFIX + self.dest.upper()
 
     @property
     def dest(self) -> str:
@@ -123,7 +123,7 @@ def _declared(cls: type, f: dataclasses.Field[Any]) -> Declared:
     if declared.variable:
         return declared
     prefix = getattr(cls, "VARIABLE_PREFIX", DEFAULT_PREFIX)
-    return dataclasses.replace(declared, variable=prefix + declared.flag[2:].replace("-", "_").upper())
+    return dataclasses.replace(declared, variable=prefix + declared.dest.upper())
 
 
 def add_declared(

@@ -7,11 +7,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvservice.declared import add_declared, read_declared, setting
+from kvservice.declared import setting
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("text", "json")
@@ -51,16 +49,6 @@ class LogSettings:
             raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, not {self.level!r}")
         if self.format not in FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(FORMATS)}, not {self.format!r}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> LogSettings:
-        return read_declared(cls, args, os.environ)
-
-
-def add_log_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--log-level`` and ``--log-format`` (else KVROUTE_LOG_LEVEL / KVROUTE_LOG_FORMAT), declared
-    on :class:`LogSettings`, which checks a variable's value as it checks a flag's."""
-    add_declared(parser, LogSettings)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

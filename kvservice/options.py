@@ -1,6 +1,7 @@
-"""A setting from its flag, else its ``KVROUTE_*`` variable, else its default: the rule every
-kvroute command follows, written once. A malformed variable is a ValueError that names the
-variable (not the flag: the user set the variable), in one line.
+"""The pieces of a setting's reading that every command shares: a switch's words, a typed value's
+one-line error, a parser whose mistakes are one line, an error that names the variable a value came
+from. The rule itself (a flag, else its ``KVROUTE_*`` variable, else its default) is
+:mod:`kvservice.declared`'s.
 """
 
 from __future__ import annotations
@@ -8,12 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
-from enum import StrEnum
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Mapping
+from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
-E = TypeVar("E", bound=StrEnum)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -35,43 +34,6 @@ def parse_as(kind: Callable[[str], T], variable: str, text: str) -> T:
     except ValueError:
         what = {int: "an integer", float: "a number"}.get(kind, "valid")  # type: ignore[call-overload]
         raise ValueError(f"{variable} must be {what}, got {text!r}") from None
-
-
-def flag_or_env(
-    args: argparse.Namespace,
-    env: Mapping[str, str],
-    settings: Iterable[tuple[str, str, Callable[[str, str], Any]]],
-) -> dict[str, Any]:
-    """For each ``(name, variable, parse)``: the flag ``args.<name>`` when given, else
-    ``parse(variable, env[variable])`` when the variable is set and not empty; settings given by
-    neither are left out (their default applies)."""
-    values: dict[str, Any] = {}
-    for name, variable, parse in settings:
-        flag = getattr(args, name, None)
-        if flag is not None:
-            values[name] = flag
-        elif env.get(variable):
-            values[name] = parse(variable, env[variable])
-    return values
-
-
-def typed(kind: Callable[[str], T]) -> Callable[[str, str], T]:
-    """A ``parse`` for :func:`flag_or_env` of a plain type."""
-    return lambda variable, text: parse_as(kind, variable, text)
-
-
-def choice(kind: type[E]) -> Callable[[str, str], E]:
-    """A ``parse`` for :func:`flag_or_env` of one of an enum's values (any case), a ValueError
-    naming the variable and the values otherwise."""
-
-    def parse(variable: str, text: str) -> E:
-        try:
-            return kind(text.strip().lower())
-        except ValueError:
-            names = ", ".join(m.value for m in kind)
-            raise ValueError(f"{variable} must be one of {names}, got {text!r}") from None
-
-    return parse
 
 
 class Parser(argparse.ArgumentParser):

@@ -22,7 +22,7 @@ from kvindex.hashing import sequence_hashes
 from kvindex.keys import KeySchema
 from kvindex.pages import PAGE_BLOCKS, pages_of
 from kvindex.redis_index import RedisIndex
-from kvindex.settings import RedisSettings, add_redis_arguments, redact_url, redis_security_overrides
+from kvindex.settings import RedisSettings, add_redis_arguments, redact_url
 from kvindex.types import WorkerRecord
 from kvroute.bench.common import text_table
 from kvroute.cli.argtypes import DefaultsShown, positive_int, token_ids
@@ -110,7 +110,7 @@ def _emit(args: argparse.Namespace, data: Any, table: Callable[[Any], str]) -> i
 def _settings(args: argparse.Namespace) -> RedisSettings:
     """The flags over KVROUTE_REDIS_URL / KVROUTE_PREFIX, checked as every kvroute process checks them."""
     try:
-        return RedisSettings.from_env(None, url=args.redis_url, prefix=args.prefix, **redis_security_overrides(args))
+        return RedisSettings.from_args(args)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
